@@ -1,0 +1,89 @@
+"""pitstop: frequent, cheap, exact checkpoints for PyTorch training.
+
+::
+
+    import pitstop
+    ckpt = pitstop.CheckpointManager("ckpts", keep_last=3)
+    state = {"model": model, "optimizer": opt, "rng": pitstop.RNGState()}
+    start = ckpt.restore(state)            # newest valid step, loaded in place; None if none
+    ckpt.async_save(step, state)           # stalls only for a memory copy
+    ckpt.save(step, state)                 # durable and committed when it returns
+
+Names that need torch are imported on first use, so ``pitstop.errors``,
+``pitstop.format`` and the CLI's torch-free commands work without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pitstop.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIOError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    ManifestError,
+    MissingExtraError,
+    NotACheckpointError,
+    PickleRefusedError,
+    StateMismatchError,
+    UnsafePathError,
+    UnsupportedValueError,
+)
+from pitstop.options import IOOptions, SaveOptions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointIOError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "IOOptions",
+    "ManifestError",
+    "MissingExtraError",
+    "NotACheckpointError",
+    "PickleRefusedError",
+    "RNGState",
+    "SaveHandle",
+    "SaveOptions",
+    "StateMismatchError",
+    "UnsafePathError",
+    "UnsupportedValueError",
+    "__version__",
+    "load",
+    "save",
+]
+
+_LAZY = {
+    "CheckpointManager": "pitstop.manager",
+    "RNGState": "pitstop.state.rng",
+    "SaveHandle": "pitstop.engine.handle",
+    "load": "pitstop.oneshot",
+    "save": "pitstop.oneshot",
+}
+
+if TYPE_CHECKING:
+    from pitstop.engine.handle import SaveHandle
+    from pitstop.manager import CheckpointManager
+    from pitstop.oneshot import load, save
+    from pitstop.state.rng import RNGState
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pitstop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,293 @@
+"""The two-phase save pipeline: plan -> stage -> persist -> commit, with bounded memory.
+
+Call sequence (training thread)::
+
+    saver = Saver(storage, options, on_commit=...)
+    handle = saver.async_save(step, state)   # returns once the eager part is copied
+    ...                                      # training goes on; optimizer.step() waits
+    handle.wait() / saver.wait_all()         #   for the deferred copy via a pre-hook
+    saver.close()
+
+Threads: ``pitstop-stage`` finishes deferred CPU copies; ``pitstop-persist``
+writes, commits and runs ``on_commit`` (retention) for one save at a time, in
+step order; ``pitstop-io`` threads write the extents of a file in parallel.
+Memory: at most ``max_in_flight`` arenas exist; a save that finds them all busy
+waits for the oldest persist to finish. Arenas are reused across saves (and
+borrowed by restore), never allocated per save.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pitstop.engine.handle import SaveHandle
+from pitstop.engine.persist import encode_objects, manifest_for, persist
+from pitstop.engine.plan import PlanCache, SavePlan
+from pitstop.engine.stage import StageJob, arena_tensor, pin_arena, stage, unpin_arena
+from pitstop.errors import CheckpointError, CheckpointExistsError
+from pitstop.format.checksum import default_algorithm
+from pitstop.format.names import step_dir_name
+from pitstop.io.arena import Arena
+from pitstop.log import get_logger
+from pitstop.options import SaveOptions
+from pitstop.state.tree import Flat, flatten
+from pitstop.storage.base import Storage
+
+__all__ = ["Saver"]
+
+_log = get_logger("pitstop.engine")
+
+
+class Saver:
+    """Owns the arenas, the plan cache, the optimizer hooks and the background threads."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        options: SaveOptions,
+        *,
+        on_commit: Callable[[int], None] | None = None,
+        algorithm: str | None = None,
+    ) -> None:
+        self.storage = storage
+        self.options = options
+        self.algorithm = algorithm or default_algorithm()
+        self._on_commit = on_commit
+        self._plans = PlanCache()
+        self._cond = threading.Condition()
+        self._free: list[Arena] = []
+        self._arenas: list[Arena] = []
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._inflight: dict[int, SaveHandle] = {}
+        self._staging: list[StageJob] = []
+        self._unreported: list[SaveHandle] = []
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+        self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-stage")
+        self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-persist")
+        self.io_pool = ThreadPoolExecutor(options.io.threads, thread_name_prefix="pitstop-io")
+        self._closed = False
+        self.history: collections.deque[SaveHandle] = collections.deque(maxlen=256)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held by the arenas."""
+        with self._cond:
+            return sum(a.nbytes for a in self._arenas)
+
+    def async_save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        """Stage ``state`` for ``step`` and persist it in the background."""
+        t0 = time.perf_counter()
+        self._check_open()
+        self.raise_pending()
+        directory = step_dir_name(step)
+        handle = SaveHandle(step)
+        with self._cond:
+            if step in self._inflight:
+                raise CheckpointExistsError(f"step {step} is already being saved", step=step, phase="plan")
+            self._inflight[step] = handle
+        try:
+            job, flat, plan, arena = self._stage(handle, directory, state)
+        except BaseException:
+            with self._cond:
+                self._inflight.pop(step, None)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._staging.append(job)
+        handle.stats.stall_secs = time.perf_counter() - t0
+        handle.stats.nbytes = plan.file_bytes
+        self.history.append(handle)
+        self._persist_pool.submit(self._persist, handle, job, flat, plan, arena, directory, t0)
+        return handle
+
+    def _stage(
+        self, handle: SaveHandle, directory: str, state: Mapping[str, Any]
+    ) -> tuple[StageJob, Flat, SavePlan, Arena]:
+        step = handle.step
+        if self.storage.has_manifest(directory):
+            raise CheckpointExistsError(
+                f"step {step} is already committed; committed checkpoints are never rewritten",
+                step=step, path=f"{self.storage.url}/{directory}", phase="plan",
+            )  # fmt: skip
+        flat = flatten(state, allow_pickle=self.options.allow_pickle)
+        deferrable = flat.deferrable if self.options.overlap else set()
+        plan = self._plans.get(flat.tensors, deferrable, self.options.io.chunk_bytes)
+        arena = self._acquire_arena(plan.file_bytes)
+        try:
+            buffer = self._buffers[id(arena)]
+            if any(t.is_cuda for t in flat.tensors.values()):
+                pin_arena(arena, buffer)
+            self._hook_optimizers(flat.optimizers)
+            job = stage(flat, plan, buffer, overlap=self.options.overlap, copier=self._stage_pool)
+        except BaseException:
+            self._release_arena(arena)
+            raise
+        return job, flat, plan, arena
+
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        """Durable and committed when it returns: ``async_save(...).wait()``."""
+        handle = self.async_save(step, state)
+        handle.wait()
+        return handle
+
+    def wait_all(self) -> None:
+        """Wait for every save in flight; raise the first unreported error."""
+        with self._cond:
+            handles = list(self._inflight.values())
+        for h in handles:
+            h._finished.wait()
+        self.raise_pending()
+
+    def raise_pending(self) -> None:
+        """Raise the error of a failed background save that nobody has seen yet."""
+        with self._cond:
+            pending, self._unreported = self._unreported, []
+        for h in pending:
+            err = h.take_error()
+            if err is not None:
+                raise err
+
+    @contextmanager
+    def borrow_buffer(self, nbytes: int) -> Iterator[tuple[memoryview, torch.Tensor]]:
+        """An arena of at least ``nbytes`` for a restore; it stays for later saves."""
+        self._check_open()
+        arena = self._acquire_arena(nbytes)
+        try:
+            yield arena.view, self._buffers[id(arena)]
+        finally:
+            self._release_arena(arena)
+
+    def close(self) -> None:
+        """Wait for saves in flight, unhook optimizers, free arenas. Raises a pending error."""
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+        finally:
+            self._closed = True
+            for hook in list(self._hooks.values()):
+                hook.remove()
+            self._hooks.clear()
+            self._persist_pool.shutdown(wait=True)
+            self._stage_pool.shutdown(wait=True)
+            self.io_pool.shutdown(wait=True)
+            with self._cond:
+                for arena in self._arenas:
+                    unpin_arena(arena, self._buffers[id(arena)])
+                    arena.close()
+                self._arenas.clear()
+                self._free.clear()
+                self._buffers.clear()
+
+    # ------------------------------------------------------------------ arenas
+    def _acquire_arena(self, nbytes: int) -> Arena:
+        with self._cond:
+            while True:
+                self._check_open()
+                fit = [a for a in self._free if nbytes <= a.nbytes <= 2 * max(nbytes, 1 << 20)]
+                if fit:
+                    arena = fit[0]
+                    self._free.remove(arena)
+                    break
+                if len(self._arenas) < self.options.max_in_flight or self._free:
+                    if len(self._arenas) >= self.options.max_in_flight:
+                        self._drop_arena(self._free.pop(0))  # wrong size: replace it
+                    arena = Arena(nbytes)
+                    self._arenas.append(arena)
+                    self._buffers[id(arena)] = arena_tensor(arena)
+                    break
+                self._cond.wait()
+        return arena
+
+    def _drop_arena(self, arena: Arena) -> None:
+        self._arenas.remove(arena)
+        buffer = self._buffers.pop(id(arena))
+        unpin_arena(arena, buffer)
+        del buffer
+        arena.close()
+
+    def _release_arena(self, arena: Arena) -> None:
+        with self._cond:
+            self._free.append(arena)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ hooks
+    def _hook_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            if opt not in self._hooks:
+                self._hooks[opt] = opt.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """Optimizer step pre-hook (training thread): the snapshot must see this step's state."""
+        with self._cond:
+            jobs = list(self._staging)
+        for job in jobs:
+            job.wait_for_optimizer()
+        with self._cond:
+            self._staging = [j for j in self._staging if not j.copied]
+
+    # ------------------------------------------------------------------ persist thread
+    def _persist(
+        self, handle: SaveHandle, job: StageJob, flat: Flat, plan: SavePlan, arena: Arena, directory: str, t0: float
+    ) -> None:
+        error: BaseException | None = None
+        try:
+            job.wait_copied()
+            handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
+            handle._set_staged()
+            with self._cond:
+                self._staging = [j for j in self._staging if j is not job]
+            t1 = time.perf_counter()
+            objects = encode_objects(flat.tree, rank=0)
+            result = persist(
+                self.storage, directory, plan, arena.view, objects, algorithm=self.algorithm, pool=self.io_pool
+            )
+            manifest = manifest_for(
+                handle.step, [result], algorithm=self.algorithm, segment_bytes=plan.segment_bytes, world_size=1
+            )
+            self.storage.commit(directory, manifest.dumps())
+            stats = handle.stats
+            stats.nbytes, stats.direct_io = result.nbytes, result.direct
+            stats.persist_secs = time.perf_counter() - t1
+            stats.total_secs = time.perf_counter() - t0
+            _log.info(
+                "checkpoint step=%d bytes=%d stall=%.3fs persist=%.3fs write=%.2fGB/s direct=%s",
+                handle.step, stats.nbytes, stats.stall_secs, stats.persist_secs, stats.write_gbps, stats.direct_io,
+            )  # fmt: skip
+        except BaseException as e:
+            error = e
+            self._discard_debris(directory)
+        finally:
+            self._release_arena(arena)
+        if error is None and self._on_commit is not None:
+            try:
+                self._on_commit(handle.step)
+            except CheckpointError as e:
+                _log.warning("retention after step %d failed: %s", handle.step, e)
+        with self._cond:
+            self._inflight.pop(handle.step, None)
+            if error is not None:
+                self._unreported.append(handle)
+            self._cond.notify_all()
+        handle._finish(error)
+
+    def _discard_debris(self, directory: str) -> None:
+        try:
+            if not self.storage.has_manifest(directory):
+                self.storage.remove(directory)
+        except Exception as e:  # the original error matters more; gc removes debris later
+            _log.warning("could not remove debris of %s: %s", directory, e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("the checkpoint manager is closed")

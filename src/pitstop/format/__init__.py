@@ -1,0 +1,1 @@
+"""Layer 1: the on-disk format as pure data (names, manifest, checksums, tensor codec)."""

@@ -1,0 +1,262 @@
+"""Parallel positional I/O between an aligned buffer and one file, O_DIRECT where allowed.
+
+The buffer is laid out exactly as the file, so byte ``i`` of the buffer is byte
+``i`` of the file and there is no serialization pass. The file is cut into
+*extents* (aligned, at most about ``chunk_bytes`` each); worker threads of a
+shared pool write or read disjoint extents with ``pwrite``/``preadv``, which
+release the GIL, and call ``on_extent`` for each one (the engine hashes the
+extent's checksum segments there, so hashing runs in parallel with I/O).
+
+O_DIRECT bypasses the page cache; it needs aligned addresses, offsets and
+lengths, which the arena and the 4 KiB layout give. Where a file system
+refuses O_DIRECT (tmpfs, some network file systems) the file is written with
+buffered I/O and fsync instead, and the fallback is logged once per device.
+
+Call sequence: the engine's persist thread calls :func:`write_file` (or the
+restore path :func:`read_file`) once per file; the pool's threads run the
+extents. Nothing here is called from the training thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+from pitstop.errors import CheckpointIOError
+from pitstop.faults import killpoint
+from pitstop.log import get_logger
+from pitstop.options import ALIGN_BYTES, DirectMode
+
+__all__ = ["Extent", "IOResult", "plan_extents", "read_file", "write_file"]
+
+_log = get_logger("pitstop.io")
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_warned_devices: set[int] = set()
+_warn_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes [start, end) of a file and of its buffer, plus the segments hashed in it.
+
+    ``segments`` are (start, length, tag) triples lying inside the extent; the
+    tag lets the caller put each checksum where it belongs.
+    """
+
+    start: int
+    end: int
+    segments: tuple[tuple[int, int, object], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class IOResult:
+    nbytes: int
+    secs: float
+    direct: bool
+
+
+def plan_extents(
+    segments: Sequence[tuple[int, int, object]], file_bytes: int, chunk_bytes: int
+) -> list[Extent]:
+    """Pack sorted, non-overlapping segments into extents that tile [0, file_bytes).
+
+    An extent grows until adding the next segment would take it past
+    ``chunk_bytes``; extent boundaries are 4 KiB-aligned, so every extent is a
+    valid O_DIRECT request. Gaps (alignment padding) belong to the extent before.
+    """
+    extents: list[Extent] = []
+    start, group = 0, []
+    for seg in sorted(segments, key=lambda s: s[0]):
+        seg_start = seg[0]
+        if group and seg_start + seg[1] - start > chunk_bytes:
+            cut = seg_start - seg_start % ALIGN_BYTES
+            if cut > start:
+                extents.append(Extent(start, cut, tuple(group)))
+                start, group = cut, []
+        group.append(seg)
+    if start < file_bytes or group:
+        extents.append(Extent(start, max(file_bytes, start), tuple(group)))
+    return extents
+
+
+def _open(path: str, flags: int, direct: bool) -> int:
+    return os.open(path, flags | (_O_DIRECT if direct else 0), 0o644)
+
+
+def _note_fallback(path: str, err: OSError) -> None:
+    try:
+        dev = os.stat(os.path.dirname(path) or ".").st_dev
+    except OSError:
+        dev = -1
+    with _warn_lock:
+        if dev in _warned_devices:
+            return
+        _warned_devices.add(dev)
+    _log.warning("O_DIRECT refused for %s (%s); using buffered I/O + fsync on this file system", path, err.strerror)
+
+
+def _want_direct(mode: DirectMode) -> bool:
+    return mode != "off" and _O_DIRECT != 0
+
+
+def _run_extents(
+    pool: Executor, extents: Sequence[Extent], job: Callable[[Extent], None], *, midpoint: str | None
+) -> None:
+    """Run ``job`` on every extent in the pool; wait for all; raise the first error."""
+    done_count = 0
+    count_lock = threading.Lock()
+    half = max(1, (len(extents) + 1) // 2)
+
+    def run(extent: Extent) -> None:
+        nonlocal done_count
+        job(extent)
+        if midpoint is not None:
+            with count_lock:
+                done_count += 1
+                reached = done_count == half
+            if reached:
+                killpoint(midpoint)
+
+    futures: list[Future[None]] = [pool.submit(run, e) for e in extents]
+    first: BaseException | None = None
+    for f in futures:  # wait for every one: no thread may still use the fd after close
+        exc = f.exception()
+        if exc is not None and first is None:
+            first = exc
+    if first is not None:
+        raise first
+
+
+def _io_error(e: OSError, path: str, phase: str) -> CheckpointIOError:
+    return CheckpointIOError(
+        f"{phase} failed on {os.path.basename(path)}: {e.strerror or e}", errno=e.errno, path=path, phase=phase
+    )
+
+
+def write_file(
+    path: str,
+    view: memoryview,
+    extents: Sequence[Extent],
+    *,
+    pool: Executor,
+    direct: DirectMode = "auto",
+    fsync: bool = True,
+    on_extent: Callable[[Extent], None] | None = None,
+) -> IOResult:
+    """Write ``view[e.start:e.end]`` at ``e.start`` for every extent, in parallel, then fsync."""
+    t0 = time.perf_counter()
+    use_direct = _want_direct(direct)
+    hashed: set[int] = set()
+    hash_lock = threading.Lock()
+
+    def hash_once(extent: Extent) -> None:
+        # on a fallback the extents run again; their checksums are computed once
+        if on_extent is None:
+            return
+        with hash_lock:
+            if extent.start in hashed:
+                return
+            hashed.add(extent.start)
+        on_extent(extent)
+
+    try:
+        while True:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            try:
+                fd = _open(path, flags, use_direct)
+            except OSError as e:
+                if use_direct and e.errno == errno.EINVAL and direct == "auto":
+                    _note_fallback(path, e)
+                    use_direct = False
+                    continue
+                raise
+            try:
+
+                def job(extent: Extent, fd: int = fd) -> None:
+                    hash_once(extent)
+                    _pwrite_all(fd, view[extent.start : extent.end], extent.start)
+
+                _run_extents(pool, extents, job, midpoint="persist.mid")
+                if fsync:
+                    os.fsync(fd)
+            except OSError as e:
+                if use_direct and e.errno == errno.EINVAL and direct == "auto":
+                    _note_fallback(path, e)
+                    use_direct = False
+                    continue
+                raise
+            finally:
+                os.close(fd)
+            break
+    except OSError as e:
+        raise _io_error(e, path, "persist") from e
+    total = sum(e.nbytes for e in extents)
+    return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=use_direct)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:  # pragma: no cover - pwrite reports errors by raising
+            raise OSError(errno.EIO, "short write")
+        data, offset = data[n:], offset + n
+
+
+def read_file(
+    path: str,
+    view: memoryview,
+    extents: Sequence[Extent],
+    *,
+    pool: Executor,
+    direct: DirectMode = "auto",
+    on_extent: Callable[[Extent], None] | None = None,
+) -> IOResult:
+    """Read every extent of ``path`` into the same range of ``view``, in parallel."""
+    t0 = time.perf_counter()
+    use_direct = _want_direct(direct)
+    try:
+        while True:
+            try:
+                fd = _open(path, os.O_RDONLY, use_direct)
+            except OSError as e:
+                if use_direct and e.errno == errno.EINVAL and direct == "auto":
+                    use_direct = False
+                    continue
+                raise
+            try:
+
+                def job(extent: Extent, fd: int = fd) -> None:
+                    _pread_all(fd, view[extent.start : extent.end], extent.start, path)
+                    if on_extent is not None:
+                        on_extent(extent)
+
+                _run_extents(pool, extents, job, midpoint=None)
+            except OSError as e:
+                if use_direct and e.errno == errno.EINVAL and direct == "auto":
+                    use_direct = False
+                    continue
+                raise
+            finally:
+                os.close(fd)
+            break
+    except OSError as e:
+        raise _io_error(e, path, "restore") from e
+    total = sum(e.nbytes for e in extents)
+    return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=use_direct)
+
+
+def _pread_all(fd: int, out: memoryview, offset: int, path: str) -> None:
+    while out:
+        n = os.preadv(fd, [out], offset)
+        if n == 0:
+            raise OSError(errno.EIO, f"unexpected end of file at byte {offset}")
+        out, offset = out[n:], offset + n

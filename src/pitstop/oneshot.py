@@ -1,0 +1,55 @@
+"""``pitstop.save`` and ``pitstop.load``: one checkpoint, no manager to keep.
+
+Call sequence: any single thread; each call opens and closes its own engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pitstop.errors import CheckpointNotFoundError
+from pitstop.format.names import MANIFEST, parse_step_dir
+from pitstop.manager import CheckpointManager
+
+__all__ = ["load", "save"]
+
+
+def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 0, allow_pickle: bool = False) -> str:
+    """Save ``state`` under the root ``path`` as ``step``; durable on return. Returns the checkpoint directory."""
+    with CheckpointManager(path, allow_pickle=allow_pickle, max_in_flight=1, overlap=False) as mgr:
+        mgr.save(step, state)
+        return os.path.join(mgr.storage.url, f"step-{step:010d}")
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    allow_pickle: bool = False,
+    strict: bool = True,
+) -> Any:
+    """Load a checkpoint from a root (newest valid step, or ``step``) or from a step directory.
+
+    With ``state``, restores it in place and returns the step loaded; without,
+    returns the saved state as fresh objects.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        dir_step = parse_step_dir(os.path.basename(os.path.normpath(path)))
+        if dir_step is not None and step is not None and step != dir_step:
+            raise ValueError(f"{path} holds step {dir_step}, not {step}")
+        root, step = os.path.dirname(os.path.normpath(path)), dir_step if dir_step is not None else step
+    else:
+        root = path
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"no such checkpoint directory: {path}", path=path)
+    with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
+        if state is None:
+            return mgr.load(step)
+        loaded = mgr.restore(state, step, strict=strict)
+        if loaded is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {path}", path=path)
+        return loaded

@@ -1,0 +1,147 @@
+"""Frozen option dataclasses. The only module that reads environment variables.
+
+Every knob has a measured default (see docs/performance.md) and may be
+overridden by an argument or by an environment variable:
+
+=========================  =====================================  ==========
+variable                   option                                 default
+=========================  =====================================  ==========
+PITSTOP_IO_THREADS         IOOptions.threads                      2
+PITSTOP_CHUNK_BYTES        IOOptions.chunk_bytes                  64 MiB
+PITSTOP_DIRECT_IO          IOOptions.direct (auto|on|off)         auto
+PITSTOP_MAX_IN_FLIGHT      SaveOptions.max_in_flight              2
+PITSTOP_OVERLAP            SaveOptions.overlap (1|0)              1
+PITSTOP_LOG_LEVEL          log level of the ``pitstop`` logger    WARNING
+PITSTOP_KILL_AT            kill point for fault tests (NAME[:N])  unset
+=========================  =====================================  ==========
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ALIGN_BYTES",
+    "DirectMode",
+    "IOOptions",
+    "SaveOptions",
+    "env_kill_at",
+    "env_log_level",
+]
+
+ALIGN_BYTES = 4096
+"""Every tensor starts at a multiple of this in its data file; O_DIRECT needs it."""
+
+DirectMode = Literal["auto", "on", "off"]
+
+_MIB = 1 << 20
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class IOOptions:
+    """How bytes move between host memory and one file system.
+
+    ``threads`` writer/reader threads share each file; ``chunk_bytes`` is the
+    size of one request (and of one checksum segment); ``direct`` chooses
+    O_DIRECT: ``auto`` uses it where the file system accepts it and falls back
+    to buffered I/O + fsync elsewhere (tmpfs, some network file systems).
+    """
+
+    threads: int = 2
+    chunk_bytes: int = 64 * _MIB
+    direct: DirectMode = "auto"
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"IOOptions.threads must be >= 1, got {self.threads}")
+        if self.chunk_bytes < ALIGN_BYTES or self.chunk_bytes % ALIGN_BYTES:
+            raise ValueError(
+                f"IOOptions.chunk_bytes must be a positive multiple of {ALIGN_BYTES}, "
+                f"got {self.chunk_bytes}"
+            )
+        if self.direct not in ("auto", "on", "off"):
+            raise ValueError(f"IOOptions.direct must be auto, on or off, got {self.direct!r}")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> IOOptions:
+        values: dict[str, object] = {
+            "threads": _env_int("PITSTOP_IO_THREADS", cls.threads),
+            "chunk_bytes": _env_int("PITSTOP_CHUNK_BYTES", cls.chunk_bytes),
+            "direct": _env("PITSTOP_DIRECT_IO") or cls.direct,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How the engine stages and persists a checkpoint.
+
+    ``max_in_flight`` host arenas exist at most: a save beyond that waits for
+    the oldest persist. ``overlap`` lets parameters and optimizer state finish
+    copying while the next forward and backward run (an optimizer step
+    pre-hook waits for them); with ``overlap=False`` every byte is copied
+    before ``async_save`` returns. ``allow_pickle`` stores values JSON cannot
+    hold as pickles; loading them needs the same opt-in.
+    """
+
+    io: IOOptions = field(default_factory=IOOptions)
+    max_in_flight: int = 2
+    overlap: bool = True
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ValueError(f"SaveOptions.max_in_flight must be >= 1, got {self.max_in_flight}")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> SaveOptions:
+        io = overrides.pop("io", None)
+        values: dict[str, object] = {
+            "io": io if io is not None else IOOptions.from_env(),
+            "max_in_flight": _env_int("PITSTOP_MAX_IN_FLIGHT", cls.max_in_flight),
+            "overlap": _env_int("PITSTOP_OVERLAP", 1) != 0,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> SaveOptions:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def env_log_level() -> str | None:
+    """PITSTOP_LOG_LEVEL, e.g. ``INFO`` or ``DEBUG``; None when unset."""
+    raw = _env("PITSTOP_LOG_LEVEL")
+    return raw.upper() if raw else None
+
+
+def env_kill_at() -> tuple[str, int] | None:
+    """PITSTOP_KILL_AT=NAME[:N]: SIGKILL this process the N-th time NAME is reached."""
+    raw = _env("PITSTOP_KILL_AT")
+    if raw is None:
+        return None
+    name, _, count = raw.partition(":")
+    try:
+        hits = int(count) if count else 1
+    except ValueError:
+        raise ValueError(f"PITSTOP_KILL_AT={raw!r}: the count after ':' is not an integer") from None
+    return name, hits
