@@ -1,0 +1,1 @@
+"""Layer 7: the ``pitstop`` command line (``main``) and the demo."""

@@ -1,0 +1,243 @@
+"""The ``pitstop`` command line.
+
+Exit codes follow shell conventions: 0 all good, 1 a problem was found (a
+checksum failed, the demo's weights differ), 2 bad usage or a path that is not
+a checkpoint. ``ls``, ``inspect``, ``verify`` and ``gc`` do not import torch,
+so they run on a login node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from pitstop.engine.catalog import Entry, read_manifest, scan
+from pitstop.engine.verify import verify_checkpoint
+from pitstop.errors import CheckpointError
+from pitstop.format.names import MANIFEST, parse_step_dir
+from pitstop.storage.local import LocalStorage
+
+__all__ = ["main"]
+
+EXAMPLES = {
+    "ls": "pitstop ls ckpts",
+    "inspect": "pitstop inspect ckpts --step 1200 --json",
+    "verify": "pitstop verify ckpts            # every committed step\n  pitstop verify ckpts --step 1200",
+    "gc": "pitstop gc ckpts --dry-run",
+    "demo": "pitstop demo --steps 300 --every 10",
+}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _open_root(path: str) -> tuple[LocalStorage, str | None]:
+    """A storage root and, when ``path`` is itself a checkpoint directory, its name."""
+    if os.path.isfile(os.path.join(path, MANIFEST)) and parse_step_dir(os.path.basename(os.path.normpath(path))) is not None:
+        norm = os.path.normpath(path)
+        return LocalStorage(os.path.dirname(norm) or "."), os.path.basename(norm)
+    if not os.path.isdir(path):
+        raise _UsageError(f"{path}: no such directory")
+    return LocalStorage(path), None
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _select(storage: LocalStorage, only: str | None, step: int | None) -> list[Entry]:
+    entries = [e for e in scan(storage) if e.step is not None]
+    if only is not None:
+        entries = [e for e in entries if e.name == only]
+    if step is not None:
+        entries = [e for e in entries if e.step == step]
+        if not entries:
+            raise _UsageError(f"{storage.url}: no checkpoint of step {step}")
+    return entries
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage, only = _open_root(args.dir)
+    entries = [e for e in scan(storage) if only is None or e.name == only]
+    rows = []
+    for e in entries:
+        if e.status == "other":
+            continue
+        m = e.manifest
+        rows.append(
+            {
+                "step": e.step,
+                "name": e.name,
+                "status": e.status,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix_secs)) if m else "-",
+                "bytes": m.nbytes if m else None,
+                "tensors": len(m.tensors) if m else None,
+                "world_size": m.world_size if m else None,
+                "error": e.error,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"{storage.url}: no checkpoints")
+        return 0
+    print(f"{'STEP':>12}  {'TIME':19}  {'SIZE':>10}  {'TENSORS':>7}  {'WORLD':>5}  STATUS")
+    for r in rows:
+        step = "-" if r["step"] is None else str(r["step"])
+        size = "-" if r["bytes"] is None else _human(r["bytes"])
+        tensors = "-" if r["tensors"] is None else str(r["tensors"])
+        world = "-" if r["world_size"] is None else str(r["world_size"])
+        note = f"  ({r['name']})" if r["step"] is None else ""
+        print(f"{step:>12}  {r['time']:19}  {size:>10}  {tensors:>7}  {world:>5}  {r['status']}{note}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    storage, only = _open_root(args.dir)
+    entries = [e for e in _select(storage, only, args.step) if e.status == "committed"]
+    if not entries:
+        raise _UsageError(f"{args.dir}: no committed checkpoint")
+    entry = entries[-1]
+    manifest = entry.manifest or read_manifest(storage, entry.name)
+    if args.json:
+        print(json.dumps(manifest.to_json(), indent=1))
+        return 0
+    print(f"step {manifest.step}  ({entry.name}, format v{manifest.format_version})")
+    print(f"written  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_unix_secs))}"
+          f" by pitstop {manifest.library.get('pitstop', '?')}, torch {manifest.library.get('torch', '?')}")
+    print(f"world    {manifest.world_size} rank(s); checksum {manifest.checksum_algorithm}")
+    print(f"size     {_human(manifest.nbytes)} in {len(manifest.files)} files, {len(manifest.tensors)} tensors")
+    print()
+    print(f"{'KEY':60}  {'DTYPE':10}  {'SHAPE':20}  {'BYTES':>10}")
+    for t in manifest.tensors:
+        print(f"{t.key[:60]:60}  {t.dtype:10}  {str(list(t.shape))[:20]:20}  {_human(t.nbytes):>10}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage, only = _open_root(args.dir)
+    entries = _select(storage, only, args.step)
+    if not entries:
+        print(f"{storage.url}: no checkpoints to verify")
+        return 0
+    bad = 0
+    for e in entries:
+        if e.status == "partial":
+            if args.step is not None:
+                print(f"{e.name}: partial (no manifest: an interrupted save)")
+                bad += 1
+            continue
+        if e.status != "committed" or e.manifest is None:
+            print(f"{e.name}: CORRUPT: {e.error}")
+            bad += 1
+            continue
+        report = verify_checkpoint(storage, e.name, e.manifest, threads=args.threads)
+        rate = report.nbytes / report.secs / 1e9 if report.secs > 0 else 0.0
+        if report.ok:
+            print(f"{e.name}: ok ({_human(report.nbytes)} checked in {report.secs:.2f} s, {rate:.2f} GB/s)")
+        else:
+            bad += 1
+            print(f"{e.name}: CORRUPT")
+            for p in report.problems:
+                print(f"  - {p}")
+    return 1 if bad else 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    storage, _ = _open_root(args.dir)
+    debris = [e for e in scan(storage) if e.status == "partial" or (args.corrupt and e.status == "corrupt")]
+    for e in debris:
+        print(f"{'would remove' if args.dry_run else 'removed'} {e.name} ({e.status})")
+        if not args.dry_run:
+            storage.remove(e.name)
+    if not debris:
+        print("nothing to remove")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pitstop.cli.demo import run_demo
+
+    return run_demo(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pitstop", description="Frequent, cheap, exact checkpoints for PyTorch training.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help_, description=help_, epilog=f"example:\n  {EXAMPLES[name]}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )  # fmt: skip
+
+    p = add("ls", "list the checkpoints under a directory with their status")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = add("inspect", "show the manifest of one checkpoint (default: the newest)")
+    p.add_argument("dir")
+    p.add_argument("--step", type=int)
+    p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    p = add("verify", "check every size and every checksum; exit 1 if anything is wrong")
+    p.add_argument("dir", help="a checkpoint root or one step directory")
+    p.add_argument("--step", type=int, help="only this step")
+    p.add_argument("--threads", type=int, default=None, help="reader threads")
+    p.set_defaults(func=cmd_verify)
+
+    p = add("gc", "remove debris of interrupted saves")
+    p.add_argument("dir")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt")
+    p.set_defaults(func=cmd_gc)
+
+    p = add("demo", "train, SIGKILL, resume and prove the weights match an uninterrupted run")
+    p.add_argument("--dir", help="working directory (default: a new temporary one)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill-at", type=int, default=None, help="kill at this step (default: random)")
+    p.add_argument("--keep", action="store_true", help="keep the working directory")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from pitstop import __version__
+
+        print(f"pitstop {__version__}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except _UsageError as e:
+        print(f"pitstop {args.command}: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"pitstop {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
