@@ -71,7 +71,11 @@ class CheckpointManager:
             io=io,
             **{
                 k: v
-                for k, v in {"allow_pickle": allow_pickle, "max_in_flight": max_in_flight, "overlap": overlap}.items()
+                for k, v in {
+                    "allow_pickle": allow_pickle,
+                    "max_in_flight": max_in_flight,
+                    "overlap": overlap,
+                }.items()
                 if v is not None
             },
         )
@@ -133,7 +137,9 @@ class CheckpointManager:
         return scan(self.storage)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+    def restore(
+        self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True
+    ) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state`` in place.
 
         Returns the step loaded, or None when there is no checkpoint. A
@@ -148,7 +154,9 @@ class CheckpointManager:
         if step is not None:
             candidates = [e for e in candidates if e.step == step]
             if not candidates:
-                raise CheckpointNotFoundError(f"no committed checkpoint of step {step}", step=step, path=self.storage.url)
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint of step {step}", step=step, path=self.storage.url
+                )
         if not candidates:
             return None
         failures: list[tuple[Entry, CheckpointError]] = []
@@ -156,15 +164,23 @@ class CheckpointManager:
             try:
                 self._load(entry, state, strict)
             except CorruptCheckpointError as e:
-                _log.warning("checkpoint %s failed verification, trying an older one: %s", entry.name, e)
+                _log.warning(
+                    "checkpoint %s failed verification, trying an older one: %s", entry.name, e
+                )
                 failures.append((entry, e))
                 continue
-            unreadable = [e for e in entries if e.status == "corrupt" and e.step is not None and e.step > (entry.step or 0)]
+            unreadable = [
+                e
+                for e in entries
+                if e.status == "corrupt" and e.step is not None and e.step > (entry.step or 0)
+            ]
             self._set_aside([f for f, _ in failures] + unreadable)
             _log.info("restored step %d from %s", entry.step, self.storage.url)
             return entry.step
         reasons = "; ".join(f"{e.name}: {err.message}" for e, err in failures)
-        raise CorruptCheckpointError(f"no checkpoint passed verification ({reasons})", path=self.storage.url, phase="restore")
+        raise CorruptCheckpointError(
+            f"no checkpoint passed verification ({reasons})", path=self.storage.url, phase="restore"
+        )
 
     def _load(self, entry: Entry, state: Mapping[str, Any] | None, strict: bool) -> Any:
         manifest = entry.manifest or read_manifest(self.storage, entry.name)
@@ -181,7 +197,10 @@ class CheckpointManager:
         if step is not None:
             candidates = [e for e in candidates if e.step == step]
         if not candidates:
-            raise CheckpointNotFoundError("no committed checkpoint" + (f" of step {step}" if step is not None else ""), path=self.storage.url)
+            raise CheckpointNotFoundError(
+                "no committed checkpoint" + (f" of step {step}" if step is not None else ""),
+                path=self.storage.url,
+            )
         return self._load(candidates[-1], None, True)
 
     def _set_aside(self, entries: list[Entry]) -> None:

@@ -16,7 +16,13 @@ from pitstop.manager import CheckpointManager
 __all__ = ["load", "save"]
 
 
-def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 0, allow_pickle: bool = False) -> str:
+def save(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    step: int = 0,
+    allow_pickle: bool = False,
+) -> str:
     """Save ``state`` under the root ``path`` as ``step``; durable on return. Returns the checkpoint directory."""
     with CheckpointManager(path, allow_pickle=allow_pickle, max_in_flight=1, overlap=False) as mgr:
         mgr.save(step, state)
@@ -41,7 +47,10 @@ def load(
         dir_step = parse_step_dir(os.path.basename(os.path.normpath(path)))
         if dir_step is not None and step is not None and step != dir_step:
             raise ValueError(f"{path} holds step {dir_step}, not {step}")
-        root, step = os.path.dirname(os.path.normpath(path)), dir_step if dir_step is not None else step
+        root, step = (
+            os.path.dirname(os.path.normpath(path)),
+            dir_step if dir_step is not None else step,
+        )
     else:
         root = path
     if not os.path.isdir(root):

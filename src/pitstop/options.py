@@ -143,5 +143,7 @@ def env_kill_at() -> tuple[str, int] | None:
     try:
         hits = int(count) if count else 1
     except ValueError:
-        raise ValueError(f"PITSTOP_KILL_AT={raw!r}: the count after ':' is not an integer") from None
+        raise ValueError(
+            f"PITSTOP_KILL_AT={raw!r}: the count after ':' is not an integer"
+        ) from None
     return name, hits

@@ -18,7 +18,9 @@ from typing import Any
 __all__ = ["run_demo"]
 
 
-def _train(workdir: str, name: str, args: argparse.Namespace, kill_at: int | None) -> dict[str, Any]:
+def _train(
+    workdir: str, name: str, args: argparse.Namespace, kill_at: int | None
+) -> dict[str, Any]:
     """Run one training process; SIGKILL it once it reports step ``kill_at``."""
     cmd = [
         sys.executable, "-m", "pitstop.cli.demo_train",
@@ -31,7 +33,12 @@ def _train(workdir: str, name: str, args: argparse.Namespace, kill_at: int | Non
     assert proc.stdout is not None
     for line in proc.stdout:
         event = json.loads(line)
-        if event["event"] == "step" and kill_at is not None and event["step"] >= kill_at and out["killed_at"] is None:
+        if (
+            event["event"] == "step"
+            and kill_at is not None
+            and event["step"] >= kill_at
+            and out["killed_at"] is None
+        ):
             proc.send_signal(signal.SIGKILL)
             out["killed_at"] = event["step"]
         elif event["event"] == "restored":
@@ -52,13 +59,21 @@ def run_demo(args: argparse.Namespace) -> int:
 
     workdir = args.dir or tempfile.mkdtemp(prefix="pitstop-demo-")
     os.makedirs(workdir, exist_ok=True)
-    kill_at = args.kill_at if args.kill_at is not None else random.randint(args.steps // 5, args.steps * 4 // 5)
-    print(f"pitstop demo: {args.steps} steps, a checkpoint every {args.every}, SIGKILL near step {kill_at}")
+    kill_at = (
+        args.kill_at
+        if args.kill_at is not None
+        else random.randint(args.steps // 5, args.steps * 4 // 5)
+    )
+    print(
+        f"pitstop demo: {args.steps} steps, a checkpoint every {args.every}, SIGKILL near step {kill_at}"
+    )
     print(f"  working directory: {workdir}")
     try:
         first = _train(workdir, "interrupted", args, kill_at)
         ckpts = pitstop.CheckpointManager(os.path.join(workdir, "interrupted")).steps()
-        print(f"  run 1: killed (SIGKILL) at step {first['killed_at']}; committed checkpoints on disk: {ckpts}")
+        print(
+            f"  run 1: killed (SIGKILL) at step {first['killed_at']}; committed checkpoints on disk: {ckpts}"
+        )
         second = _train(workdir, "interrupted", args, None)
         restored = second["restored"]
         if restored is None:
@@ -73,12 +88,18 @@ def run_demo(args: argparse.Namespace) -> int:
         identical = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         done = second["done"]
         print()
-        print(f"  checkpoints taken (run 2): {done['checkpoints']} of {done['nbytes'] / 1e6:.2f} MB each")
+        print(
+            f"  checkpoints taken (run 2): {done['checkpoints']} of {done['nbytes'] / 1e6:.2f} MB each"
+        )
         print(f"  time per checkpoint: stall {done['stall_secs'] * 1000:.2f} ms, "
               f"until committed {done['total_secs'] * 1000:.1f} ms")  # fmt: skip
         if restored is not None:
-            print(f"  recovery time: {restored['secs'] * 1000:.0f} ms (restore of step {restored['step']})")
-        print(f"  final digest: resumed {done['digest'][:16]}, uninterrupted {reference['done']['digest'][:16]}")
+            print(
+                f"  recovery time: {restored['secs'] * 1000:.0f} ms (restore of step {restored['step']})"
+            )
+        print(
+            f"  final digest: resumed {done['digest'][:16]}, uninterrupted {reference['done']['digest'][:16]}"
+        )
         print(f"  weights identical: {'yes' if identical else 'no'}")
         return 0 if identical and done["digest"] == reference["done"]["digest"] else 1
     finally:

@@ -70,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     model, opt, sched, x, y = build(args.seed)
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "progress": {"step": 0}, "rng": pitstop.RNGState()}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "progress": {"step": 0},
+        "rng": pitstop.RNGState(),
+    }
     with pitstop.CheckpointManager(args.dir, keep_last=3) as ckpt:
         t0 = time.perf_counter()
         restored = ckpt.restore(state)

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pitstop.engine.catalog import Entry, read_manifest, scan
 from pitstop.engine.verify import verify_checkpoint
@@ -42,7 +43,10 @@ def _human(n: float) -> str:
 
 def _open_root(path: str) -> tuple[LocalStorage, str | None]:
     """A storage root and, when ``path`` is itself a checkpoint directory, its name."""
-    if os.path.isfile(os.path.join(path, MANIFEST)) and parse_step_dir(os.path.basename(os.path.normpath(path))) is not None:
+    if (
+        os.path.isfile(os.path.join(path, MANIFEST))
+        and parse_step_dir(os.path.basename(os.path.normpath(path))) is not None
+    ):
         norm = os.path.normpath(path)
         return LocalStorage(os.path.dirname(norm) or "."), os.path.basename(norm)
     if not os.path.isdir(path):
@@ -68,7 +72,7 @@ def _select(storage: LocalStorage, only: str | None, step: int | None) -> list[E
 def cmd_ls(args: argparse.Namespace) -> int:
     storage, only = _open_root(args.dir)
     entries = [e for e in scan(storage) if only is None or e.name == only]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for e in entries:
         if e.status == "other":
             continue
@@ -78,7 +82,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "step": e.step,
                 "name": e.name,
                 "status": e.status,
-                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix_secs)) if m else "-",
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix_secs))
+                if m
+                else "-",
                 "bytes": m.nbytes if m else None,
                 "tensors": len(m.tensors) if m else None,
                 "world_size": m.world_size if m else None,
@@ -98,7 +104,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         tensors = "-" if r["tensors"] is None else str(r["tensors"])
         world = "-" if r["world_size"] is None else str(r["world_size"])
         note = f"  ({r['name']})" if r["step"] is None else ""
-        print(f"{step:>12}  {r['time']:19}  {size:>10}  {tensors:>7}  {world:>5}  {r['status']}{note}")
+        print(
+            f"{step:>12}  {r['time']:19}  {size:>10}  {tensors:>7}  {world:>5}  {r['status']}{note}"
+        )
     return 0
 
 
@@ -113,14 +121,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(manifest.to_json(), indent=1))
         return 0
     print(f"step {manifest.step}  ({entry.name}, format v{manifest.format_version})")
-    print(f"written  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_unix_secs))}"
-          f" by pitstop {manifest.library.get('pitstop', '?')}, torch {manifest.library.get('torch', '?')}")
+    print(
+        f"written  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_unix_secs))}"
+        f" by pitstop {manifest.library.get('pitstop', '?')}, torch {manifest.library.get('torch', '?')}"
+    )
     print(f"world    {manifest.world_size} rank(s); checksum {manifest.checksum_algorithm}")
-    print(f"size     {_human(manifest.nbytes)} in {len(manifest.files)} files, {len(manifest.tensors)} tensors")
+    print(
+        f"size     {_human(manifest.nbytes)} in {len(manifest.files)} files, {len(manifest.tensors)} tensors"
+    )
     print()
     print(f"{'KEY':60}  {'DTYPE':10}  {'SHAPE':20}  {'BYTES':>10}")
     for t in manifest.tensors:
-        print(f"{t.key[:60]:60}  {t.dtype:10}  {str(list(t.shape))[:20]:20}  {_human(t.nbytes):>10}")
+        print(
+            f"{t.key[:60]:60}  {t.dtype:10}  {str(list(t.shape))[:20]:20}  {_human(t.nbytes):>10}"
+        )
     return 0
 
 
@@ -144,7 +158,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify_checkpoint(storage, e.name, e.manifest, threads=args.threads)
         rate = report.nbytes / report.secs / 1e9 if report.secs > 0 else 0.0
         if report.ok:
-            print(f"{e.name}: ok ({_human(report.nbytes)} checked in {report.secs:.2f} s, {rate:.2f} GB/s)")
+            print(
+                f"{e.name}: ok ({_human(report.nbytes)} checked in {report.secs:.2f} s, {rate:.2f} GB/s)"
+            )
         else:
             bad += 1
             print(f"{e.name}: CORRUPT")
@@ -155,7 +171,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     storage, _ = _open_root(args.dir)
-    debris = [e for e in scan(storage) if e.status == "partial" or (args.corrupt and e.status == "corrupt")]
+    debris = [
+        e
+        for e in scan(storage)
+        if e.status == "partial" or (args.corrupt and e.status == "corrupt")
+    ]
     for e in debris:
         print(f"{'would remove' if args.dry_run else 'removed'} {e.name} ({e.status})")
         if not args.dry_run:
@@ -172,7 +192,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pitstop", description="Frequent, cheap, exact checkpoints for PyTorch training.")
+    parser = argparse.ArgumentParser(
+        prog="pitstop", description="Frequent, cheap, exact checkpoints for PyTorch training."
+    )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -202,7 +224,9 @@ def _parser() -> argparse.ArgumentParser:
     p = add("gc", "remove debris of interrupted saves")
     p.add_argument("dir")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    p.add_argument("--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt")
+    p.add_argument(
+        "--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt"
+    )
     p.set_defaults(func=cmd_gc)
 
     p = add("demo", "train, SIGKILL, resume and prove the weights match an uninterrupted run")

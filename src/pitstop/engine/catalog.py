@@ -37,7 +37,8 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     expected = parse_step_dir(directory)
     if expected is not None and manifest.step != expected:
         raise ManifestError(
-            f"manifest says step {manifest.step} but lies in {directory}", path=f"{storage.url}/{directory}"
+            f"manifest says step {manifest.step} but lies in {directory}",
+            path=f"{storage.url}/{directory}",
         )
     return manifest
 

@@ -51,7 +51,15 @@ class SaveHandle:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        state = "committed" if self.committed else "failed" if self._error else "staged" if self.staged else "staging"
+        state = (
+            "committed"
+            if self.committed
+            else "failed"
+            if self._error
+            else "staged"
+            if self.staged
+            else "staging"
+        )
         return f"SaveHandle(step={self.step}, {state})"
 
     @property
@@ -88,7 +96,9 @@ class SaveHandle:
 
     def _finish(self, error: BaseException | None) -> None:
         if error is not None and not isinstance(error, CheckpointError):
-            wrapped = CheckpointError(f"checkpoint failed: {error!r}", step=self.step, phase="persist")
+            wrapped = CheckpointError(
+                f"checkpoint failed: {error!r}", step=self.step, phase="persist"
+            )
             wrapped.__cause__ = error
             error = wrapped
         if isinstance(error, CheckpointError) and error.step is None:

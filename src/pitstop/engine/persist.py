@@ -66,14 +66,18 @@ def persist(
     lock = threading.Lock()
 
     def on_extent(extent: Extent) -> None:
-        local = {tag: hasher(view[start : start + length]) for start, length, tag in extent.segments}
+        local = {
+            tag: hasher(view[start : start + length]) for start, length, tag in extent.segments
+        }
         with lock:
             sums.update(local)  # type: ignore[arg-type]
 
     data_name = data_file_name(rank)
     t0 = time.perf_counter()
     storage.prepare(directory)
-    result = storage.write_data(directory, data_name, view[: plan.file_bytes], plan.extents, pool=pool, on_extent=on_extent)
+    result = storage.write_data(
+        directory, data_name, view[: plan.file_bytes], plan.extents, pool=pool, on_extent=on_extent
+    )
     killpoint("persist.after_data")
     objects_name = objects_file_name(rank)
     storage.write_object(directory, objects_name, objects)
@@ -86,7 +90,9 @@ def persist(
             file=data_name,
             offset=item.offset,
             nbytes=item.nbytes,
-            checksum=(empty,) if item.nbytes == 0 else tuple(sums[(i, j)] for j in range(plan.segment_count(i))),
+            checksum=(empty,)
+            if item.nbytes == 0
+            else tuple(sums[(i, j)] for j in range(plan.segment_count(i))),
             rank=rank,
         )
         for i, item in enumerate(plan.items)
@@ -104,7 +110,9 @@ def persist(
     )
 
 
-def manifest_for(step: int, results: list[PersistResult], *, algorithm: str, segment_bytes: int, world_size: int) -> Manifest:
+def manifest_for(
+    step: int, results: list[PersistResult], *, algorithm: str, segment_bytes: int, world_size: int
+) -> Manifest:
     return Manifest(
         step=step,
         created_unix_secs=time.time(),
@@ -113,6 +121,10 @@ def manifest_for(step: int, results: list[PersistResult], *, algorithm: str, seg
         segment_bytes=segment_bytes,
         files=tuple(f for r in results for f in r.files),
         tensors=tuple(t for r in results for t in r.tensors),
-        library={"pitstop": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        library={
+            "pitstop": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         topology={"world_size": world_size, "hosts": [socket.gethostname()]},
     )

@@ -47,10 +47,11 @@ class SavePlan:
         return sum(1 for _ in segments(item.offset, item.nbytes, self.segment_bytes))
 
 
-def _signature(tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int) -> tuple[object, ...]:
-    return (chunk_bytes,) + tuple(
-        (key, t.dtype, tuple(t.shape), key in deferrable) for key, t in tensors.items()
-    )
+def _signature(
+    tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int
+) -> tuple[object, ...]:
+    layout = [(key, t.dtype, tuple(t.shape), key in deferrable) for key, t in tensors.items()]
+    return (chunk_bytes, *layout)
 
 
 def make_plan(tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int) -> SavePlan:
@@ -95,12 +96,14 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int) -> SavePlan:
-        if self._plan is not None and self._plan.signature == _signature(tensors, deferrable, chunk_bytes):
+    def get(
+        self, tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int
+    ) -> SavePlan:
+        if self._plan is not None and self._plan.signature == _signature(
+            tensors, deferrable, chunk_bytes
+        ):
             self.hits += 1
             return self._plan
         self.misses += 1
         self._plan = make_plan(tensors, deferrable, chunk_bytes)
         return self._plan
-
-

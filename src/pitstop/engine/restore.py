@@ -45,9 +45,13 @@ def read_checkpoint(
     problems: list[str] = []
     tree = read_objects(storage, directory, manifest, rank, problems)
     if not problems:
-        read_verified(storage, directory, manifest, data_file_name(rank), view, pool=pool, problems=problems)
+        read_verified(
+            storage, directory, manifest, data_file_name(rank), view, pool=pool, problems=problems
+        )
     if problems:
-        raise CorruptCheckpointError("; ".join(problems), step=manifest.step, path=path, phase="verify")
+        raise CorruptCheckpointError(
+            "; ".join(problems), step=manifest.step, path=path, phase="verify"
+        )
     entries = {t.key: t for t in manifest.tensors if t.rank == rank}
     return tree, entries
 
@@ -57,7 +61,9 @@ def _source(buffer: torch.Tensor, entries: dict[str, TensorEntry], step: int) ->
         try:
             t = entries[key]
         except KeyError:
-            raise CorruptCheckpointError(f"objects file refers to tensor {key!r}, not in the manifest", step=step) from None
+            raise CorruptCheckpointError(
+                f"objects file refers to tensor {key!r}, not in the manifest", step=step
+            ) from None
         return tensor_view(buffer, t.offset, t.nbytes, dtype_from_name(t.dtype), t.shape)
 
     return source

@@ -70,7 +70,9 @@ class Saver:
         self._inflight: dict[int, SaveHandle] = {}
         self._staging: list[StageJob] = []
         self._unreported: list[SaveHandle] = []
-        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
+            weakref.WeakKeyDictionary()
+        )
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-stage")
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-persist")
         self.io_pool = ThreadPoolExecutor(options.io.threads, thread_name_prefix="pitstop-io")
@@ -93,7 +95,9 @@ class Saver:
         handle = SaveHandle(step)
         with self._cond:
             if step in self._inflight:
-                raise CheckpointExistsError(f"step {step} is already being saved", step=step, phase="plan")
+                raise CheckpointExistsError(
+                    f"step {step} is already being saved", step=step, phase="plan"
+                )
             self._inflight[step] = handle
         try:
             job, flat, plan, arena = self._stage(handle, directory, state)
@@ -238,7 +242,14 @@ class Saver:
 
     # ------------------------------------------------------------------ persist thread
     def _persist(
-        self, handle: SaveHandle, job: StageJob, flat: Flat, plan: SavePlan, arena: Arena, directory: str, t0: float
+        self,
+        handle: SaveHandle,
+        job: StageJob,
+        flat: Flat,
+        plan: SavePlan,
+        arena: Arena,
+        directory: str,
+        t0: float,
     ) -> None:
         error: BaseException | None = None
         try:
@@ -250,10 +261,20 @@ class Saver:
             t1 = time.perf_counter()
             objects = encode_objects(flat.tree, rank=0)
             result = persist(
-                self.storage, directory, plan, arena.view, objects, algorithm=self.algorithm, pool=self.io_pool
+                self.storage,
+                directory,
+                plan,
+                arena.view,
+                objects,
+                algorithm=self.algorithm,
+                pool=self.io_pool,
             )
             manifest = manifest_for(
-                handle.step, [result], algorithm=self.algorithm, segment_bytes=plan.segment_bytes, world_size=1
+                handle.step,
+                [result],
+                algorithm=self.algorithm,
+                segment_bytes=plan.segment_bytes,
+                world_size=1,
             )
             self.storage.commit(directory, manifest.dumps())
             stats = handle.stats

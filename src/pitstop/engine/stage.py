@@ -48,7 +48,11 @@ def pin_arena(arena: Arena, buffer: torch.Tensor) -> None:
         return
     err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), arena.nbytes, 0)
     if int(err) != 0:
-        _log.warning("cudaHostRegister of a %d-byte arena failed (%s); device copies will block", arena.nbytes, err)
+        _log.warning(
+            "cudaHostRegister of a %d-byte arena failed (%s); device copies will block",
+            arena.nbytes,
+            err,
+        )
         return
     arena.pinned = True
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import typing
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -38,7 +39,9 @@ class VerifyReport:
         return not self.problems
 
 
-def read_objects(storage: Storage, directory: str, manifest: Manifest, rank: int, problems: list[str]) -> Any:
+def read_objects(
+    storage: Storage, directory: str, manifest: Manifest, rank: int, problems: list[str]
+) -> Any:
     """The tree of ``rank``'s objects file, checked against its size and checksum; None on a problem."""
     name = f"objects-{rank:05d}.json"
     try:
@@ -70,7 +73,9 @@ def read_objects(storage: Storage, directory: str, manifest: Manifest, rank: int
 
 
 def _tensors_by_file(manifest: Manifest) -> dict[str, list[TensorEntry]]:
-    out: dict[str, list[TensorEntry]] = {f.name: [] for f in manifest.files if f.name.endswith(".bin")}
+    out: dict[str, list[TensorEntry]] = {
+        f.name: [] for f in manifest.files if f.name.endswith(".bin")
+    }
     for t in manifest.tensors:
         out.setdefault(t.file, []).append(t)
     return out
@@ -97,7 +102,9 @@ def read_verified(
         problems.append(f"{file}: {e.message}")
         return 0
     if size != entry.nbytes:
-        problems.append(f"{file}: {size} bytes on storage, manifest says {entry.nbytes} (truncated or overwritten)")
+        problems.append(
+            f"{file}: {size} bytes on storage, manifest says {entry.nbytes} (truncated or overwritten)"
+        )
         return 0
     if entry.nbytes == 0:
         return 0
@@ -113,11 +120,13 @@ def read_verified(
 
     def on_extent(extent: Extent) -> None:
         for start, length, tag in extent.segments:
-            t, j = tag  # type: ignore[misc]
+            t, j = typing.cast("tuple[TensorEntry, int]", tag)
             digest = hasher(view[start : start + length])
             if digest != t.checksum[j]:
                 with lock:
-                    bad.append(f"{file}: tensor {t.key!r} segment {j} (bytes {start}-{start + length}) checksum mismatch")
+                    bad.append(
+                        f"{file}: tensor {t.key!r} segment {j} (bytes {start}-{start + length}) checksum mismatch"
+                    )
 
     extents = plan_extents(segs, entry.nbytes, storage.io.chunk_bytes)
     try:
@@ -160,12 +169,17 @@ def verify_checkpoint(
         read_objects(storage, directory, manifest, rank, report.problems)
     data_files = [f for f in manifest.files if f.name.endswith(".bin")]
     largest = max((f.nbytes for f in data_files), default=0)
-    with ThreadPoolExecutor(threads or storage.io.threads, thread_name_prefix="pitstop-verify") as pool, _own_buffer(largest) as view:
+    with (
+        ThreadPoolExecutor(
+            threads or storage.io.threads, thread_name_prefix="pitstop-verify"
+        ) as pool,
+        _own_buffer(largest) as view,
+    ):
         for f in data_files:
-            report.nbytes += read_verified(storage, directory, manifest, f.name, view, pool=pool, problems=report.problems)
+            report.nbytes += read_verified(
+                storage, directory, manifest, f.name, view, pool=pool, problems=report.problems
+            )
             if on_file is not None:
                 on_file(f.name, f.nbytes)
     report.secs = time.perf_counter() - t0
     return report
-
-

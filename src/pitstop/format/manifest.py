@@ -86,7 +86,12 @@ class FileEntry:
     checksum: str | None = None  # whole-file checksum (objects files); data files hash per tensor
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "rank": self.rank, "nbytes": self.nbytes, "checksum": self.checksum}
+        return {
+            "name": self.name,
+            "rank": self.rank,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+        }
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,9 @@ class _Fields:
                 return None
             raise ManifestError(f"{self.where} has no field {name!r}", path=self.path)
         value = self.obj[name]
-        bad_bool = isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))
+        bad_bool = isinstance(value, bool) and bool not in (
+            kind if isinstance(kind, tuple) else (kind,)
+        )
         if bad_bool or not isinstance(value, kind):
             if optional and value is None:
                 return None
@@ -177,7 +184,9 @@ class _Fields:
 def _parse(raw: object, path: str | None) -> Manifest:
     top = _Fields(raw, "manifest", path)
     if top.get("format", str) != FORMAT_NAME:
-        raise ManifestError(f"not a pitstop manifest (format is {top.obj.get('format')!r})", path=path)
+        raise ManifestError(
+            f"not a pitstop manifest (format is {top.obj.get('format')!r})", path=path
+        )
     version = top.get("format_version", int)
     if version > FORMAT_VERSION:
         raise FormatVersionError(
@@ -194,13 +203,16 @@ def _parse(raw: object, path: str | None) -> Manifest:
         raise ManifestError(f"unknown checksum algorithm {algorithm!r}", path=path, step=step)
     segment_bytes = checksum.nonneg("segment_bytes")
     if segment_bytes <= 0:
-        raise ManifestError("manifest.checksum.segment_bytes must be positive", path=path, step=step)
+        raise ManifestError(
+            "manifest.checksum.segment_bytes must be positive", path=path, step=step
+        )
     files = tuple(_parse_file(f, i, path) for i, f in enumerate(top.get("files", list)))
     sizes = {f.name: f.nbytes for f in files}
     if len(sizes) != len(files):
         raise ManifestError("manifest.files names a file twice", path=path, step=step)
     tensors = tuple(
-        _parse_tensor(t, i, sizes, segment_bytes, path) for i, t in enumerate(top.get("tensors", list))
+        _parse_tensor(t, i, sizes, segment_bytes, path)
+        for i, t in enumerate(top.get("tensors", list))
     )
     if len({t.key for t in tensors}) != len(tensors):
         raise ManifestError("manifest.tensors names a key twice", path=path, step=step)
@@ -254,7 +266,9 @@ def _parse_tensor(
     if offset % ALIGN_BYTES:
         raise ManifestError(f"{where} ({key}): offset {offset} is not 4 KiB-aligned", path=path)
     if file not in sizes:
-        raise ManifestError(f"{where} ({key}) names file {file!r}, not in manifest.files", path=path)
+        raise ManifestError(
+            f"{where} ({key}) names file {file!r}, not in manifest.files", path=path
+        )
     if offset + nbytes > sizes[file]:
         raise ManifestError(f"{where} ({key}) lies beyond the end of {file}", path=path)
     checksum = t.get("checksum", list)

@@ -14,6 +14,7 @@ save at a time.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 from pitstop.options import ALIGN_BYTES
@@ -37,10 +38,8 @@ class Arena:
             -1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
         if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
+            with contextlib.suppress(OSError):  # kernels without transparent huge pages
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # pragma: no cover - kernels without THP
-                pass
         self.view = memoryview(self._mm)
         self.pinned = False  # set by the engine when it registers the arena with CUDA
 
@@ -54,10 +53,8 @@ class Arena:
             return
         self.view.release()
         mm, self._mm = self._mm, None
-        try:
+        with contextlib.suppress(BufferError):  # a tensor still views it: freed with that tensor
             mm.close()
-        except BufferError:
-            pass  # a tensor still views it; the mapping is freed with that tensor
 
     def __repr__(self) -> str:
         return f"Arena(nbytes={self.nbytes}, pinned={self.pinned}, closed={self.closed})"

@@ -74,7 +74,8 @@ def plan_extents(
     valid O_DIRECT request. Gaps (alignment padding) belong to the extent before.
     """
     extents: list[Extent] = []
-    start, group = 0, []
+    start = 0
+    group: list[tuple[int, int, object]] = []
     for seg in sorted(segments, key=lambda s: s[0]):
         seg_start = seg[0]
         if group and seg_start + seg[1] - start > chunk_bytes:
@@ -101,7 +102,11 @@ def _note_fallback(path: str, err: OSError) -> None:
         if dev in _warned_devices:
             return
         _warned_devices.add(dev)
-    _log.warning("O_DIRECT refused for %s (%s); using buffered I/O + fsync on this file system", path, err.strerror)
+    _log.warning(
+        "O_DIRECT refused for %s (%s); using buffered I/O + fsync on this file system",
+        path,
+        err.strerror,
+    )
 
 
 def _want_direct(mode: DirectMode) -> bool:
@@ -109,7 +114,11 @@ def _want_direct(mode: DirectMode) -> bool:
 
 
 def _run_extents(
-    pool: Executor, extents: Sequence[Extent], job: Callable[[Extent], None], *, midpoint: str | None
+    pool: Executor,
+    extents: Sequence[Extent],
+    job: Callable[[Extent], None],
+    *,
+    midpoint: str | None,
 ) -> None:
     """Run ``job`` on every extent in the pool; wait for all; raise the first error."""
     done_count = 0
@@ -138,7 +147,10 @@ def _run_extents(
 
 def _io_error(e: OSError, path: str, phase: str) -> CheckpointIOError:
     return CheckpointIOError(
-        f"{phase} failed on {os.path.basename(path)}: {e.strerror or e}", errno=e.errno, path=path, phase=phase
+        f"{phase} failed on {os.path.basename(path)}: {e.strerror or e}",
+        errno=e.errno,
+        path=path,
+        phase=phase,
     )
 
 

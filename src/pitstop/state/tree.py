@@ -62,7 +62,14 @@ def _is_stateful(obj: object) -> bool:
 
 
 def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+    )
 
 
 @dataclass
@@ -92,7 +99,9 @@ class _Flattener:
 
     def run(self, state: Mapping[str, Any]) -> Flat:
         if not isinstance(state, Mapping):
-            raise UnsupportedValueError(f"state must be a dict of name -> value, got {type(state).__name__}")
+            raise UnsupportedValueError(
+                f"state must be a dict of name -> value, got {type(state).__name__}"
+            )
         for name, value in state.items():
             if not isinstance(name, str):
                 raise UnsupportedValueError(f"state keys must be str, got {name!r}")
@@ -135,7 +144,9 @@ class _Flattener:
         return self._pickle(obj, key)
 
     def _tensor(self, t: torch.Tensor, key: str) -> Node:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(
+            t, torch.nn.Parameter
+        ):
             raise UnsupportedValueError(
                 f"tensor {key!r} is a {type(t).__name__}; pitstop stores plain dense tensors "
                 "(sharded tensors arrive with distributed checkpointing)"
@@ -193,7 +204,10 @@ class _Flattener:
                 f"value at {key!r} is a {qualname}, which JSON cannot hold; "
                 "pass allow_pickle=True to store it as a pickle"
             )
-        return {"pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode(), "type": qualname}
+        return {
+            "pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode(),
+            "type": qualname,
+        }
 
 
 def _numpy_module() -> Any:
@@ -215,13 +229,17 @@ TensorSource = Callable[[str], torch.Tensor]
 """Returns the saved tensor of a stored key (a view of the read buffer: copy it before keeping it)."""
 
 
-def materialize(node: Node, source: TensorSource, *, allow_pickle: bool, key: str = "", clone: bool = True) -> Any:
+def materialize(
+    node: Node, source: TensorSource, *, allow_pickle: bool, key: str = "", clone: bool = True
+) -> Any:
     """Build Python objects from a saved tree; tensors are cloned unless ``clone=False``."""
     return _Materializer(source, allow_pickle, clone, live={}).build(node, key)
 
 
 class _Materializer:
-    def __init__(self, source: TensorSource, allow_pickle: bool, clone: bool, live: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, source: TensorSource, allow_pickle: bool, clone: bool, live: dict[str, torch.Tensor]
+    ) -> None:
         self.source, self.allow_pickle, self.clone, self.live = source, allow_pickle, clone, live
 
     def tensor(self, stored: str, key: str) -> torch.Tensor:
@@ -259,7 +277,9 @@ class _Materializer:
         if "npscalar" in node:
             np = _numpy_module()
             if np is None:
-                raise UnsupportedValueError(f"value at {key!r} is a NumPy scalar; install numpy to load it")
+                raise UnsupportedValueError(
+                    f"value at {key!r} is a NumPy scalar; install numpy to load it"
+                )
             dtype, value = node["npscalar"]
             return np.dtype(dtype).type(self.build(value, key))
         if "pickle" in node:
@@ -268,7 +288,7 @@ class _Materializer:
                     f"value at {key!r} ({node.get('type', '?')}) is stored as a pickle; "
                     "pass allow_pickle=True to load it (only for checkpoints you trust)"
                 )
-            return pickle.loads(base64.b64decode(node["pickle"]))  # noqa: S301 - caller opted in
+            return pickle.loads(base64.b64decode(node["pickle"]))  # the caller opted in
         raise UnsupportedValueError(f"unknown node at {key!r}: keys {sorted(node)}")
 
 
@@ -294,7 +314,7 @@ def _saved_tensors(node: Node, key: str, out: dict[str, str]) -> None:
         for k, v in node["dict"]:
             _saved_tensors(v, join_key(key, k), out)
     elif "list" in node or "tuple" in node:
-        for i, v in enumerate(node.get("list", node.get("tuple"))):
+        for i, v in enumerate(node["list"] if "list" in node else node["tuple"]):
             _saved_tensors(v, join_key(key, i), out)
     elif "stateful" in node:
         _saved_tensors(node["state"], key, out)
@@ -316,7 +336,9 @@ class _Problems:
             parts.append(f"in the checkpoint but not in the state: {', '.join(self.unexpected)}")
         if self.mismatched:
             parts.append(f"mismatched: {'; '.join(self.mismatched)}")
-        err = StateMismatchError("checkpoint does not fit the state: " + " | ".join(parts), phase="restore")
+        err = StateMismatchError(
+            "checkpoint does not fit the state: " + " | ".join(parts), phase="restore"
+        )
         err.missing, err.unexpected, err.mismatched = self.missing, self.unexpected, self.mismatched  # type: ignore[attr-defined]
         raise err
 
@@ -336,17 +358,23 @@ class _Restorer:
     def check(self, live: Any, node: Node, key: str) -> None:
         if _is_stateful(live):
             if not (isinstance(node, dict) and "stateful" in node):
-                self.problems.mismatched.append(f"{key}: a {type(live).__name__} in the state, not in the checkpoint")
+                self.problems.mismatched.append(
+                    f"{key}: a {type(live).__name__} in the state, not in the checkpoint"
+                )
                 return
             self._check_stateful(live, node["state"], key)
         elif isinstance(live, torch.Tensor):
             if not (isinstance(node, dict) and "tensor" in node):
-                self.problems.mismatched.append(f"{key}: a tensor in the state, {_describe(node)} in the checkpoint")
+                self.problems.mismatched.append(
+                    f"{key}: a tensor in the state, {_describe(node)} in the checkpoint"
+                )
                 return
             self._check_tensor(live, node["tensor"], key)
         elif isinstance(live, Mapping):
             if not (isinstance(node, dict) and "dict" in node):
-                self.problems.mismatched.append(f"{key or '<state>'}: a dict in the state, {_describe(node)} in the checkpoint")
+                self.problems.mismatched.append(
+                    f"{key or '<state>'}: a dict in the state, {_describe(node)} in the checkpoint"
+                )
                 return
             saved = {k: v for k, v in node["dict"]}
             both_ways = self.strict or not key  # top-level keys always match both ways
@@ -362,7 +390,9 @@ class _Restorer:
             kind = "list" if isinstance(live, list) else "tuple"
             items = node.get(kind) if isinstance(node, dict) else None
             if items is None or len(items) != len(live):
-                self.problems.mismatched.append(f"{key}: a {kind} of {len(live)} in the state, {_describe(node)} in the checkpoint")
+                self.problems.mismatched.append(
+                    f"{key}: a {kind} of {len(live)} in the state, {_describe(node)} in the checkpoint"
+                )
                 return
             for i, (lv, sv) in enumerate(zip(live, items)):
                 self.check(lv, sv, join_key(key, i))
@@ -380,7 +410,9 @@ class _Restorer:
         live_sd = live.state_dict()
         saved: dict[str, str] = {}
         _saved_tensors(node, "", saved)
-        saved_keys = {k for k, _ in node["dict"]} if isinstance(node, dict) and "dict" in node else set()
+        saved_keys = (
+            {k for k, _ in node["dict"]} if isinstance(node, dict) and "dict" in node else set()
+        )
         for k in live_sd:
             if k not in saved_keys:
                 self.problems.missing.append(join_key(key, k))
@@ -398,11 +430,15 @@ class _Restorer:
         if _is_stateful(live):
             live_tensors: dict[str, torch.Tensor] = {}
             _live_tensors(live.state_dict(), key, live_tensors)
-            sd = _Materializer(self.source, self.allow_pickle, True, live_tensors).build(node["state"], key)
+            sd = _Materializer(self.source, self.allow_pickle, True, live_tensors).build(
+                node["state"], key
+            )
             try:
                 live.load_state_dict(sd)
             except (RuntimeError, ValueError, KeyError, TypeError) as e:
-                raise StateMismatchError(f"{key}: load_state_dict failed: {e}", phase="restore") from e
+                raise StateMismatchError(
+                    f"{key}: load_state_dict failed: {e}", phase="restore"
+                ) from e
             return live
         if isinstance(live, torch.Tensor):
             live.copy_(self.source(node["tensor"]))
@@ -411,7 +447,10 @@ class _Restorer:
             return self._apply_mapping(live, node, key)
         if isinstance(live, (list, tuple)) and _holds_live(live):
             kind = "list" if isinstance(live, list) else "tuple"
-            values = [self.apply(lv, sv, join_key(key, i)) for i, (lv, sv) in enumerate(zip(live, node[kind]))]
+            values = [
+                self.apply(lv, sv, join_key(key, i))
+                for i, (lv, sv) in enumerate(zip(live, node[kind]))
+            ]
             if isinstance(live, list):
                 live[:] = values
                 return live
@@ -429,7 +468,9 @@ class _Restorer:
             if k in live:
                 live[k] = self.apply(live[k], saved[k], join_key(key, k))
             elif key:  # nested plain dicts take keys the checkpoint adds
-                live[k] = _Materializer(self.source, self.allow_pickle, True, {}).build(saved[k], join_key(key, k))
+                live[k] = _Materializer(self.source, self.allow_pickle, True, {}).build(
+                    saved[k], join_key(key, k)
+                )
         return live
 
 

@@ -33,7 +33,9 @@ class LocalStorage:
         return f"{type(self).__name__}({self.root!r})"
 
     def _path(self, directory: str, name: str | None = None) -> str:
-        return os.path.join(self.root, directory, name) if name else os.path.join(self.root, directory)
+        return (
+            os.path.join(self.root, directory, name) if name else os.path.join(self.root, directory)
+        )
 
     def entries(self) -> list[str]:
         try:
@@ -41,7 +43,9 @@ class LocalStorage:
         except FileNotFoundError:
             return []
         except NotADirectoryError:
-            raise CheckpointNotFoundError(f"{self.root} is not a directory", path=self.root) from None
+            raise CheckpointNotFoundError(
+                f"{self.root} is not a directory", path=self.root
+            ) from None
 
     def has_manifest(self, directory: str) -> bool:
         return os.path.isfile(self._path(directory, MANIFEST))
@@ -64,7 +68,9 @@ class LocalStorage:
         except OSError as e:
             if isinstance(e, CheckpointExistsError):
                 raise
-            raise CheckpointIOError(f"cannot create {path}: {e.strerror}", errno=e.errno, path=path, phase="plan") from e
+            raise CheckpointIOError(
+                f"cannot create {path}: {e.strerror}", errno=e.errno, path=path, phase="plan"
+            ) from e
 
     def write_data(
         self,
@@ -86,7 +92,9 @@ class LocalStorage:
         try:
             write_bytes_durable(path, data, fsync=self.io.fsync)
         except OSError as e:
-            raise CheckpointIOError(f"cannot write {name}: {e.strerror}", errno=e.errno, path=path, phase="persist") from e
+            raise CheckpointIOError(
+                f"cannot write {name}: {e.strerror}", errno=e.errno, path=path, phase="persist"
+            ) from e
 
     def commit(self, directory: str, manifest: bytes) -> None:
         tmp, final = self._path(directory, MANIFEST_TMP), self._path(directory, MANIFEST)
@@ -95,7 +103,12 @@ class LocalStorage:
             killpoint("commit.before_rename")
             rename_durable(tmp, final, fsync=self.io.fsync)
         except OSError as e:
-            raise CheckpointIOError(f"cannot commit {directory}: {e.strerror}", errno=e.errno, path=final, phase="commit") from e
+            raise CheckpointIOError(
+                f"cannot commit {directory}: {e.strerror}",
+                errno=e.errno,
+                path=final,
+                phase="commit",
+            ) from e
         killpoint("commit.after_rename")
 
     def read_manifest(self, directory: str) -> bytes:
@@ -103,23 +116,31 @@ class LocalStorage:
         try:
             return read_bytes(path)
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a committed checkpoint", path=path) from None
+            raise CheckpointNotFoundError(
+                f"{directory} has no {MANIFEST}: not a committed checkpoint", path=path
+            ) from None
         except OSError as e:
-            raise CheckpointIOError(f"cannot read {path}: {e.strerror}", errno=e.errno, path=path, phase="restore") from e
+            raise CheckpointIOError(
+                f"cannot read {path}: {e.strerror}", errno=e.errno, path=path, phase="restore"
+            ) from e
 
     def read_object(self, directory: str, name: str) -> bytes:
         path = self._path(directory, name)
         try:
             return read_bytes(path)
         except OSError as e:
-            raise CheckpointIOError(f"cannot read {name}: {e.strerror}", errno=e.errno, path=path, phase="restore") from e
+            raise CheckpointIOError(
+                f"cannot read {name}: {e.strerror}", errno=e.errno, path=path, phase="restore"
+            ) from e
 
     def file_size(self, directory: str, name: str) -> int:
         path = self._path(directory, name)
         try:
             return os.stat(path).st_size
         except OSError as e:
-            raise CheckpointIOError(f"cannot stat {name}: {e.strerror}", errno=e.errno, path=path, phase="verify") from e
+            raise CheckpointIOError(
+                f"cannot stat {name}: {e.strerror}", errno=e.errno, path=path, phase="verify"
+            ) from e
 
     def read_data(
         self,
@@ -131,7 +152,14 @@ class LocalStorage:
         pool: Executor,
         on_extent: Callable[[Extent], None] | None = None,
     ) -> IOResult:
-        return read_file(self._path(directory, name), view, extents, pool=pool, direct=self.io.direct, on_extent=on_extent)
+        return read_file(
+            self._path(directory, name),
+            view,
+            extents,
+            pool=pool,
+            direct=self.io.direct,
+            on_extent=on_extent,
+        )
 
     def uncommit(self, directory: str) -> None:
         path = self._path(directory)
@@ -142,7 +170,9 @@ class LocalStorage:
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise CheckpointIOError(f"cannot uncommit {directory}: {e.strerror}", errno=e.errno, path=path, phase="gc") from e
+            raise CheckpointIOError(
+                f"cannot uncommit {directory}: {e.strerror}", errno=e.errno, path=path, phase="gc"
+            ) from e
 
     def remove(self, directory: str) -> None:
         path = self._path(directory)
@@ -152,22 +182,34 @@ class LocalStorage:
             elif os.path.lexists(path):
                 os.unlink(path)
         except OSError as e:
-            raise CheckpointIOError(f"cannot remove {directory}: {e.strerror}", errno=e.errno, path=path, phase="gc") from e
+            raise CheckpointIOError(
+                f"cannot remove {directory}: {e.strerror}", errno=e.errno, path=path, phase="gc"
+            ) from e
 
     def rename(self, src: str, dst: str) -> None:
         try:
             rename_durable(self._path(src), self._path(dst), fsync=self.io.fsync)
         except OSError as e:
-            raise CheckpointIOError(f"cannot rename {src}: {e.strerror}", errno=e.errno, path=self._path(src), phase="gc") from e
+            raise CheckpointIOError(
+                f"cannot rename {src}: {e.strerror}",
+                errno=e.errno,
+                path=self._path(src),
+                phase="gc",
+            ) from e
 
 
 class RamStorage(LocalStorage):
     """Checkpoints in RAM (/dev/shm by default): fast, lost with the node. Buffered I/O."""
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, io: IOOptions | None = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] | None = None, io: IOOptions | None = None
+    ) -> None:
         base = io if io is not None else IOOptions.from_env()
         if root is None:
             root = os.path.join("/dev/shm", f"pitstop-{os.getuid()}")
-        super().__init__(root, IOOptions(threads=base.threads, chunk_bytes=base.chunk_bytes, direct="off", fsync=False))
-
-
+        super().__init__(
+            root,
+            IOOptions(
+                threads=base.threads, chunk_bytes=base.chunk_bytes, direct="off", fsync=False
+            ),
+        )
