@@ -241,14 +241,18 @@ class _Materializer:
         self, source: TensorSource, allow_pickle: bool, clone: bool, live: dict[str, torch.Tensor]
     ) -> None:
         self.source, self.allow_pickle, self.clone, self.live = source, allow_pickle, clone, live
+        self.built: dict[str, torch.Tensor] = {}  # stored key -> tensor, so shared stays shared
 
     def tensor(self, stored: str, key: str) -> torch.Tensor:
         saved = self.source(stored)
         target = self.live.get(key)
         if target is not None and target.shape == saved.shape and target.dtype == saved.dtype:
             target.copy_(saved)
+            self.built.setdefault(stored, target)
             return target
-        return saved.clone() if self.clone else saved
+        if stored not in self.built:
+            self.built[stored] = saved.clone() if self.clone else saved
+        return self.built[stored]
 
     def build(self, node: Node, key: str) -> Any:
         if not isinstance(node, dict):

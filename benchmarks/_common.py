@@ -1,0 +1,302 @@
+"""Helpers shared by the benchmark scripts (not part of the pitstop package).
+
+Timing is always ``time.perf_counter``; sizes are bytes and rates are 1e9 bytes
+per second (GB/s). Nothing here is pitstop-specific, so the peers and the raw
+limits are measured with the same tools as pitstop itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from types import TracebackType
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ALIGN",
+    "AlignedBuffer",
+    "PeakRSS",
+    "build_state",
+    "drop_caches",
+    "fsync_dir",
+    "fsync_tree",
+    "gbps",
+    "layout",
+    "log",
+    "median",
+    "raw_read",
+    "raw_write",
+    "remove_children",
+    "remove_path",
+    "rss_bytes",
+    "scramble",
+    "state_equal",
+    "state_tensors",
+]
+
+ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr, so that stdout ends with the JSON line."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def gbps(nbytes: int, secs: float) -> float:
+    return nbytes / secs / 1e9 if secs > 0 else float("nan")
+
+
+# --------------------------------------------------------------------------- state
+
+
+def build_state(layers: int, width: int, *, seed: int, step: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``layers`` x Linear(width, width) + Adam; with ``step`` after one optimizer step.
+
+    The step gives Adam its ``exp_avg``/``exp_avg_sq``/``step`` tensors, so the
+    state is weights + 2 x weights (+ the small step tensors).
+    """
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if step:
+        x = torch.randn(8, width)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of the model and optimizer state, in a fixed order."""
+    out = [t.detach() for t in model.state_dict().values()]
+    for per_param in opt.state.values():
+        out.extend(v for _, v in sorted(per_param.items()) if isinstance(v, torch.Tensor))
+    return out
+
+
+def state_equal(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
+    la, lb = list(a), list(b)
+    return len(la) == len(lb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def scramble(tensors: Iterable[torch.Tensor]) -> None:
+    """Overwrite tensors in place, so that a restore that does nothing is noticed."""
+    with torch.no_grad():
+        for t in tensors:
+            t.fill_(-7.0) if t.is_floating_point() else t.zero_()
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """4 KiB-aligned offsets of ``tensors`` packed one after another, and the total size."""
+    offsets, off = [], 0
+    for t in tensors:
+        offsets.append(off)
+        off += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, off
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class AlignedBuffer:
+    """An anonymous, page-aligned, pre-faulted mapping, plus a uint8 tensor viewing it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max((nbytes + ALIGN - 1) // ALIGN * ALIGN, ALIGN)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view = memoryview(self.mm)
+        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
+        self.tensor.fill_(0)  # touch every page even without MAP_POPULATE
+
+    def views(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+        """Views of the buffer shaped like ``tensors`` at ``offsets``."""
+        out = []
+        for t, off in zip(tensors, offsets):
+            n = t.numel() * t.element_size()
+            out.append(self.tensor[off : off + n].view(t.dtype).view(t.shape))
+        return out
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakRSS:
+    """Peak resident memory added inside a ``with`` block, in bytes (``added``).
+
+    Resets VmHWM via /proc/self/clear_refs where permitted; otherwise samples
+    VmRSS every millisecond in a background thread (``method`` says which).
+    """
+
+    can_reset: bool | None = None
+
+    def __init__(self) -> None:
+        if PeakRSS.can_reset is None:
+            PeakRSS.can_reset = _reset_peak()
+        self.method = "VmHWM" if PeakRSS.can_reset else "sampled 1 ms"
+        self.start = 0
+        self.peak = 0
+        self.added = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRSS:
+        self.start = rss_bytes()
+        self.peak = self.start
+        if PeakRSS.can_reset:
+            _reset_peak()
+        else:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.peak = max(self.peak, _status_kib("VmHWM") * 1024)
+        self.peak = max(self.peak, rss_bytes())
+        self.added = max(0, self.peak - self.start)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def drop_caches() -> bool:
+    """sync + drop the page cache (needs root). False when not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file and directory under ``root`` (for writers that do not)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def remove_children(root: str) -> None:
+    for name in os.listdir(root):
+        remove_path(os.path.join(root, name))
+
+
+def _chunks(total: int, request: int) -> list[tuple[int, int]]:
+    return [(off, min(request, total - off)) for off in range(0, total, request)]
+
+
+def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError:
+            pass  # tmpfs and some network file systems refuse O_DIRECT
+    return os.open(path, flags, 0o644), False
+
+
+def _run(pool: Executor, job: Callable[[int, int], None], chunks: list[tuple[int, int]]) -> None:
+    for f in [pool.submit(job, off, n) for off, n in chunks]:
+        f.result()
+
+
+def raw_write(path: str, view: memoryview, nbytes: int, *, request: int, pool: Executor) -> bool:
+    """Write ``view[:nbytes]`` to ``path`` with aligned pwrite requests in ``pool``, then fsync.
+
+    Returns whether O_DIRECT was used (``nbytes`` must be a multiple of 4 KiB for it).
+    """
+    fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, True)
+
+    def job(off: int, n: int) -> None:
+        data = view[off : off + n]
+        while data:
+            k = os.pwrite(fd, data, off)
+            data, off = data[k:], off + k
+
+    try:
+        _run(pool, job, _chunks(nbytes, request))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return direct
+
+
+def raw_read(path: str, view: memoryview, nbytes: int, *, request: int, pool: Executor) -> bool:
+    """Read ``nbytes`` of ``path`` into ``view`` with aligned preadv requests in ``pool``."""
+    fd, direct = _open(path, os.O_RDONLY, True)
+
+    def job(off: int, n: int) -> None:
+        out = view[off : off + n]
+        while out:
+            k = os.preadv(fd, [out], off)
+            if k == 0:
+                raise OSError(f"unexpected end of {path} at byte {off}")
+            out, off = out[k:], off + k
+
+    try:
+        _run(pool, job, _chunks(nbytes, request))
+    finally:
+        os.close(fd)
+    return direct

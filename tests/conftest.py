@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+class Net(nn.Module):
+    """Linear + BatchNorm + a tied output layer: buffers, parameters and sharing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 10, bias=False)
+        self.out.weight = self.embed.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(torch.relu(self.fc(self.embed(idx)))))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 10, (16,), generator=g)
+    loss = nn.functional.cross_entropy(model(idx), idx)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def make_state(seed: int = 0, steps: int = 1) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for i in range(steps):
+        train_step(model, opt, seed * 1000 + i)
+        sched.step()
+    return {"model": model, "optimizer": opt, "scheduler": sched, "extra": {"epoch": steps, "tag": "run"}}
+
+
+def tensors_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a state (through state_dict), cloned, by key path."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, key: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            out[key] = obj.detach().clone()
+        elif hasattr(obj, "state_dict") and not isinstance(obj, dict):
+            walk(obj.state_dict(), key)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{key}/{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{key}/{i}")
+
+    walk(state, "")
+    return out
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture
+def root(tmp_path: Any) -> str:
+    return str(tmp_path / "ckpts")

@@ -1,0 +1,182 @@
+"""Bad input gets a clear error naming the thing at fault; nothing committed is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import tensors_of
+from torch import nn
+
+import pitstop
+from pitstop.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    ManifestError,
+    PickleRefusedError,
+    StateMismatchError,
+    UnsafePathError,
+    UnsupportedValueError,
+)
+from pitstop.format.manifest import Manifest
+
+
+def _manifest_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:010d}", "manifest.json")
+
+
+def test_error_tree() -> None:
+    assert issubclass(CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(CheckpointExistsError, FileExistsError)
+    assert issubclass(StateMismatchError, ValueError)
+    assert issubclass(UnsafePathError, CorruptCheckpointError)
+    for name in pitstop.__all__:
+        obj = getattr(pitstop, name)
+        if isinstance(obj, type) and name.endswith("Error"):
+            assert issubclass(obj, CheckpointError), name
+    e = StateMismatchError("bad", step=3, path="/x", rank=0, phase="restore")
+    assert str(e) == "bad [phase=restore, step=3, rank=0, path=/x]"
+
+
+def test_dtype_and_shape_mismatch_name_the_key(root: str) -> None:
+    pitstop.save(root, {"w": torch.zeros(2, 3), "model": nn.Linear(3, 2)}, step=1)
+    with pytest.raises(StateMismatchError, match=r"w: state has torch.float32 \[3, 2\]"):
+        pitstop.load(root, {"w": torch.zeros(3, 2), "model": nn.Linear(3, 2)})
+    with pytest.raises(StateMismatchError, match=r"w: state has torch.float64"):
+        pitstop.load(root, {"w": torch.zeros(2, 3, dtype=torch.float64), "model": nn.Linear(3, 2)})
+    with pytest.raises(StateMismatchError, match=r"model/weight: state has torch.float32 \[2, 4\]"):
+        pitstop.load(root, {"w": torch.zeros(2, 3), "model": nn.Linear(4, 2)})
+
+
+def test_missing_and_unexpected_keys_are_named_and_nothing_changes(root: str) -> None:
+    saved = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    pitstop.save(root, {"model": saved}, step=1)
+    other = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    before = tensors_of({"m": other})
+    with pytest.raises(StateMismatchError) as info:
+        pitstop.load(root, {"model": other})
+    assert "model/2.weight" in str(info.value) and "model/2.bias" in str(info.value)
+    assert info.value.missing == ["model/2.weight", "model/2.bias"]  # type: ignore[attr-defined]
+    after = tensors_of({"m": other})
+    assert all(torch.equal(before[k], after[k]) for k in before)  # checked before touching anything
+    with pytest.raises(StateMismatchError, match="not in the state: model"):
+        pitstop.load(root, {"other": nn.Linear(2, 2)})
+
+
+def test_unsupported_value_names_key_and_pickle_is_opt_in(root: str) -> None:
+    class Thing:
+        pass
+
+    with pytest.raises(UnsupportedValueError, match=r"extra/obj.*Thing.*allow_pickle"):
+        pitstop.save(root, {"extra": {"obj": Thing()}}, step=1)
+    assert pitstop.CheckpointManager(root).steps() == []
+    pitstop.save(root, {"extra": {"obj": {1, 2, 3}}}, step=1, allow_pickle=True)
+    with pytest.raises(PickleRefusedError, match=r"extra/obj.*builtins.set.*allow_pickle"):
+        pitstop.load(root)
+    assert pitstop.load(root, allow_pickle=True)["extra"]["obj"] == {1, 2, 3}
+
+
+def test_pickle_payload_is_never_run_without_opt_in(root: str, tmp_path: object) -> None:
+    marker = os.path.join(str(tmp_path), "pwned")
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.mkdir, (marker,))
+
+    pitstop.save(root, {"extra": {"e": Evil()}}, step=1, allow_pickle=True)
+    with pytest.raises(PickleRefusedError):
+        pitstop.load(root, {"extra": {"e": None}})
+    assert not os.path.exists(marker)
+
+
+def test_committed_step_is_never_rewritten(root: str) -> None:
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, {"x": torch.ones(2)})
+        before = open(_manifest_path(root, 1), "rb").read()
+        with pytest.raises(CheckpointExistsError, match="step 1 is already committed"):
+            ckpt.save(1, {"x": torch.zeros(2)})
+        assert open(_manifest_path(root, 1), "rb").read() == before
+        assert torch.equal(pitstop.load(root)["x"], torch.ones(2))
+
+
+def test_newer_format_version_is_refused(root: str) -> None:
+    pitstop.save(root, {"x": torch.ones(2)}, step=1)
+    doc = json.load(open(_manifest_path(root, 1)))
+    doc["format_version"] = 2
+    with pytest.raises(FormatVersionError, match="format version 2.*upgrade pitstop"):
+        Manifest.loads(json.dumps(doc))
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/abs/rank-00000.bin", "rank-0.bin/..", "x.bin"])
+def test_path_escaping_the_checkpoint_is_refused(root: str, name: str) -> None:
+    pitstop.save(root, {"x": torch.ones(2)}, step=1)
+    doc = json.load(open(_manifest_path(root, 1)))
+    doc["files"][0]["name"] = name
+    doc["tensors"][0]["file"] = name
+    with pytest.raises(UnsafePathError, match="not a pitstop data file name"):
+        Manifest.loads(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("step", -1, "negative"),
+        ("format", "other", "not a pitstop manifest"),
+        ("tensors", "x", "wrong type"),
+        ("checksum", {"algorithm": "md5", "segment_bytes": 4096}, "unknown checksum"),
+    ],
+)
+def test_manifest_strict_parse(root: str, field: str, value: object, message: str) -> None:
+    pitstop.save(root, {"x": torch.ones(2)}, step=1)
+    doc = json.load(open(_manifest_path(root, 1)))
+    doc[field] = value
+    with pytest.raises(ManifestError, match=message):
+        Manifest.loads(json.dumps(doc))
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.loads(b"{not json")
+
+
+def test_tensor_entry_validation(root: str) -> None:
+    pitstop.save(root, {"x": torch.ones(2)}, step=1)
+    doc = json.load(open(_manifest_path(root, 1)))
+    bad = json.loads(json.dumps(doc))
+    bad["tensors"][0]["shape"] = [3]
+    with pytest.raises(ManifestError, match="nbytes does not match"):
+        Manifest.loads(json.dumps(bad))
+    bad = json.loads(json.dumps(doc))
+    bad["tensors"][0]["offset"] = 4096 * 100
+    with pytest.raises(ManifestError, match="beyond the end"):
+        Manifest.loads(json.dumps(bad))
+    bad = json.loads(json.dumps(doc))
+    bad["tensors"][0]["offset"] = 8
+    with pytest.raises(ManifestError, match="not 4 KiB-aligned"):
+        Manifest.loads(json.dumps(bad))
+
+
+def test_not_a_checkpoint_and_not_found(tmp_path: object) -> None:
+    with pytest.raises(CheckpointNotFoundError):
+        pitstop.load(os.path.join(str(tmp_path), "nope"))
+    empty = os.path.join(str(tmp_path), "empty")
+    os.mkdir(empty)
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        pitstop.load(empty, {"x": torch.zeros(1)})
+    assert pitstop.CheckpointManager(empty).restore({"x": torch.zeros(1)}) is None
+
+
+def test_state_must_be_a_dict(root: str) -> None:
+    with pytest.raises(UnsupportedValueError, match="state must be a dict"):
+        pitstop.save(root, [torch.ones(1)], step=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        pitstop.save(root, {"x": torch.ones(1)}, step=-1)
+
+
+def test_sparse_and_meta_tensors_refused_with_key(root: str) -> None:
+    with pytest.raises(UnsupportedValueError, match="'s'.*layout"):
+        pitstop.save(root, {"s": torch.eye(3).to_sparse()}, step=1)
+    with pytest.raises(UnsupportedValueError, match="'m'"):
+        pitstop.save(root, {"m": torch.empty(3, device="meta")}, step=1)
