@@ -1,0 +1,813 @@
+"""Checkpoint save/restore: pitstop against its peers and the machine's limits, on the same bytes.
+
+Usage::
+
+    python benchmarks/save.py            # 24 x Linear(2048, 2048) + Adam (~1.2 GB), 5 repetitions
+    python benchmarks/save.py --quick    # ~150 MB, 3 repetitions (under a minute)
+    python benchmarks/save.py --layers 8 --width 4096 --reps 7 --dir /data/tmp
+
+Every method saves (or restores) the same state in one process. The disk's
+speed drifts (up to 2x within an hour on the CI machines, see
+../shared/MACHINE.md), so the methods run interleaved, one repetition of each
+per round, the order rotated every round, and the report gives medians and
+ratios measured in the same run, never absolute figures to compare across runs.
+
+Save rows: pitstop ``save`` (durable) and ``async_save``; ``torch.save`` +
+fsync; ``torch.distributed.checkpoint`` save and async_save; torchsnapshot take
+(+ fsync, when installed); the limits: raw O_DIRECT writes of the same bytes
+from an aligned buffer (2 threads, 64 and 256 MiB requests) and a copy into a
+reused, pre-touched buffer. Restore rows, page cache dropped before each (when
+permitted): pitstop ``restore`` (reused manager, and a fresh manager as after a
+restart), ``torch.load``, DCP load, raw O_DIRECT reads. Rows whose library is
+missing or that fail are skipped with a note.
+
+stdout: a table, the pitstop breakdown, target checks (PASS/MISS lines, not
+asserts) and, as the last line, one JSON object with every figure. Progress
+goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from _common import (
+    AlignedBuffer,
+    PeakRSS,
+    build_state,
+    drop_caches,
+    fsync_dir,
+    fsync_tree,
+    gbps,
+    layout,
+    log,
+    median,
+    raw_read,
+    raw_write,
+    remove_children,
+    remove_path,
+    rss_bytes,
+    scramble,
+    state_equal,
+    state_tensors,
+)
+
+MIB = 1 << 20
+perf = time.perf_counter
+
+# Targets of the issue: (key, description, comparison, threshold).
+TARGETS = {
+    "save_vs_disk": ">= 0.9",
+    "save_vs_torch_save": ">= 2.5",
+    "async_stall_vs_memcpy": "<= 1.5",
+    "async_stall_vs_dcp_async_stall": "<= 0.25",
+    "restore_vs_disk": ">= 0.8",
+    "rss_per_arena": "<= 1.1",
+}
+
+Metrics = dict[str, float]
+
+
+@dataclass
+class Row:
+    """One method: ``run`` does one timed repetition and returns its metrics (``secs`` at least)."""
+
+    key: str
+    label: str
+    group: str  # "save", "limit" or "restore"
+    run: Callable[[], Metrics]
+    after: Callable[[], None] | None = None  # untimed cleanup after every repetition
+    cold: bool = False  # drop the page cache before every repetition
+    note: str = ""
+    skipped: str | None = None
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, metrics: Metrics) -> None:
+        for k, v in metrics.items():
+            self.samples.setdefault(k, []).append(float(v))
+
+    def med(self, metric: str = "secs") -> float:
+        return median(self.samples.get(metric, []))
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        parent = args.dir or tempfile.gettempdir()
+        os.makedirs(parent, exist_ok=True)
+        self.root = tempfile.mkdtemp(prefix="pitstop-bench-", dir=parent)
+        log(f"building the state: {args.layers} x Linear({args.width}, {args.width}) + Adam")
+        self.model, self.opt = build_state(args.layers, args.width, seed=0)
+        self.state: dict[str, Any] = {"model": self.model, "optimizer": self.opt}
+        self.tensors = state_tensors(self.model, self.opt)
+        self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.offsets, self.file_bytes = layout(self.tensors)
+        # The restore target: same shapes, other values, Adam state allocated (as DCP needs).
+        self.fresh_model, self.fresh_opt = build_state(args.layers, args.width, seed=1, step=False)
+        for p in self.fresh_model.parameters():
+            p.grad = torch.zeros_like(p)
+        self.fresh_opt.step()
+        self.fresh_opt.zero_grad(set_to_none=True)
+        self.fresh_state: dict[str, Any] = {"model": self.fresh_model, "optimizer": self.fresh_opt}
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="raw-io")
+        self._buffer: AlignedBuffer | None = None
+        self._step = 0
+        self.managers: list[Any] = []
+        self.rows: list[Row] = []
+        self.cache_mode = "cold" if drop_caches() else "warm (drop_caches not permitted)"
+        self.notes: list[str] = []
+        self._dcp_checked = False
+
+    # ------------------------------------------------------------------ helpers
+    def next_step(self) -> int:
+        self._step += 1
+        return self._step
+
+    def subdir(self, name: str) -> str:
+        path = os.path.join(self.root, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def state_dicts(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    def buffer(self) -> AlignedBuffer:
+        """The aligned buffer of the raw rows, holding the state in the pitstop-like layout."""
+        if self._buffer is None:
+            self._buffer = AlignedBuffer(self.file_bytes)
+            with torch.no_grad():
+                for dst, src in zip(self._buffer.views(self.tensors, self.offsets), self.tensors):
+                    dst.copy_(src)
+        return self._buffer
+
+    def fresh_restored_ok(self, restore: Callable[[], object]) -> bool:
+        """Scramble the restore target, run ``restore``, compare with the saved state."""
+        scramble(state_tensors(self.fresh_model, self.fresh_opt))
+        restore()
+        return state_equal(state_tensors(self.fresh_model, self.fresh_opt), self.tensors)
+
+    def add_row(self, builder: Callable[[], Row], key: str, label: str) -> None:
+        if self.args.only and key not in self.args.only:
+            return
+        log(f"setting up {label}")
+        t0 = perf()
+        try:
+            row = builder()
+        except Exception as e:
+            row = Row(key, label, "?", run=lambda: {}, skipped=f"setup failed: {type(e).__name__}: {e}")
+            log(f"  skipped: {row.skipped}")
+            if not isinstance(e, ImportError):
+                traceback.print_exc(file=sys.stderr)
+        row.info.setdefault("setup_secs", perf() - t0)
+        self.rows.append(row)
+
+    # ------------------------------------------------------------------ pitstop
+    def _pitstop_run(self, mgr: Any, *, sync: bool) -> Callable[[], Metrics]:
+        def run() -> Metrics:
+            t0 = perf()
+            if sync:
+                h = mgr.save(self.next_step(), self.state)
+                stall = wall = perf() - t0
+            else:
+                h = mgr.async_save(self.next_step(), self.state)
+                stall = perf() - t0
+                h.wait()
+                wall = perf() - t0
+            s = h.stats
+            return {
+                "secs": wall,
+                "stall": stall,
+                "stats_stall": s.stall_secs,
+                "staged": s.stage_secs,
+                "persist": s.persist_secs,
+                "committed": s.total_secs,
+                "after_commit": wall - s.total_secs,
+                "direct_io": float(s.direct_io),
+            }
+
+        return run
+
+    def row_pitstop_save(self) -> Row:
+        import pitstop
+
+        d = self.subdir("pitstop_save")
+        mgr = pitstop.CheckpointManager(d, keep_last=1)
+        self.managers.append(mgr)
+        t0 = perf()
+        mgr.save(self.next_step(), self.state)  # warm-up: allocates the arena, caches the plan
+        info = {"warmup_secs": perf() - t0, "host_bytes": mgr.host_bytes}
+        remove_children(d)
+        return Row(
+            "pitstop_save", "pitstop save (durable)", "save", self._pitstop_run(mgr, sync=True),
+            after=lambda: remove_children(d), info=info,
+        )  # fmt: skip
+
+    def row_pitstop_async(self, overlap: bool) -> Row:
+        import pitstop
+
+        name = "pitstop_async" if overlap else "pitstop_async_nooverlap"
+        d = self.subdir(name)
+        info: dict[str, Any] = {}
+        base = rss_bytes()
+        mgr = pitstop.CheckpointManager(d, keep_last=1, overlap=overlap)
+        self.managers.append(mgr)
+        # Warm-up, measuring the memory the manager adds: one save (one arena), then two saves
+        # in flight at once (a second arena). Arenas are kept; later saves add nothing.
+        t0 = perf()
+        with PeakRSS() as p1:
+            mgr.async_save(self.next_step(), self.state).wait()
+        info["warmup_secs"] = perf() - t0
+        info["rss_method"] = p1.method
+        arena_bytes = mgr.host_bytes
+        info["first_save"] = {
+            "added_rss": p1.peak - base, "host_bytes": arena_bytes,
+            "added_rss_per_state_per_arena": (p1.peak - base) / self.state_bytes,
+        }  # fmt: skip
+        remove_children(d)
+        if overlap:
+            with PeakRSS() as p2:
+                h1 = mgr.async_save(self.next_step(), self.state)
+                h2 = mgr.async_save(self.next_step(), self.state)
+                h1.wait()
+                h2.wait()
+            arenas = round(mgr.host_bytes / arena_bytes) if arena_bytes else 0
+            info["two_in_flight"] = {
+                "added_rss": p2.peak - base, "host_bytes": mgr.host_bytes, "arenas": arenas,
+                "added_rss_per_state_per_arena": (p2.peak - base) / self.state_bytes / max(arenas, 1),
+            }  # fmt: skip
+            remove_children(d)
+        label = "pitstop async_save" + ("" if overlap else " overlap=False")
+        note = "" if overlap else "every byte copied before async_save returns"
+        return Row(
+            name, label, "save", self._pitstop_run(mgr, sync=False),
+            after=lambda: remove_children(d), info=info, note=note,
+        )  # fmt: skip
+
+    def row_pitstop_restore(self) -> Row:
+        import pitstop
+
+        d = self.subdir("restore_pitstop")
+        mgr = pitstop.CheckpointManager(d, keep_last=1)
+        self.managers.append(mgr)
+        mgr.save(0, self.state)  # the source; its arena is reused by the restores
+        ok = self.fresh_restored_ok(lambda: mgr.restore(self.fresh_state))
+
+        def run() -> Metrics:
+            t0 = perf()
+            mgr.restore(self.fresh_state)
+            return {"secs": perf() - t0}
+
+        return Row("pitstop_restore", "pitstop restore", "restore", run, cold=True, info={"verified": ok})
+
+    def row_pitstop_restore_fresh(self) -> Row:
+        import pitstop
+
+        d = self.subdir("restore_pitstop")
+        if not os.listdir(d):
+            with pitstop.CheckpointManager(d) as m:
+                m.save(0, self.state)
+
+        def restore() -> float:
+            t0 = perf()
+            mgr = pitstop.CheckpointManager(d)
+            mgr.restore(self.fresh_state)
+            secs = perf() - t0
+            mgr.close()
+            return secs
+
+        ok = self.fresh_restored_ok(restore)
+        return Row(
+            "pitstop_restore_fresh", "pitstop restore (new manager)", "restore",
+            lambda: {"secs": restore()}, cold=True, info={"verified": ok},
+            note="manager created in the timing, as after a restart: allocates its arena",
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ torch.save / load
+    def row_torch_save(self) -> Row:
+        d = self.subdir("torch_save")
+        path = os.path.join(d, "ckpt.pt")
+
+        def run() -> Metrics:
+            t0 = perf()
+            with open(path, "wb") as f:
+                torch.save(self.state_dicts(self.model, self.opt), f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(d)
+            return {"secs": perf() - t0}
+
+        run()  # warm-up
+        remove_children(d)
+        return Row("torch_save", "torch.save + fsync", "save", run, after=lambda: remove_children(d))
+
+    def row_torch_load(self) -> Row:
+        path = os.path.join(self.subdir("restore_torch"), "ckpt.pt")
+        with open(path, "wb") as f:
+            torch.save(self.state_dicts(self.model, self.opt), f)
+
+        def load() -> None:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+            self.fresh_model.load_state_dict(sd["model"])
+            self.fresh_opt.load_state_dict(sd["optimizer"])
+
+        ok = self.fresh_restored_ok(load)
+
+        def run() -> Metrics:
+            t0 = perf()
+            load()
+            return {"secs": perf() - t0}
+
+        return Row(
+            "torch_load", "torch.load + load_state_dict", "restore", run, cold=True,
+            info={"verified": ok},
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ DCP
+    def _dcp(self) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        if not self._dcp_checked:
+            probe = os.path.join(self.root, "dcp_probe")
+            try:
+                dcp.save({"x": torch.zeros(4)}, checkpoint_id=probe)
+            except Exception as e:  # older torch: needs a process group
+                import torch.distributed as dist
+
+                log(f"dcp.save without a process group failed ({e!r}); initialising gloo, world_size 1")
+                store = dist.FileStore(os.path.join(self.root, "dcp_store"), 1)
+                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+                self.notes.append("DCP needed a process group: gloo, world_size 1, FileStore")
+                dcp.save({"x": torch.zeros(4)}, checkpoint_id=probe)
+            remove_path(probe)
+            self._dcp_checked = True
+        return dcp
+
+    def row_dcp_save(self) -> Row:
+        dcp = self._dcp()
+        d = self.subdir("dcp_save")
+
+        def run() -> Metrics:
+            path = os.path.join(d, f"step{self.next_step()}")
+            t0 = perf()
+            dcp.save(self.state_dicts(self.model, self.opt), checkpoint_id=path)
+            return {"secs": perf() - t0}
+
+        run()
+        remove_children(d)
+        return Row(
+            "dcp_save", "DCP save", "save", run, after=lambda: remove_children(d),
+            note="fsyncs its files (FileSystemWriter sync_files=True), not the directory; 1 writer thread",
+        )  # fmt: skip
+
+    def row_dcp_async(self) -> Row:
+        dcp = self._dcp()
+        d = self.subdir("dcp_async")
+
+        def run() -> Metrics:
+            path = os.path.join(d, f"step{self.next_step()}")
+            t0 = perf()
+            response = dcp.async_save(self.state_dicts(self.model, self.opt), checkpoint_id=path)
+            stall = perf() - t0
+            future = getattr(response, "upload_completion", response)
+            future.result()
+            return {"secs": perf() - t0, "stall": stall}
+
+        run()
+        remove_children(d)
+        return Row(
+            "dcp_async", "DCP async_save", "save", run, after=lambda: remove_children(d),
+            note="thread executor, default stager (copies the state to new CPU memory)",
+        )  # fmt: skip
+
+    def row_dcp_load(self) -> Row:
+        dcp = self._dcp()
+        src = os.path.join(self.subdir("restore_dcp"), "ckpt")
+        dcp.save(self.state_dicts(self.model, self.opt), checkpoint_id=src)
+
+        def load() -> None:
+            sd = self.state_dicts(self.fresh_model, self.fresh_opt)
+            dcp.load(sd, checkpoint_id=src)
+            self.fresh_opt.load_state_dict(sd["optimizer"])
+
+        ok = self.fresh_restored_ok(load)
+
+        def run() -> Metrics:
+            t0 = perf()
+            load()
+            return {"secs": perf() - t0}
+
+        return Row("dcp_load", "DCP load", "restore", run, cold=True, info={"verified": ok})
+
+    # ------------------------------------------------------------------ torchsnapshot
+    def row_torchsnapshot(self) -> Row:
+        import torchsnapshot
+
+        d = self.subdir("torchsnapshot")
+        app_state = {"model": self.model, "optimizer": self.opt}
+
+        def run() -> Metrics:
+            path = os.path.join(d, f"step{self.next_step()}")
+            t0 = perf()
+            torchsnapshot.Snapshot.take(path, app_state)
+            take = perf() - t0
+            fsync_tree(path)
+            return {"secs": perf() - t0, "take": take}
+
+        run()
+        remove_children(d)
+        return Row(
+            "torchsnapshot", "torchsnapshot take + fsync", "save", run, after=lambda: remove_children(d),
+            note="does not fsync: an fsync of every file is timed after take",
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ limits
+    def row_raw_write(self, request: int) -> Row:
+        buf = self.buffer()
+        path = os.path.join(self.subdir("raw_write"), f"raw{request // MIB}.bin")
+
+        def run() -> Metrics:
+            t0 = perf()
+            direct = raw_write(path, buf.view, self.file_bytes, request=request, pool=self.pool)
+            return {"secs": perf() - t0, "direct_io": float(direct)}
+
+        run()
+        remove_path(path)
+        return Row(
+            f"raw_write_{request // MIB}", f"raw O_DIRECT write {request // MIB} MiB x2 thr", "limit", run,
+            after=lambda: remove_path(path),
+        )  # fmt: skip
+
+    def row_memcpy(self) -> Row:
+        views = self.buffer().views(self.tensors, self.offsets)
+
+        def run() -> Metrics:
+            t0 = perf()
+            with torch.no_grad():
+                for dst, src in zip(views, self.tensors):
+                    dst.copy_(src)
+            return {"secs": perf() - t0}
+
+        run()
+        return Row("memcpy", "memcpy into reused buffer", "limit", run)
+
+    def row_raw_read(self, request: int) -> Row:
+        buf = self.buffer()
+        path = os.path.join(self.subdir("restore_raw"), "raw.bin")
+        if not os.path.exists(path):
+            raw_write(path, buf.view, self.file_bytes, request=64 * MIB, pool=self.pool)
+        views = buf.views(self.tensors, self.offsets)
+        buf.tensor.zero_()
+        raw_read(path, buf.view, self.file_bytes, request=request, pool=self.pool)
+        ok = state_equal(views, self.tensors)
+
+        def run() -> Metrics:
+            t0 = perf()
+            direct = raw_read(path, buf.view, self.file_bytes, request=request, pool=self.pool)
+            return {"secs": perf() - t0, "direct_io": float(direct)}
+
+        return Row(
+            f"raw_read_{request // MIB}", f"raw O_DIRECT read {request // MIB} MiB x2 thr", "limit", run,
+            cold=True, info={"verified": ok},
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ run
+    def setup(self) -> None:
+        a = self.add_row
+        a(self.row_pitstop_save, "pitstop_save", "pitstop save (durable)")
+        a(lambda: self.row_pitstop_async(True), "pitstop_async", "pitstop async_save")
+        a(lambda: self.row_pitstop_async(False), "pitstop_async_nooverlap", "pitstop async_save overlap=False")
+        a(self.row_torch_save, "torch_save", "torch.save + fsync")
+        a(self.row_dcp_save, "dcp_save", "DCP save")
+        a(self.row_dcp_async, "dcp_async", "DCP async_save")
+        a(self.row_torchsnapshot, "torchsnapshot", "torchsnapshot take + fsync")
+        a(lambda: self.row_raw_write(64 * MIB), "raw_write_64", "raw O_DIRECT write 64 MiB")
+        a(lambda: self.row_raw_write(256 * MIB), "raw_write_256", "raw O_DIRECT write 256 MiB")
+        a(self.row_memcpy, "memcpy", "memcpy into reused buffer")
+        a(self.row_pitstop_restore, "pitstop_restore", "pitstop restore")
+        a(self.row_pitstop_restore_fresh, "pitstop_restore_fresh", "pitstop restore (new manager)")
+        a(self.row_torch_load, "torch_load", "torch.load")
+        a(self.row_dcp_load, "dcp_load", "DCP load")
+        a(lambda: self.row_raw_read(64 * MIB), "raw_read_64", "raw O_DIRECT read 64 MiB")
+        a(lambda: self.row_raw_read(256 * MIB), "raw_read_256", "raw O_DIRECT read 256 MiB")
+
+    def measure(self, row: Row, rep: int) -> None:
+        if row.skipped:
+            return
+        os.sync()  # no dirty pages of an earlier method are written during this one
+        if row.cold and not drop_caches():
+            row.info["cache"] = "warm"
+        try:
+            with PeakRSS() as rss:
+                metrics = row.run()
+            metrics["rss_added"] = rss.added
+            row.add(metrics)
+        except Exception as e:
+            row.skipped = f"failed in repetition {rep + 1}: {type(e).__name__}: {e}"
+            log(f"  {row.label}: {row.skipped}")
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            if row.after is not None:
+                try:
+                    row.after()
+                except Exception as e:
+                    log(f"  {row.label}: cleanup failed: {e!r}")
+
+    def rounds(self) -> None:
+        active = [r for r in self.rows if not r.skipped]
+        for rep in range(self.args.reps):
+            k = rep % max(len(active), 1)
+            order = active[k:] + active[:k]  # rotate, so no method always follows the same one
+            log(f"round {rep + 1}/{self.args.reps}: {' '.join(r.key for r in order)}")
+            for row in order:
+                self.measure(row, rep)
+                if "secs" in row.samples and not row.skipped:
+                    log(f"  {row.key:24s} {row.samples['secs'][-1]:7.3f} s")
+
+    def close(self) -> None:
+        for mgr in self.managers:
+            try:
+                mgr.close()
+            except Exception as e:
+                log(f"closing {mgr!r} failed: {e!r}")
+        self.pool.shutdown(wait=True)
+        remove_path(self.root)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _by_key(rows: list[Row]) -> dict[str, Row]:
+    return {r.key: r for r in rows if not r.skipped and r.samples.get("secs")}
+
+
+def _paired(a: Row | None, b: Row | None, fn: Callable[[float, float], float], ma: str = "secs", mb: str = "secs") -> float:
+    """Median over rounds of fn(a's sample, b's sample): ratios of measurements taken close in time."""
+    if a is None or b is None:
+        return math.nan
+    xs, ys = a.samples.get(ma, []), b.samples.get(mb, [])
+    n = min(len(xs), len(ys))
+    return median([fn(xs[i], ys[i]) for i in range(n)]) if n else math.nan
+
+
+def _best_limit(rows: dict[str, Row], keys: tuple[str, ...]) -> Row | None:
+    """The fastest of the limit rows (by median), e.g. the better request size."""
+    present = [rows[k] for k in keys if k in rows]
+    return min(present, key=lambda r: r.med()) if present else None
+
+
+def _fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _check(name: str, value: float, target: str, detail: str) -> dict[str, Any]:
+    op, thr = target.split()
+    if math.isnan(value):
+        status = "SKIP"
+    else:
+        ok = value >= float(thr) if op == ">=" else value <= float(thr)
+        status = "PASS" if ok else "MISS"
+    return {"name": name, "value": value, "target": target, "status": status, "detail": detail}
+
+
+def report(bench: Bench) -> dict[str, Any]:
+    nb = bench.state_bytes
+    rows = _by_key(bench.rows)
+    disk_w = _best_limit(rows, ("raw_write_64", "raw_write_256"))
+    disk_r = _best_limit(rows, ("raw_read_64", "raw_read_256"))
+    memcpy = rows.get("memcpy")
+    w_gbps = gbps(nb, disk_w.med()) if disk_w else math.nan
+    r_gbps = gbps(nb, disk_r.med()) if disk_r else math.nan
+    memcpy_secs = memcpy.med() if memcpy else math.nan
+
+    def out(*parts: object) -> None:
+        print(*parts, flush=True)
+
+    out()
+    out(f"state: {bench.args.layers} x Linear({bench.args.width}, {bench.args.width}) + Adam after one step = "
+        f"{nb:,} B in {len(bench.tensors)} tensors; {bench.args.reps} repetitions, interleaved; "
+        f"restores: page cache {bench.cache_mode}")  # fmt: skip
+    out(f"dir: {bench.root} ; torch {torch.__version__} ; threads {torch.get_num_threads()} ; "
+        f"python {platform.python_version()}")  # fmt: skip
+    out(f"disk limit (best raw O_DIRECT): write {_fmt(w_gbps, '.2f')} GB/s ({disk_w.key if disk_w else '-'}), "
+        f"read {_fmt(r_gbps, '.2f')} GB/s ({disk_r.key if disk_r else '-'}); memcpy {_fmt(memcpy_secs)} s "
+        f"= {_fmt(gbps(nb, memcpy_secs), '.1f')} GB/s")  # fmt: skip
+    out()
+    header = f"{'method':38s} {'median s':>9s} {'min':>7s} {'max':>7s} {'GB/s':>6s}  {'ratio':<18s} {'+RSS/state':>10s}"
+    out(header)
+    out("-" * len(header))
+    for row in bench.rows:
+        if row.skipped:
+            out(f"{row.label:38s} skipped: {row.skipped}")
+            continue
+        lines: list[tuple[str, str]] = []
+        if "stall" in row.samples and row.group == "save" and "save (durable)" not in row.label:
+            lines.append((f"{row.label}: stall", "stall"))
+            if row.key.startswith("pitstop"):
+                lines.append((f"{row.label}: staged", "staged"))
+            lines.append((f"{row.label}: committed", "secs"))
+        else:
+            lines.append((row.label, "secs"))
+        for label, metric in lines:
+            xs = row.samples[metric]
+            med = median(xs)
+            rate = gbps(nb, med) if metric == "secs" else math.nan
+            if metric != "secs":
+                ratio = f"{_fmt(med / memcpy_secs, '.2f')}x memcpy"
+            elif row.group == "restore" or row.key.startswith("raw_read"):
+                ratio = f"{_fmt(rate / r_gbps, '.2f')}x disk read"
+            elif row.key == "memcpy":
+                ratio = ""
+            else:
+                ratio = f"{_fmt(rate / w_gbps, '.2f')}x disk write"
+            rss = median(row.samples.get("rss_added", [])) / nb if metric == "secs" else math.nan
+            out(f"{label:38s} {med:9.3f} {min(xs):7.3f} {max(xs):7.3f} {_fmt(rate, '6.2f'):>6s}  "
+                f"{ratio:<18s} {_fmt(rss, '.2f'):>10s}")  # fmt: skip
+    out()
+    out("+RSS/state: median peak resident memory added during one repetition / state bytes "
+        "(pitstop arenas are allocated in the warm-up, so steady-state saves add ~0)")  # fmt: skip
+    notes = [f"{r.label}: {r.note}" for r in bench.rows if r.note and not r.skipped]
+    notes += bench.notes
+    if notes:
+        out("notes:")
+        for n in notes:
+            out(f"  - {n}")
+
+    # pitstop breakdown
+    out()
+    out("pitstop breakdown (medians, s): stall = async_save returned; staged = every byte in the arena;")
+    out("  persist = write + commit after staging; committed = call to commit; after = wall - committed")
+    for key in ("pitstop_save", "pitstop_async", "pitstop_async_nooverlap"):
+        row = rows.get(key)
+        if row is None:
+            continue
+        m = {k: row.med(k) for k in ("stats_stall", "staged", "persist", "committed", "secs", "after_commit")}
+        write = gbps(nb, m["persist"])
+        direct = "yes" if row.med("direct_io") == 1.0 else "NO"
+        out(f"  {key:26s} stall {m['stats_stall']:.3f}  staged {m['staged']:.3f}  persist {m['persist']:.3f} "
+            f"({write:.2f} GB/s)  committed {m['committed']:.3f}  wall {m['secs']:.3f}  "
+            f"after {m['after_commit']:.3f}  O_DIRECT {direct}  warm-up {row.info.get('warmup_secs', math.nan):.2f}")  # fmt: skip
+    a_row = rows.get("pitstop_async")
+    rss_info: dict[str, Any] = {}
+    if a_row is not None:
+        rss_info = {k: a_row.info[k] for k in ("first_save", "two_in_flight") if k in a_row.info}
+        for k, v in rss_info.items():
+            out(f"  RSS {k}: +{v['added_rss'] / 1e9:.3f} GB over the pre-manager baseline, arenas hold "
+                f"{v['host_bytes'] / 1e9:.3f} GB -> {v['added_rss_per_state_per_arena']:.3f} x state per arena "
+                f"({a_row.info.get('rss_method')})")  # fmt: skip
+    for row in bench.rows:
+        if "verified" in row.info and not row.info["verified"]:
+            out(f"  WARNING: {row.label} did not restore the saved values in the warm-up check")
+
+    # ratios and checks
+    ps, ts = rows.get("pitstop_save"), rows.get("torch_save")
+    pa, da = rows.get("pitstop_async"), rows.get("dcp_async")
+    pr = rows.get("pitstop_restore")
+    ratios = {
+        "save_vs_disk": gbps(nb, ps.med()) / w_gbps if ps else math.nan,
+        "save_vs_torch_save": ts.med() / ps.med() if ps and ts else math.nan,
+        "async_stall_vs_memcpy": pa.med("stall") / memcpy_secs if pa else math.nan,
+        "async_stall_vs_dcp_async_stall": pa.med("stall") / da.med("stall") if pa and da else math.nan,
+        "restore_vs_disk": gbps(nb, pr.med()) / r_gbps if pr else math.nan,
+        "rss_per_arena": max(
+            (v["added_rss_per_state_per_arena"] for v in rss_info.values()), default=math.nan
+        ),
+    }
+    paired = {
+        "save_vs_disk": _paired(disk_w, ps, lambda a, b: a / b),
+        "save_vs_torch_save": _paired(ts, ps, lambda a, b: a / b),
+        "async_stall_vs_memcpy": _paired(pa, memcpy, lambda a, b: a / b, "stall", "secs"),
+        "async_stall_vs_dcp_async_stall": _paired(pa, da, lambda a, b: a / b, "stall", "stall"),
+        "restore_vs_disk": _paired(disk_r, pr, lambda a, b: a / b),
+    }
+    extra = {
+        "async_nooverlap_stall_vs_memcpy": (
+            rows["pitstop_async_nooverlap"].med("stall") / memcpy_secs if "pitstop_async_nooverlap" in rows else math.nan
+        ),
+        "async_nooverlap_stall_vs_dcp_async_stall": (
+            rows["pitstop_async_nooverlap"].med("stall") / da.med("stall")
+            if "pitstop_async_nooverlap" in rows and da else math.nan
+        ),
+        "async_staged_vs_memcpy": pa.med("staged") / memcpy_secs if pa else math.nan,
+        "async_committed_vs_disk": gbps(nb, pa.med()) / w_gbps if pa else math.nan,
+        "restore_new_manager_vs_disk": (
+            gbps(nb, rows["pitstop_restore_fresh"].med()) / r_gbps if "pitstop_restore_fresh" in rows else math.nan
+        ),
+        "save_vs_dcp_save": rows["dcp_save"].med() / ps.med() if ps and "dcp_save" in rows else math.nan,
+        "restore_vs_torch_load": rows["torch_load"].med() / pr.med() if pr and "torch_load" in rows else math.nan,
+        "restore_vs_dcp_load": rows["dcp_load"].med() / pr.med() if pr and "dcp_load" in rows else math.nan,
+    }
+    details = {
+        "save_vs_disk": f"pitstop save {_fmt(gbps(nb, ps.med()) if ps else math.nan, '.2f')} GB/s vs raw "
+        f"O_DIRECT write {_fmt(w_gbps, '.2f')} GB/s",
+        "save_vs_torch_save": f"pitstop save {_fmt(ps.med() if ps else math.nan)} s vs torch.save + fsync "
+        f"{_fmt(ts.med() if ts else math.nan)} s",
+        "async_stall_vs_memcpy": f"async_save stall {_fmt(pa.med('stall') if pa else math.nan, '.4f')} s vs "
+        f"memcpy {_fmt(memcpy_secs, '.4f')} s",
+        "async_stall_vs_dcp_async_stall": f"async_save stall {_fmt(pa.med('stall') if pa else math.nan, '.4f')} s "
+        f"vs DCP async_save stall {_fmt(da.med('stall') if da else math.nan, '.4f')} s",
+        "restore_vs_disk": f"pitstop restore ({bench.cache_mode.split()[0]}) "
+        f"{_fmt(gbps(nb, pr.med()) if pr else math.nan, '.2f')} GB/s vs raw O_DIRECT read {_fmt(r_gbps, '.2f')} GB/s",
+        "rss_per_arena": "peak RSS added by the async manager (arena allocation + saves), per arena, / state bytes",
+    }
+    checks = [_check(k, ratios[k], TARGETS[k], details[k]) for k in TARGETS]
+    out()
+    out("target checks (ratio of medians; in brackets: median of per-round paired ratios)")
+    for c in checks:
+        p = paired.get(c["name"], math.nan)
+        out(f"{c['status']} {c['name']:32s} {_fmt(c['value'], '.3f'):>7s} (target {c['target']}; "
+            f"paired {_fmt(p, '.3f')})  {c['detail']}")  # fmt: skip
+    out("INFO (not targets):")
+    for k, v in extra.items():
+        out(f"  {k:40s} {_fmt(v, '.3f')}")
+
+    return {
+        "config": {
+            "layers": bench.args.layers, "width": bench.args.width, "reps": bench.args.reps,
+            "quick": bench.args.quick, "state_bytes": nb, "file_bytes": bench.file_bytes,
+            "tensors": len(bench.tensors), "cache": bench.cache_mode, "dir": bench.root,
+            "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "rss_method": PeakRSS().method,
+        },  # fmt: skip
+        "limits": {
+            "disk_write_gbps": w_gbps, "disk_write_row": disk_w.key if disk_w else None,
+            "disk_read_gbps": r_gbps, "disk_read_row": disk_r.key if disk_r else None,
+            "memcpy_secs": memcpy_secs, "memcpy_gbps": gbps(nb, memcpy_secs),
+        },  # fmt: skip
+        "rows": {
+            r.key: {
+                "label": r.label, "group": r.group, "note": r.note, "skipped": r.skipped,
+                "median": {k: median(v) for k, v in r.samples.items()},
+                "gbps": gbps(nb, r.med()) if r.samples.get("secs") else None,
+                "samples": r.samples, "info": r.info,
+            }
+            for r in bench.rows
+        },  # fmt: skip
+        "ratios": ratios,
+        "paired_ratios": paired,
+        "extra_ratios": extra,
+        "checks": checks,
+        "notes": notes,
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """NaN and infinities become null, so the line is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=None, help="Linear layers (default 24; --quick 3)")
+    p.add_argument("--width", type=int, default=None, help="features per layer (default 2048)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per method (default 5; --quick 3)")
+    p.add_argument("--quick", action="store_true", help="~150 MB state, 3 repetitions")
+    p.add_argument("--dir", default=None, help="parent directory of the scratch directory (default: the temp dir)")
+    p.add_argument("--only", default=None, help="comma-separated row keys to run (default: all)")
+    args = p.parse_args(argv)
+    args.layers = args.layers or (3 if args.quick else 24)
+    args.width = args.width or 2048
+    args.reps = args.reps or (3 if args.quick else 5)
+    args.only = set(args.only.split(",")) if args.only else None
+    if args.layers < 1 or args.width < 1 or args.reps < 1:
+        p.error("--layers, --width and --reps must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(2)
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    bench = Bench(args)
+    try:
+        bench.setup()
+        bench.rounds()
+        result = report(bench)
+    finally:
+        bench.close()
+    print(json.dumps(_clean(result), separators=(",", ":")), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
