@@ -64,7 +64,9 @@ def gbps(nbytes: int, secs: float) -> float:
 # --------------------------------------------------------------------------- state
 
 
-def build_state(layers: int, width: int, *, seed: int, step: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build_state(
+    layers: int, width: int, *, seed: int, step: bool = True
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``layers`` x Linear(width, width) + Adam; with ``step`` after one optimizer step.
 
     The step gives Adam its ``exp_avg``/``exp_avg_sq``/``step`` tensors, so the
@@ -91,7 +93,9 @@ def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Te
 
 def state_equal(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     la, lb = list(a), list(b)
-    return len(la) == len(lb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(
+        x.shape == y.shape and torch.equal(x, y) for x, y in zip(la, lb)
+    )
 
 
 def scramble(tensors: Iterable[torch.Tensor]) -> None:
@@ -188,7 +192,9 @@ class PeakRSS:
             self.peak = max(self.peak, rss_bytes())
             time.sleep(0.001)
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()

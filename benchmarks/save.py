@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from _common import (
     AlignedBuffer,
     PeakRSS,
@@ -168,7 +169,9 @@ class Bench:
         try:
             row = builder()
         except Exception as e:
-            row = Row(key, label, "?", run=lambda: {}, skipped=f"setup failed: {type(e).__name__}: {e}")
+            row = Row(
+                key, label, "?", run=lambda: {}, skipped=f"setup failed: {type(e).__name__}: {e}"
+            )
             log(f"  skipped: {row.skipped}")
             if not isinstance(e, ImportError):
                 traceback.print_exc(file=sys.stderr)
@@ -212,9 +215,13 @@ class Bench:
         info = {"warmup_secs": perf() - t0, "host_bytes": mgr.host_bytes}
         remove_children(d)
         return Row(
-            "pitstop_save", "pitstop save (durable)", "save", self._pitstop_run(mgr, sync=True),
-            after=lambda: remove_children(d), info=info,
-        )  # fmt: skip
+            "pitstop_save",
+            "pitstop save (durable)",
+            "save",
+            self._pitstop_run(mgr, sync=True),
+            after=lambda: remove_children(d),
+            info=info,
+        )
 
     def row_pitstop_async(self, overlap: bool) -> Row:
         import pitstop
@@ -234,9 +241,10 @@ class Bench:
         info["rss_method"] = p1.method
         arena_bytes = mgr.host_bytes
         info["first_save"] = {
-            "added_rss": p1.peak - base, "host_bytes": arena_bytes,
+            "added_rss": p1.peak - base,
+            "host_bytes": arena_bytes,
             "added_rss_per_state_per_arena": (p1.peak - base) / self.state_bytes,
-        }  # fmt: skip
+        }
         remove_children(d)
         if overlap:
             with PeakRSS() as p2:
@@ -246,16 +254,25 @@ class Bench:
                 h2.wait()
             arenas = round(mgr.host_bytes / arena_bytes) if arena_bytes else 0
             info["two_in_flight"] = {
-                "added_rss": p2.peak - base, "host_bytes": mgr.host_bytes, "arenas": arenas,
-                "added_rss_per_state_per_arena": (p2.peak - base) / self.state_bytes / max(arenas, 1),
-            }  # fmt: skip
+                "added_rss": p2.peak - base,
+                "host_bytes": mgr.host_bytes,
+                "arenas": arenas,
+                "added_rss_per_state_per_arena": (p2.peak - base)
+                / self.state_bytes
+                / max(arenas, 1),
+            }
             remove_children(d)
         label = "pitstop async_save" + ("" if overlap else " overlap=False")
         note = "" if overlap else "every byte copied before async_save returns"
         return Row(
-            name, label, "save", self._pitstop_run(mgr, sync=False),
-            after=lambda: remove_children(d), info=info, note=note,
-        )  # fmt: skip
+            name,
+            label,
+            "save",
+            self._pitstop_run(mgr, sync=False),
+            after=lambda: remove_children(d),
+            info=info,
+            note=note,
+        )
 
     def row_pitstop_restore(self) -> Row:
         import pitstop
@@ -271,7 +288,9 @@ class Bench:
             mgr.restore(self.fresh_state)
             return {"secs": perf() - t0}
 
-        return Row("pitstop_restore", "pitstop restore", "restore", run, cold=True, info={"verified": ok})
+        return Row(
+            "pitstop_restore", "pitstop restore", "restore", run, cold=True, info={"verified": ok}
+        )
 
     def row_pitstop_restore_fresh(self) -> Row:
         import pitstop
@@ -291,10 +310,14 @@ class Bench:
 
         ok = self.fresh_restored_ok(restore)
         return Row(
-            "pitstop_restore_fresh", "pitstop restore (new manager)", "restore",
-            lambda: {"secs": restore()}, cold=True, info={"verified": ok},
+            "pitstop_restore_fresh",
+            "pitstop restore (new manager)",
+            "restore",
+            lambda: {"secs": restore()},
+            cold=True,
+            info={"verified": ok},
             note="manager created in the timing, as after a restart: allocates its arena",
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ torch.save / load
     def row_torch_save(self) -> Row:
@@ -312,7 +335,9 @@ class Bench:
 
         run()  # warm-up
         remove_children(d)
-        return Row("torch_save", "torch.save + fsync", "save", run, after=lambda: remove_children(d))
+        return Row(
+            "torch_save", "torch.save + fsync", "save", run, after=lambda: remove_children(d)
+        )
 
     def row_torch_load(self) -> Row:
         path = os.path.join(self.subdir("restore_torch"), "ckpt.pt")
@@ -332,9 +357,13 @@ class Bench:
             return {"secs": perf() - t0}
 
         return Row(
-            "torch_load", "torch.load + load_state_dict", "restore", run, cold=True,
+            "torch_load",
+            "torch.load + load_state_dict",
+            "restore",
+            run,
+            cold=True,
             info={"verified": ok},
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ DCP
     def _dcp(self) -> Any:
@@ -347,7 +376,9 @@ class Bench:
             except Exception as e:  # older torch: needs a process group
                 import torch.distributed as dist
 
-                log(f"dcp.save without a process group failed ({e!r}); initialising gloo, world_size 1")
+                log(
+                    f"dcp.save without a process group failed ({e!r}); initialising gloo, world_size 1"
+                )
                 store = dist.FileStore(os.path.join(self.root, "dcp_store"), 1)
                 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
                 self.notes.append("DCP needed a process group: gloo, world_size 1, FileStore")
@@ -369,9 +400,13 @@ class Bench:
         run()
         remove_children(d)
         return Row(
-            "dcp_save", "DCP save", "save", run, after=lambda: remove_children(d),
+            "dcp_save",
+            "DCP save",
+            "save",
+            run,
+            after=lambda: remove_children(d),
             note="fsyncs its files (FileSystemWriter sync_files=True), not the directory; 1 writer thread",
-        )  # fmt: skip
+        )
 
     def row_dcp_async(self) -> Row:
         dcp = self._dcp()
@@ -389,9 +424,13 @@ class Bench:
         run()
         remove_children(d)
         return Row(
-            "dcp_async", "DCP async_save", "save", run, after=lambda: remove_children(d),
+            "dcp_async",
+            "DCP async_save",
+            "save",
+            run,
+            after=lambda: remove_children(d),
             note="thread executor, default stager (copies the state to new CPU memory)",
-        )  # fmt: skip
+        )
 
     def row_dcp_load(self) -> Row:
         dcp = self._dcp()
@@ -430,9 +469,13 @@ class Bench:
         run()
         remove_children(d)
         return Row(
-            "torchsnapshot", "torchsnapshot take + fsync", "save", run, after=lambda: remove_children(d),
+            "torchsnapshot",
+            "torchsnapshot take + fsync",
+            "save",
+            run,
+            after=lambda: remove_children(d),
             note="does not fsync: an fsync of every file is timed after take",
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ limits
     def row_raw_write(self, request: int) -> Row:
@@ -447,9 +490,12 @@ class Bench:
         run()
         remove_path(path)
         return Row(
-            f"raw_write_{request // MIB}", f"raw O_DIRECT write {request // MIB} MiB x2 thr", "limit", run,
+            f"raw_write_{request // MIB}",
+            f"raw O_DIRECT write {request // MIB} MiB x2 thr",
+            "limit",
+            run,
             after=lambda: remove_path(path),
-        )  # fmt: skip
+        )
 
     def row_memcpy(self) -> Row:
         views = self.buffer().views(self.tensors, self.offsets)
@@ -480,16 +526,24 @@ class Bench:
             return {"secs": perf() - t0, "direct_io": float(direct)}
 
         return Row(
-            f"raw_read_{request // MIB}", f"raw O_DIRECT read {request // MIB} MiB x2 thr", "limit", run,
-            cold=True, info={"verified": ok},
-        )  # fmt: skip
+            f"raw_read_{request // MIB}",
+            f"raw O_DIRECT read {request // MIB} MiB x2 thr",
+            "limit",
+            run,
+            cold=True,
+            info={"verified": ok},
+        )
 
     # ------------------------------------------------------------------ run
     def setup(self) -> None:
         a = self.add_row
         a(self.row_pitstop_save, "pitstop_save", "pitstop save (durable)")
         a(lambda: self.row_pitstop_async(True), "pitstop_async", "pitstop async_save")
-        a(lambda: self.row_pitstop_async(False), "pitstop_async_nooverlap", "pitstop async_save overlap=False")
+        a(
+            lambda: self.row_pitstop_async(False),
+            "pitstop_async_nooverlap",
+            "pitstop async_save overlap=False",
+        )
         a(self.row_torch_save, "torch_save", "torch.save + fsync")
         a(self.row_dcp_save, "dcp_save", "DCP save")
         a(self.row_dcp_async, "dcp_async", "DCP async_save")
@@ -554,7 +608,13 @@ def _by_key(rows: list[Row]) -> dict[str, Row]:
     return {r.key: r for r in rows if not r.skipped and r.samples.get("secs")}
 
 
-def _paired(a: Row | None, b: Row | None, fn: Callable[[float, float], float], ma: str = "secs", mb: str = "secs") -> float:
+def _paired(
+    a: Row | None,
+    b: Row | None,
+    fn: Callable[[float, float], float],
+    ma: str = "secs",
+    mb: str = "secs",
+) -> float:
     """Median over rounds of fn(a's sample, b's sample): ratios of measurements taken close in time."""
     if a is None or b is None:
         return math.nan
@@ -597,14 +657,20 @@ def report(bench: Bench) -> dict[str, Any]:
         print(*parts, flush=True)
 
     out()
-    out(f"state: {bench.args.layers} x Linear({bench.args.width}, {bench.args.width}) + Adam after one step = "
+    out(
+        f"state: {bench.args.layers} x Linear({bench.args.width}, {bench.args.width}) + Adam after one step = "
         f"{nb:,} B in {len(bench.tensors)} tensors; {bench.args.reps} repetitions, interleaved; "
-        f"restores: page cache {bench.cache_mode}")  # fmt: skip
-    out(f"dir: {bench.root} ; torch {torch.__version__} ; threads {torch.get_num_threads()} ; "
-        f"python {platform.python_version()}")  # fmt: skip
-    out(f"disk limit (best raw O_DIRECT): write {_fmt(w_gbps, '.2f')} GB/s ({disk_w.key if disk_w else '-'}), "
+        f"restores: page cache {bench.cache_mode}"
+    )
+    out(
+        f"dir: {bench.root} ; torch {torch.__version__} ; threads {torch.get_num_threads()} ; "
+        f"python {platform.python_version()}"
+    )
+    out(
+        f"disk limit (best raw O_DIRECT): write {_fmt(w_gbps, '.2f')} GB/s ({disk_w.key if disk_w else '-'}), "
         f"read {_fmt(r_gbps, '.2f')} GB/s ({disk_r.key if disk_r else '-'}); memcpy {_fmt(memcpy_secs)} s "
-        f"= {_fmt(gbps(nb, memcpy_secs), '.1f')} GB/s")  # fmt: skip
+        f"= {_fmt(gbps(nb, memcpy_secs), '.1f')} GB/s"
+    )
     out()
     header = f"{'method':38s} {'median s':>9s} {'min':>7s} {'max':>7s} {'GB/s':>6s}  {'ratio':<18s} {'+RSS/state':>10s}"
     out(header)
@@ -634,11 +700,15 @@ def report(bench: Bench) -> dict[str, Any]:
             else:
                 ratio = f"{_fmt(rate / w_gbps, '.2f')}x disk write"
             rss = median(row.samples.get("rss_added", [])) / nb if metric == "secs" else math.nan
-            out(f"{label:38s} {med:9.3f} {min(xs):7.3f} {max(xs):7.3f} {_fmt(rate, '6.2f'):>6s}  "
-                f"{ratio:<18s} {_fmt(rss, '.2f'):>10s}")  # fmt: skip
+            out(
+                f"{label:38s} {med:9.3f} {min(xs):7.3f} {max(xs):7.3f} {_fmt(rate, '6.2f'):>6s}  "
+                f"{ratio:<18s} {_fmt(rss, '.2f'):>10s}"
+            )
     out()
-    out("+RSS/state: median peak resident memory added during one repetition / state bytes "
-        "(pitstop arenas are allocated in the warm-up, so steady-state saves add ~0)")  # fmt: skip
+    out(
+        "+RSS/state: median peak resident memory added during one repetition / state bytes "
+        "(pitstop arenas are allocated in the warm-up, so steady-state saves add ~0)"
+    )
     notes = [f"{r.label}: {r.note}" for r in bench.rows if r.note and not r.skipped]
     notes += bench.notes
     if notes:
@@ -648,26 +718,37 @@ def report(bench: Bench) -> dict[str, Any]:
 
     # pitstop breakdown
     out()
-    out("pitstop breakdown (medians, s): stall = async_save returned; staged = every byte in the arena;")
-    out("  persist = write + commit after staging; committed = call to commit; after = wall - committed")
+    out(
+        "pitstop breakdown (medians, s): stall = async_save returned; staged = every byte in the arena;"
+    )
+    out(
+        "  persist = write + commit after staging; committed = call to commit; after = wall - committed"
+    )
     for key in ("pitstop_save", "pitstop_async", "pitstop_async_nooverlap"):
         row = rows.get(key)
         if row is None:
             continue
-        m = {k: row.med(k) for k in ("stats_stall", "staged", "persist", "committed", "secs", "after_commit")}
+        m = {
+            k: row.med(k)
+            for k in ("stats_stall", "staged", "persist", "committed", "secs", "after_commit")
+        }
         write = gbps(nb, m["persist"])
         direct = "yes" if row.med("direct_io") == 1.0 else "NO"
-        out(f"  {key:26s} stall {m['stats_stall']:.3f}  staged {m['staged']:.3f}  persist {m['persist']:.3f} "
+        out(
+            f"  {key:26s} stall {m['stats_stall']:.3f}  staged {m['staged']:.3f}  persist {m['persist']:.3f} "
             f"({write:.2f} GB/s)  committed {m['committed']:.3f}  wall {m['secs']:.3f}  "
-            f"after {m['after_commit']:.3f}  O_DIRECT {direct}  warm-up {row.info.get('warmup_secs', math.nan):.2f}")  # fmt: skip
+            f"after {m['after_commit']:.3f}  O_DIRECT {direct}  warm-up {row.info.get('warmup_secs', math.nan):.2f}"
+        )
     a_row = rows.get("pitstop_async")
     rss_info: dict[str, Any] = {}
     if a_row is not None:
         rss_info = {k: a_row.info[k] for k in ("first_save", "two_in_flight") if k in a_row.info}
         for k, v in rss_info.items():
-            out(f"  RSS {k}: +{v['added_rss'] / 1e9:.3f} GB over the pre-manager baseline, arenas hold "
+            out(
+                f"  RSS {k}: +{v['added_rss'] / 1e9:.3f} GB over the pre-manager baseline, arenas hold "
                 f"{v['host_bytes'] / 1e9:.3f} GB -> {v['added_rss_per_state_per_arena']:.3f} x state per arena "
-                f"({a_row.info.get('rss_method')})")  # fmt: skip
+                f"({a_row.info.get('rss_method')})"
+            )
     for row in bench.rows:
         if "verified" in row.info and not row.info["verified"]:
             out(f"  WARNING: {row.label} did not restore the saved values in the warm-up check")
@@ -680,7 +761,9 @@ def report(bench: Bench) -> dict[str, Any]:
         "save_vs_disk": gbps(nb, ps.med()) / w_gbps if ps else math.nan,
         "save_vs_torch_save": ts.med() / ps.med() if ps and ts else math.nan,
         "async_stall_vs_memcpy": pa.med("stall") / memcpy_secs if pa else math.nan,
-        "async_stall_vs_dcp_async_stall": pa.med("stall") / da.med("stall") if pa and da else math.nan,
+        "async_stall_vs_dcp_async_stall": pa.med("stall") / da.med("stall")
+        if pa and da
+        else math.nan,
         "restore_vs_disk": gbps(nb, pr.med()) / r_gbps if pr else math.nan,
         "rss_per_arena": max(
             (v["added_rss_per_state_per_arena"] for v in rss_info.values()), default=math.nan
@@ -695,20 +778,31 @@ def report(bench: Bench) -> dict[str, Any]:
     }
     extra = {
         "async_nooverlap_stall_vs_memcpy": (
-            rows["pitstop_async_nooverlap"].med("stall") / memcpy_secs if "pitstop_async_nooverlap" in rows else math.nan
+            rows["pitstop_async_nooverlap"].med("stall") / memcpy_secs
+            if "pitstop_async_nooverlap" in rows
+            else math.nan
         ),
         "async_nooverlap_stall_vs_dcp_async_stall": (
             rows["pitstop_async_nooverlap"].med("stall") / da.med("stall")
-            if "pitstop_async_nooverlap" in rows and da else math.nan
+            if "pitstop_async_nooverlap" in rows and da
+            else math.nan
         ),
         "async_staged_vs_memcpy": pa.med("staged") / memcpy_secs if pa else math.nan,
         "async_committed_vs_disk": gbps(nb, pa.med()) / w_gbps if pa else math.nan,
         "restore_new_manager_vs_disk": (
-            gbps(nb, rows["pitstop_restore_fresh"].med()) / r_gbps if "pitstop_restore_fresh" in rows else math.nan
+            gbps(nb, rows["pitstop_restore_fresh"].med()) / r_gbps
+            if "pitstop_restore_fresh" in rows
+            else math.nan
         ),
-        "save_vs_dcp_save": rows["dcp_save"].med() / ps.med() if ps and "dcp_save" in rows else math.nan,
-        "restore_vs_torch_load": rows["torch_load"].med() / pr.med() if pr and "torch_load" in rows else math.nan,
-        "restore_vs_dcp_load": rows["dcp_load"].med() / pr.med() if pr and "dcp_load" in rows else math.nan,
+        "save_vs_dcp_save": rows["dcp_save"].med() / ps.med()
+        if ps and "dcp_save" in rows
+        else math.nan,
+        "restore_vs_torch_load": rows["torch_load"].med() / pr.med()
+        if pr and "torch_load" in rows
+        else math.nan,
+        "restore_vs_dcp_load": rows["dcp_load"].med() / pr.med()
+        if pr and "dcp_load" in rows
+        else math.nan,
     }
     details = {
         "save_vs_disk": f"pitstop save {_fmt(gbps(nb, ps.med()) if ps else math.nan, '.2f')} GB/s vs raw "
@@ -728,34 +822,52 @@ def report(bench: Bench) -> dict[str, Any]:
     out("target checks (ratio of medians; in brackets: median of per-round paired ratios)")
     for c in checks:
         p = paired.get(c["name"], math.nan)
-        out(f"{c['status']} {c['name']:32s} {_fmt(c['value'], '.3f'):>7s} (target {c['target']}; "
-            f"paired {_fmt(p, '.3f')})  {c['detail']}")  # fmt: skip
+        out(
+            f"{c['status']} {c['name']:32s} {_fmt(c['value'], '.3f'):>7s} (target {c['target']}; "
+            f"paired {_fmt(p, '.3f')})  {c['detail']}"
+        )
     out("INFO (not targets):")
     for k, v in extra.items():
         out(f"  {k:40s} {_fmt(v, '.3f')}")
 
     return {
         "config": {
-            "layers": bench.args.layers, "width": bench.args.width, "reps": bench.args.reps,
-            "quick": bench.args.quick, "state_bytes": nb, "file_bytes": bench.file_bytes,
-            "tensors": len(bench.tensors), "cache": bench.cache_mode, "dir": bench.root,
-            "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(), "rss_method": PeakRSS().method,
-        },  # fmt: skip
+            "layers": bench.args.layers,
+            "width": bench.args.width,
+            "reps": bench.args.reps,
+            "quick": bench.args.quick,
+            "state_bytes": nb,
+            "file_bytes": bench.file_bytes,
+            "tensors": len(bench.tensors),
+            "cache": bench.cache_mode,
+            "dir": bench.root,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
+            "rss_method": PeakRSS().method,
+        },
         "limits": {
-            "disk_write_gbps": w_gbps, "disk_write_row": disk_w.key if disk_w else None,
-            "disk_read_gbps": r_gbps, "disk_read_row": disk_r.key if disk_r else None,
-            "memcpy_secs": memcpy_secs, "memcpy_gbps": gbps(nb, memcpy_secs),
-        },  # fmt: skip
+            "disk_write_gbps": w_gbps,
+            "disk_write_row": disk_w.key if disk_w else None,
+            "disk_read_gbps": r_gbps,
+            "disk_read_row": disk_r.key if disk_r else None,
+            "memcpy_secs": memcpy_secs,
+            "memcpy_gbps": gbps(nb, memcpy_secs),
+        },
         "rows": {
             r.key: {
-                "label": r.label, "group": r.group, "note": r.note, "skipped": r.skipped,
+                "label": r.label,
+                "group": r.group,
+                "note": r.note,
+                "skipped": r.skipped,
                 "median": {k: median(v) for k, v in r.samples.items()},
                 "gbps": gbps(nb, r.med()) if r.samples.get("secs") else None,
-                "samples": r.samples, "info": r.info,
+                "samples": r.samples,
+                "info": r.info,
             }
             for r in bench.rows
-        },  # fmt: skip
+        },
         "ratios": ratios,
         "paired_ratios": paired,
         "extra_ratios": extra,
@@ -776,12 +888,20 @@ def _clean(obj: Any) -> Any:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=None, help="Linear layers (default 24; --quick 3)")
     p.add_argument("--width", type=int, default=None, help="features per layer (default 2048)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per method (default 5; --quick 3)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="repetitions per method (default 5; --quick 3)"
+    )
     p.add_argument("--quick", action="store_true", help="~150 MB state, 3 repetitions")
-    p.add_argument("--dir", default=None, help="parent directory of the scratch directory (default: the temp dir)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="parent directory of the scratch directory (default: the temp dir)",
+    )
     p.add_argument("--only", default=None, help="comma-separated row keys to run (default: all)")
     args = p.parse_args(argv)
     args.layers = args.layers or (3 if args.quick else 24)

@@ -43,7 +43,12 @@ def make_state(seed: int = 0, steps: int = 1) -> dict[str, Any]:
     for i in range(steps):
         train_step(model, opt, seed * 1000 + i)
         sched.step()
-    return {"model": model, "optimizer": opt, "scheduler": sched, "extra": {"epoch": steps, "tag": "run"}}
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "extra": {"epoch": steps, "tag": "run"},
+    }
 
 
 def tensors_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pitstop._version import __version__
 from pitstop.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -34,8 +35,6 @@ from pitstop.errors import (
     UnsupportedValueError,
 )
 from pitstop.options import IOOptions, SaveOptions
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",

@@ -26,7 +26,11 @@ def state_for(step: int) -> dict[str, object]:
     x = torch.randn(16, 64)
     model(x).square().mean().backward()
     opt.step()
-    return {"model": model, "optimizer": opt, "extra": {"step": step, "blob": torch.full((50_000,), float(step))}}
+    return {
+        "model": model,
+        "optimizer": opt,
+        "extra": {"step": step, "blob": torch.full((50_000,), float(step))},
+    }
 
 
 def digest(state: dict[str, object]) -> str:

@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-from child import digest, state_for
-from conftest import assert_same_tensors, tensors_of
 
 import pitstop
+from child import digest, state_for
+from conftest import assert_same_tensors, tensors_of
 from pitstop.cli.main import main
 from pitstop.faults import KILL_POINTS
 
@@ -37,7 +37,9 @@ def _run_child(root: str, mode: str, steps: int, kill_at: str | None, timeout: f
     env.pop("PITSTOP_KILL_AT", None)
     if kill_at:
         env["PITSTOP_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, CHILD, root, mode, str(steps)], env=env, timeout=timeout).returncode
+    return subprocess.run(
+        [sys.executable, CHILD, root, mode, str(steps)], env=env, timeout=timeout
+    ).returncode
 
 
 def _check_restore(root: str, expected_step: int) -> None:
@@ -71,7 +73,13 @@ def test_kill_at_named_point(tmp_path: object, kill_at: str) -> None:
 def test_unknown_kill_point_is_an_error(tmp_path: object) -> None:
     root = os.path.join(str(tmp_path), "ck")
     env = dict(os.environ, PITSTOP_KILL_AT="persist.nowhere")
-    proc = subprocess.run([sys.executable, CHILD, root, "sync", "1"], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, CHILD, root, "sync", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "unknown kill point 'persist.nowhere'" in proc.stderr
 
 
@@ -80,7 +88,9 @@ def test_kill_at_random_time_during_async_saves(tmp_path: object, trial: int) ->
     root = os.path.join(str(tmp_path), "ck")
     env = dict(os.environ)
     env.pop("PITSTOP_KILL_AT", None)
-    proc = subprocess.Popen([sys.executable, CHILD, root, "async", "400", "3"], env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, CHILD, root, "async", "400", "3"], env=env, stdout=subprocess.DEVNULL
+    )
     rng = random.Random(trial)
     deadline = time.time() + 60
     while time.time() < deadline:  # let it reach its steady state: a few saves recorded
@@ -90,7 +100,9 @@ def test_kill_at_random_time_during_async_saves(tmp_path: object, trial: int) ->
     time.sleep(rng.uniform(0.0, 0.5))
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    recorded = dict(line.split() for line in open(root + ".digests").read().splitlines() if " " in line)
+    recorded = dict(
+        line.split() for line in open(root + ".digests").read().splitlines() if " " in line
+    )
     ckpt = pitstop.CheckpointManager(root)
     steps = ckpt.steps()
     assert steps, "nothing committed although saves were recorded"

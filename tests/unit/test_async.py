@@ -11,10 +11,10 @@ import textwrap
 
 import pytest
 import torch
-from conftest import assert_same_tensors, make_state, tensors_of
 from torch import nn
 
 import pitstop
+from conftest import assert_same_tensors, make_state, tensors_of
 from pitstop.errors import CheckpointIOError
 from pitstop.storage import LocalStorage
 from pitstop.testing import FaultyStorage
@@ -22,7 +22,13 @@ from pitstop.testing import FaultyStorage
 
 def _bn_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 1024), nn.BatchNorm1d(1024))
+    model = nn.Sequential(
+        nn.Linear(256, 1024),
+        nn.BatchNorm1d(1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.BatchNorm1d(1024),
+    )
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
@@ -175,12 +181,17 @@ def ramfs(tmp_path: object) -> object:
     subprocess.run(["umount", path], capture_output=True)
 
 
-def test_o_direct_refused_falls_back_to_buffered_io(ramfs: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_o_direct_refused_falls_back_to_buffered_io(
+    ramfs: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from pitstop.io import parallel
 
     parallel._warned_devices.clear()  # the fallback is logged once per device and process
     state = make_state(steps=1)
-    with caplog.at_level(logging.WARNING, logger="pitstop"), pitstop.CheckpointManager(ramfs) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="pitstop"),
+        pitstop.CheckpointManager(ramfs) as ckpt,
+    ):
         handle = ckpt.save(1, state)
         handle2 = ckpt.save(2, state)
         fresh = make_state(seed=5, steps=0)

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from conftest import tensors_of
 from torch import nn
 
 import pitstop
+from conftest import tensors_of
 from pitstop.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -112,7 +112,9 @@ def test_newer_format_version_is_refused(root: str) -> None:
         Manifest.loads(json.dumps(doc))
 
 
-@pytest.mark.parametrize("name", ["../../etc/passwd", "/abs/rank-00000.bin", "rank-0.bin/..", "x.bin"])
+@pytest.mark.parametrize(
+    "name", ["../../etc/passwd", "/abs/rank-00000.bin", "rank-0.bin/..", "x.bin"]
+)
 def test_path_escaping_the_checkpoint_is_refused(root: str, name: str) -> None:
     pitstop.save(root, {"x": torch.ones(2)}, step=1)
     doc = json.load(open(_manifest_path(root, 1)))

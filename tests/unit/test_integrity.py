@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_tensors, make_state, tensors_of
 
 import pitstop
+from conftest import assert_same_tensors, make_state, tensors_of
 from pitstop.cli.main import main
 from pitstop.errors import CorruptCheckpointError
 
@@ -98,7 +98,9 @@ def test_flipped_byte_named_in_verify_output(root: str, capsys: pytest.CaptureFi
 def test_every_checkpoint_corrupt_raises_instead_of_starting_over(root: str) -> None:
     _save_steps(root, [1])
     _flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), 0)
-    with pytest.raises(CorruptCheckpointError, match="no checkpoint passed verification.*checksum mismatch"):
+    with pytest.raises(
+        CorruptCheckpointError, match="no checkpoint passed verification.*checksum mismatch"
+    ):
         pitstop.CheckpointManager(root).restore(make_state())
 
 
@@ -123,7 +125,9 @@ def test_retention_keeps_newest(root: str) -> None:
 
 def test_retention_with_async_saves_in_flight(root: str) -> None:
     with pitstop.CheckpointManager(root, keep_last=1, max_in_flight=2) as ckpt:
-        handles = [ckpt.async_save(step, {"x": torch.full((1000,), float(step))}) for step in range(1, 8)]
+        handles = [
+            ckpt.async_save(step, {"x": torch.full((1000,), float(step))}) for step in range(1, 8)
+        ]
         ckpt.wait()
         assert all(h.committed for h in handles)
         assert ckpt.steps() == [7]

@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_tensors, make_state, tensors_of, train_step
 
 import pitstop
+from conftest import assert_same_tensors, make_state, tensors_of, train_step
 
 
 def test_model_optimizer_scheduler_round_trip(root: str) -> None:
@@ -101,9 +101,14 @@ def test_plain_values_and_containers_round_trip(root: str) -> None:
     assert math.isnan(got.pop("nan"))
     assert got["inf"] == float("-inf") and got["tuple"] == (1, "two", 3.0)
     assert isinstance(got["list"][2]["a"], tuple) and got[5] == "int key"
-    assert isinstance(got["ordered"], collections.OrderedDict) and list(got["ordered"]) == ["z", "a"]
+    assert isinstance(got["ordered"], collections.OrderedDict) and list(got["ordered"]) == [
+        "z",
+        "a",
+    ]
     assert got["bytes"] == b"\x00\xffraw" and got["neg"] == -(2**62)
-    assert torch.equal(got["tensors"][0], torch.ones(2)) and torch.equal(got["tensors"][1]["w"], torch.zeros(3))
+    assert torch.equal(got["tensors"][0], torch.ones(2)) and torch.equal(
+        got["tensors"][1]["w"], torch.zeros(3)
+    )
     # restore in place into a live dict
     live = {"extra": {k: None for k in extra}}
     pitstop.load(root, live)
@@ -111,7 +116,13 @@ def test_plain_values_and_containers_round_trip(root: str) -> None:
 
 
 def test_numpy_arrays_and_scalars(root: str) -> None:
-    state = {"extra": {"arr": np.arange(6, dtype=np.int16).reshape(2, 3), "sc": np.float32(1.5), "i": np.int64(3)}}
+    state = {
+        "extra": {
+            "arr": np.arange(6, dtype=np.int16).reshape(2, 3),
+            "sc": np.float32(1.5),
+            "i": np.int64(3),
+        }
+    }
     pitstop.save(root, state, step=1)
     got = pitstop.load(root)["extra"]
     assert got["arr"].dtype == np.int16 and (got["arr"] == state["extra"]["arr"]).all()

@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.version:
-        from pitstop import __version__
+        from pitstop._version import __version__
 
         print(f"pitstop {__version__}")
         return 0

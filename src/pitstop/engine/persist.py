@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pitstop import __version__
+from pitstop._version import __version__
 from pitstop.engine.plan import SavePlan
 from pitstop.faults import killpoint
 from pitstop.format.checksum import get_checksum

@@ -36,7 +36,9 @@ class FaultyStorage:
     ) -> None:
         unknown = set(fail or {}) - set(PHASES)
         if unknown:
-            raise ValueError(f"FaultyStorage: unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
+            raise ValueError(
+                f"FaultyStorage: unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}"
+            )
         self.inner = inner
         self.fail = {phase: set(counts) for phase, counts in (fail or {}).items()}
         self.errno = errno

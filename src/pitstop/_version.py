@@ -1,0 +1,3 @@
+"""The package version (layer 0)."""
+
+__version__ = "0.1.0"
