@@ -9,7 +9,7 @@ Usage::
 Every method saves (or restores) the same state in one process. The disk's
 speed drifts (up to 2x within an hour on the CI machines, see
 ../shared/MACHINE.md), so the methods run interleaved, one repetition of each
-per round, the order rotated every round, and the report gives medians and
+per round in a fresh seeded order, and the report gives medians and
 ratios measured in the same run, never absolute figures to compare across runs.
 
 Save rows: pitstop ``save`` (durable) and ``async_save``; ``torch.save`` +
@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -132,6 +133,7 @@ class Bench:
         self.cache_mode = "cold" if drop_caches() else "warm (drop_caches not permitted)"
         self.notes: list[str] = []
         self._dcp_checked = False
+        self.orders: list[list[str]] = []
 
     # ------------------------------------------------------------------ helpers
     def next_step(self) -> int:
@@ -583,8 +585,10 @@ class Bench:
     def rounds(self) -> None:
         active = [r for r in self.rows if not r.skipped]
         for rep in range(self.args.reps):
-            k = rep % max(len(active), 1)
-            order = active[k:] + active[:k]  # rotate, so no method always follows the same one
+            # A fresh order every round (seeded, so runs are comparable): no method always
+            # follows the same one, e.g. the first write after a cache drop or a big delete.
+            order = random.Random(rep).sample(active, len(active))
+            self.orders.append([r.key for r in order])
             log(f"round {rep + 1}/{self.args.reps}: {' '.join(r.key for r in order)}")
             for row in order:
                 self.measure(row, rep)
@@ -672,12 +676,12 @@ def report(bench: Bench) -> dict[str, Any]:
         f"= {_fmt(gbps(nb, memcpy_secs), '.1f')} GB/s"
     )
     out()
-    header = f"{'method':38s} {'median s':>9s} {'min':>7s} {'max':>7s} {'GB/s':>6s}  {'ratio':<18s} {'+RSS/state':>10s}"
+    header = f"{'method':44s} {'median s':>9s} {'min':>7s} {'max':>7s} {'GB/s':>6s}  {'ratio':<18s} {'+RSS/state':>10s}"
     out(header)
     out("-" * len(header))
     for row in bench.rows:
         if row.skipped:
-            out(f"{row.label:38s} skipped: {row.skipped}")
+            out(f"{row.label:44s} skipped: {row.skipped}")
             continue
         lines: list[tuple[str, str]] = []
         if "stall" in row.samples and row.group == "save" and "save (durable)" not in row.label:
@@ -701,7 +705,7 @@ def report(bench: Bench) -> dict[str, Any]:
                 ratio = f"{_fmt(rate / w_gbps, '.2f')}x disk write"
             rss = median(row.samples.get("rss_added", [])) / nb if metric == "secs" else math.nan
             out(
-                f"{label:38s} {med:9.3f} {min(xs):7.3f} {max(xs):7.3f} {_fmt(rate, '6.2f'):>6s}  "
+                f"{label:44s} {med:9.3f} {min(xs):7.3f} {max(xs):7.3f} {_fmt(rate, '6.2f'):>6s}  "
                 f"{ratio:<18s} {_fmt(rss, '.2f'):>10s}"
             )
     out()
@@ -868,6 +872,7 @@ def report(bench: Bench) -> dict[str, Any]:
             }
             for r in bench.rows
         },
+        "orders": bench.orders,
         "ratios": ratios,
         "paired_ratios": paired,
         "extra_ratios": extra,

@@ -50,6 +50,8 @@ __all__ = [
     "NotACheckpointError",
     "PickleRefusedError",
     "RNGState",
+    "ResumableLoader",
+    "ResumableSampler",
     "SaveHandle",
     "SaveOptions",
     "StateMismatchError",
@@ -63,6 +65,8 @@ __all__ = [
 _LAZY = {
     "CheckpointManager": "pitstop.manager",
     "RNGState": "pitstop.state.rng",
+    "ResumableLoader": "pitstop.state.data",
+    "ResumableSampler": "pitstop.state.data",
     "SaveHandle": "pitstop.engine.handle",
     "load": "pitstop.oneshot",
     "save": "pitstop.oneshot",
@@ -72,6 +76,7 @@ if TYPE_CHECKING:
     from pitstop.engine.handle import SaveHandle
     from pitstop.manager import CheckpointManager
     from pitstop.oneshot import load, save
+    from pitstop.state.data import ResumableLoader, ResumableSampler
     from pitstop.state.rng import RNGState
 
 
