@@ -52,9 +52,9 @@ def test_sampler_exactly_once_at_every_position(replicas: int) -> None:
             else:  # the last batch drained the sampler: it had moved on to epoch 1 already
                 assert seen == full and rest == s2.epoch_indices(1), (rank, stop)
     if replicas == 2:
-        both = ResumableSampler(24, seed=1, num_replicas=2, rank=0).epoch_indices(0) + ResumableSampler(
-            24, seed=1, num_replicas=2, rank=1
-        ).epoch_indices(0)
+        both = ResumableSampler(24, seed=1, num_replicas=2, rank=0).epoch_indices(
+            0
+        ) + ResumableSampler(24, seed=1, num_replicas=2, rank=1).epoch_indices(0)
         assert sorted(both) == list(range(24))
 
 
@@ -73,7 +73,9 @@ def test_sampler_refuses_a_different_order() -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_loader_resumes_at_every_batch_with_identical_augmentation(workers: int, replicas: int) -> None:
+def test_loader_resumes_at_every_batch_with_identical_augmentation(
+    workers: int, replicas: int
+) -> None:
     n, bs = 20, 3
     ds = Augmented(n)
     kwargs = {"num_workers": workers, "seed": 5, "num_replicas": replicas}

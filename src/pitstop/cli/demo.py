@@ -25,7 +25,7 @@ def _train(
     cmd = [
         sys.executable, "-m", "pitstop.cli.demo_train",
         "--dir", os.path.join(workdir, name), "--steps", str(args.steps), "--every", str(args.every),
-        "--seed", str(args.seed), "--final", os.path.join(workdir, f"{name}-final"),
+        "--seed", str(args.seed), "--workers", str(args.workers), "--final", os.path.join(workdir, f"{name}-final"),
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -47,7 +47,7 @@ def _train(
             out["done"] = event
     code = proc.wait()
     out["code"], out["secs"] = code, time.perf_counter() - t0
-    if kill_at is None and code != 0:
+    if code != 0 and out["killed_at"] is None:
         raise RuntimeError(f"training process {name} exited with {code}")
     return out
 
@@ -65,7 +65,8 @@ def run_demo(args: argparse.Namespace) -> int:
         else random.randint(args.steps // 5, args.steps * 4 // 5)
     )
     print(
-        f"pitstop demo: {args.steps} steps, a checkpoint every {args.every}, SIGKILL near step {kill_at}"
+        f"pitstop demo: {args.steps} steps (DataLoader with {args.workers} workers, shuffling,"
+        f" augmentation, dropout), async_save every {args.every}, SIGKILL near step {kill_at}"
     )
     print(f"  working directory: {workdir}")
     try:

@@ -18,7 +18,7 @@ from torch import nn
 
 import pitstop
 
-__all__ = ["build", "main", "state_digest"]
+__all__ = ["Noisy", "build", "main", "state_digest"]
 
 SAMPLES, FEATURES, CLASSES, BATCH = 2048, 32, 8, 64
 
@@ -39,12 +39,19 @@ def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.Tenso
     return model, opt, sched, x, y
 
 
-def batch_indices(seed: int, step: int) -> torch.Tensor:
-    """The batch of ``step``: epoch order is a pure function of (seed, epoch)."""
-    per_epoch = SAMPLES // BATCH
-    epoch, pos = divmod(step, per_epoch)
-    perm = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[pos * BATCH : (pos + 1) * BATCH]
+class Noisy(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The synthetic set with random augmentation (noise and feature dropout) per sample."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.x[i] + 0.1 * torch.randn(FEATURES)
+        x = x * (torch.rand(FEATURES) > 0.1)
+        return x, self.y[i]
 
 
 def state_digest(model: nn.Module) -> str:
@@ -65,37 +72,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--every", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--final", required=True, help="where to save the final weights")
     args = p.parse_args(argv)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     model, opt, sched, x, y = build(args.seed)
+    loader = pitstop.ResumableLoader(
+        Noisy(x, y), BATCH, shuffle=True, seed=args.seed, num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+    )  # fmt: skip
     state = {
-        "model": model,
-        "optimizer": opt,
-        "scheduler": sched,
-        "progress": {"step": 0},
-        "rng": pitstop.RNGState(),
-    }
+        "model": model, "optimizer": opt, "scheduler": sched, "data": loader,
+        "progress": {"step": 0}, "rng": pitstop.RNGState(),
+    }  # fmt: skip
     with pitstop.CheckpointManager(args.dir, keep_last=3) as ckpt:
         t0 = time.perf_counter()
         restored = ckpt.restore(state)
         if restored is not None:
             _emit(event="restored", step=restored, secs=time.perf_counter() - t0)
-        start = state["progress"]["step"]
+        step = state["progress"]["step"]
         loss_fn = nn.CrossEntropyLoss()
-        for step in range(start, args.steps):
-            model.train()
-            idx = batch_indices(args.seed, step)
-            loss = loss_fn(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            state["progress"]["step"] = step + 1
-            if (step + 1) % args.every == 0:
-                ckpt.async_save(step + 1, state)
-            _emit(event="step", step=step + 1, loss=round(loss.item(), 6))
+        model.train()
+        while step < args.steps:
+            for xb, yb in loader:  # starts where the restored loader left off
+                loss = loss_fn(model(xb), yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                step += 1
+                state["progress"]["step"] = step
+                if step % args.every == 0:
+                    ckpt.async_save(step, state)
+                _emit(event="step", step=step, epoch=loader.epoch, loss=round(loss.item(), 6))
+                if step >= args.steps:
+                    break
         ckpt.wait()
         stats = [h.stats for h in ckpt.history]
         pitstop.save(args.final, {"model": model}, step=args.steps)

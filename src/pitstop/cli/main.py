@@ -232,9 +232,10 @@ def _parser() -> argparse.ArgumentParser:
     p = add("demo", "train, SIGKILL, resume and prove the weights match an uninterrupted run")
     p.add_argument("--dir", help="working directory (default: a new temporary one)")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=None, help="kill at this step (default: random)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--keep", action="store_true", help="keep the working directory")
     p.set_defaults(func=cmd_demo)
     return parser

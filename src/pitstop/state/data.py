@@ -124,7 +124,9 @@ class ResumableSampler(Sampler[int]):
                     "the data order would differ from the interrupted run"
                 )
         if not 0 <= state["consumed"] <= self.num_samples:
-            raise ValueError(f"sampler position {state['consumed']} is outside the epoch ({self.num_samples})")
+            raise ValueError(
+                f"sampler position {state['consumed']} is outside the epoch ({self.num_samples})"
+            )
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
@@ -276,7 +278,9 @@ class ResumableLoader:
         else:
             dataset = dataset_or_loader
         if batch_size is None or batch_size < 1:
-            raise ValueError("ResumableLoader needs a batch_size >= 1 (batches must have a fixed size to resume)")
+            raise ValueError(
+                "ResumableLoader needs a batch_size >= 1 (batches must have a fixed size to resume)"
+            )
         self.batch_size = batch_size
         self.sampler = ResumableSampler(
             dataset, shuffle=True if shuffle is None else shuffle, seed=seed,
@@ -289,7 +293,9 @@ class ResumableLoader:
         loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         if loader_kwargs["generator"] is None:
             loader_kwargs["generator"] = torch.Generator().manual_seed(seed)
-        self.loader = DataLoader(_SeededDataset(dataset), batch_sampler=self._batches, **loader_kwargs)
+        self.loader = DataLoader(
+            _SeededDataset(dataset), batch_sampler=self._batches, **loader_kwargs
+        )
 
     @property
     def epoch(self) -> int:
