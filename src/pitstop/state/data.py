@@ -130,7 +130,7 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
-class _Batch(list):  # type: ignore[type-arg]
+class _Batch(list):
     """A batch of indices that carries the seed its worker uses for augmentation."""
 
     seed: int = 0
@@ -283,7 +283,7 @@ class ResumableLoader:
             )
         self.batch_size = batch_size
         self.sampler = ResumableSampler(
-            dataset, shuffle=True if shuffle is None else shuffle, seed=seed,
+            len(dataset), shuffle=True if shuffle is None else shuffle, seed=seed,
             num_replicas=num_replicas, rank=rank, drop_last=False,
         )  # fmt: skip
         self._batches = _BatchSampler(self.sampler, batch_size, bool(drop_last))
