@@ -283,7 +283,8 @@ class ResumableLoader:
             )
         self.batch_size = batch_size
         self.sampler = ResumableSampler(
-            len(dataset), shuffle=True if shuffle is None else shuffle, seed=seed,
+            len(dataset),  # type: ignore[arg-type]
+            shuffle=True if shuffle is None else shuffle, seed=seed,
             num_replicas=num_replicas, rank=rank, drop_last=False,
         )  # fmt: skip
         self._batches = _BatchSampler(self.sampler, batch_size, bool(drop_last))
