@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import pitstop
-from child import digest, state_for
 from conftest import assert_same_tensors, tensors_of
 from pitstop.cli.main import main
 from pitstop.faults import KILL_POINTS
+from pitstop.testing.crash import digest, state_for
 
 pytestmark = pytest.mark.fault
 
-CHILD = os.path.join(os.path.dirname(__file__), "child.py")
+CHILD = "-m", "pitstop.testing.crash"
 # kill during the third save (keep_last=2): what must be committed afterwards
 EXPECTED = {
     "stage.mid:3": 2,
@@ -38,7 +38,7 @@ def _run_child(root: str, mode: str, steps: int, kill_at: str | None, timeout: f
     if kill_at:
         env["PITSTOP_KILL_AT"] = kill_at
     return subprocess.run(
-        [sys.executable, CHILD, root, mode, str(steps)], env=env, timeout=timeout
+        [sys.executable, *CHILD, root, mode, str(steps)], env=env, timeout=timeout
     ).returncode
 
 
@@ -77,7 +77,7 @@ def test_kill_at_named_point_during_async_saves(tmp_path: object, kill_at: str) 
     root = os.path.join(str(tmp_path), "ck")
     env = dict(os.environ, PITSTOP_KILL_AT=kill_at)
     code = subprocess.run(
-        [sys.executable, CHILD, root, "async", "8", "2"], env=env, timeout=120
+        [sys.executable, *CHILD, root, "async", "8", "2"], env=env, timeout=120
     ).returncode
     assert code == -signal.SIGKILL
     recorded = dict(line.split() for line in open(root + ".digests").read().splitlines())
@@ -97,7 +97,7 @@ def test_unknown_kill_point_is_an_error(tmp_path: object) -> None:
     root = os.path.join(str(tmp_path), "ck")
     env = dict(os.environ, PITSTOP_KILL_AT="persist.nowhere")
     proc = subprocess.run(
-        [sys.executable, CHILD, root, "sync", "1"],
+        [sys.executable, *CHILD, root, "sync", "1"],
         env=env,
         capture_output=True,
         text=True,
@@ -112,7 +112,7 @@ def test_kill_at_random_time_during_async_saves(tmp_path: object, trial: int) ->
     env = dict(os.environ)
     env.pop("PITSTOP_KILL_AT", None)
     proc = subprocess.Popen(
-        [sys.executable, CHILD, root, "async", "400", "3"], env=env, stdout=subprocess.DEVNULL
+        [sys.executable, *CHILD, root, "async", "400", "3"], env=env, stdout=subprocess.DEVNULL
     )
     rng = random.Random(trial)
     deadline = time.time() + 60

@@ -35,7 +35,8 @@ ALLOWED: dict[str, set[int]] = {
     "pitstop.policy": {0},
 }  # fmt: skip
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.dist", "pitstop.engine", "pitstop.manager",
-            "pitstop.oneshot", "pitstop.cli.demo", "pitstop.sim", "pitstop.bench")  # fmt: skip
+            "pitstop.oneshot", "pitstop.cli.demo", "pitstop.sim", "pitstop.bench",
+            "pitstop.testing.crash")  # fmt: skip
 TORCH_FREE = [
     "pitstop", "pitstop.errors", "pitstop.options", "pitstop.faults", "pitstop.format.manifest",
     "pitstop.format.checksum", "pitstop.format.names", "pitstop.io.parallel", "pitstop.io.arena",

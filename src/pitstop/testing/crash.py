@@ -1,6 +1,6 @@
-"""A training child for fault tests: saves a state that is a pure function of the step.
+"""A training child for crash tests and benchmarks: saves a state that is a pure function of the step.
 
-usage: python child.py ROOT MODE STEPS [KEEP_LAST]
+usage: python -m pitstop.testing.crash ROOT MODE STEPS [KEEP_LAST]
   MODE sync:  ckpt.save every step
   MODE async: a training step between async_saves; before each save it appends
               "<step> <digest>" to ROOT.digests (fsynced), so the parent knows what was saved.
@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 import pitstop
+
+__all__ = ["digest", "main", "state_for"]
 
 
 def state_for(step: int) -> dict[str, object]:
@@ -55,13 +57,13 @@ def main() -> None:
             for step in range(1, steps + 1):
                 ckpt.save(step, state_for(step))
         else:
-            log = open(root + ".digests", "a")
-            for step in range(1, steps + 1):
-                state = state_for(step)
-                log.write(f"{step} {digest(state)}\n")
-                log.flush()
-                os.fsync(log.fileno())
-                ckpt.async_save(step, state)
+            with open(root + ".digests", "a") as log:
+                for step in range(1, steps + 1):
+                    state = state_for(step)
+                    log.write(f"{step} {digest(state)}\n")
+                    log.flush()
+                    os.fsync(log.fileno())
+                    ckpt.async_save(step, state)
     print("finished", flush=True)
 
 
