@@ -7,6 +7,7 @@ limits are measured with the same tools as pitstop itself.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -25,6 +26,7 @@ __all__ = [
     "ALIGN",
     "AlignedBuffer",
     "PeakRSS",
+    "anon_huge_bytes",
     "build_state",
     "drop_caches",
     "fsync_dir",
@@ -118,15 +120,30 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 
 
 class AlignedBuffer:
-    """An anonymous, page-aligned, pre-faulted mapping, plus a uint8 tensor viewing it."""
+    """An anonymous, page-aligned, pre-faulted mapping, plus a uint8 tensor viewing it.
 
-    def __init__(self, nbytes: int) -> None:
+    With ``huge`` the mapping is advised MADV_HUGEPAGE *before* it is touched, so it is
+    backed by transparent huge pages where the kernel allows (advising after MAP_POPULATE
+    leaves the 4 KiB pages in place). Physically contiguous 2 MiB pages let the block layer
+    build requests of max_sectors_kb instead of max_segments x 4 KiB.
+    """
+
+    def __init__(self, nbytes: int, *, huge: bool = True) -> None:
         self.nbytes = max((nbytes + ALIGN - 1) // ALIGN * ALIGN, ALIGN)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if not huge:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
         self.mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self.mm)
         self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
-        self.tensor.fill_(0)  # touch every page even without MAP_POPULATE
+        self.tensor.fill_(0)  # touch every page (faults them in when not populated)
+
+    def huge_bytes(self) -> int:
+        """Bytes of this mapping backed by transparent huge pages (AnonHugePages)."""
+        return anon_huge_bytes(self.tensor.data_ptr())
 
     def views(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
         """Views of the buffer shaped like ``tensors`` at ``offsets``."""
@@ -143,6 +160,28 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+def anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping that holds ``address`` (from /proc/self/smaps); 0 if unknown."""
+    current: tuple[int, int] | None = None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if parts and "-" in parts[0] and not parts[0].endswith(":"):
+                    lo, _, hi = parts[0].partition("-")
+                    current = (int(lo, 16), int(hi, 16))
+                elif (
+                    parts
+                    and parts[0] == "AnonHugePages:"
+                    and current
+                    and current[0] <= address < current[1]
+                ):
+                    return int(parts[1]) * 1024
+    except (OSError, ValueError):
+        return 0
+    return 0
 
 
 def rss_bytes() -> int:

@@ -49,6 +49,7 @@ import torch
 from _common import (
     AlignedBuffer,
     PeakRSS,
+    anon_huge_bytes,
     build_state,
     drop_caches,
     fsync_dir,
@@ -134,6 +135,7 @@ class Bench:
         self.notes: list[str] = []
         self._dcp_checked = False
         self.orders: list[list[str]] = []
+        self._arena: tuple[Any, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ helpers
     def next_step(self) -> int:
@@ -156,6 +158,20 @@ class Bench:
                 for dst, src in zip(self._buffer.views(self.tensors, self.offsets), self.tensors):
                     dst.copy_(src)
         return self._buffer
+
+    def arena_buffer(self) -> tuple[memoryview, torch.Tensor]:
+        """A pitstop Arena (allocated exactly as pitstop allocates its own) holding the state."""
+        if self._arena is None:
+            from pitstop.io.arena import Arena
+
+            arena = Arena(self.file_bytes)
+            target = torch.frombuffer(arena.view, dtype=torch.uint8)
+            with torch.no_grad():
+                for src, off in zip(self.tensors, self.offsets):
+                    n = src.numel() * src.element_size()
+                    target[off : off + n].view(src.dtype).view(src.shape).copy_(src)
+            self._arena = (arena, target)
+        return self._arena[0].view, self._arena[1]
 
     def fresh_restored_ok(self, restore: Callable[[], object]) -> bool:
         """Scramble the restore target, run ``restore``, compare with the saved state."""
@@ -214,7 +230,12 @@ class Bench:
         self.managers.append(mgr)
         t0 = perf()
         mgr.save(self.next_step(), self.state)  # warm-up: allocates the arena, caches the plan
-        info = {"warmup_secs": perf() - t0, "host_bytes": mgr.host_bytes}
+        info: dict[str, Any] = {"warmup_secs": perf() - t0, "host_bytes": mgr.host_bytes}
+        try:  # private attribute, for the report only
+            ptr = next(iter(mgr._saver._buffers.values())).data_ptr()
+            info["arena_huge_bytes"] = anon_huge_bytes(ptr)
+        except Exception:
+            pass
         remove_children(d)
         return Row(
             "pitstop_save",
@@ -480,24 +501,38 @@ class Bench:
         )
 
     # ------------------------------------------------------------------ limits
-    def row_raw_write(self, request: int) -> Row:
-        buf = self.buffer()
-        path = os.path.join(self.subdir("raw_write"), f"raw{request // MIB}.bin")
+    def row_raw_write(self, request: int, *, arena: bool = False) -> Row:
+        """Raw O_DIRECT writes: from the huge-page buffer, or (``arena``) from a pitstop Arena."""
+        if arena:
+            view, target = self.arena_buffer()
+            info = {"huge_bytes": anon_huge_bytes(target.data_ptr())}
+            key, label = (
+                f"raw_write_{request // MIB}_arena",
+                f"raw O_DIRECT write {request // MIB} MiB, pitstop Arena",
+            )
+        else:
+            buf = self.buffer()
+            view = buf.view
+            info = {"huge_bytes": buf.huge_bytes()}
+            key, label = (
+                f"raw_write_{request // MIB}",
+                f"raw O_DIRECT write {request // MIB} MiB x2 thr",
+            )
+        path = os.path.join(self.subdir("raw_write"), f"{key}.bin")
 
         def run() -> Metrics:
             t0 = perf()
-            direct = raw_write(path, buf.view, self.file_bytes, request=request, pool=self.pool)
+            direct = raw_write(path, view, self.file_bytes, request=request, pool=self.pool)
             return {"secs": perf() - t0, "direct_io": float(direct)}
 
         run()
         remove_path(path)
-        return Row(
-            f"raw_write_{request // MIB}",
-            f"raw O_DIRECT write {request // MIB} MiB x2 thr",
-            "limit",
-            run,
-            after=lambda: remove_path(path),
+        note = (
+            "4 KiB pages (MADV_HUGEPAGE after MAP_POPULATE): pitstop's buffer, raw loop"
+            if arena
+            else ""
         )
+        return Row(key, label, "limit", run, after=lambda: remove_path(path), info=info, note=note)
 
     def row_memcpy(self) -> Row:
         views = self.buffer().views(self.tensors, self.offsets)
@@ -512,29 +547,38 @@ class Bench:
         run()
         return Row("memcpy", "memcpy into reused buffer", "limit", run)
 
-    def row_raw_read(self, request: int) -> Row:
+    def row_raw_read(self, request: int, *, arena: bool = False) -> Row:
+        """Raw O_DIRECT reads: into the huge-page buffer, or (``arena``) into a pitstop Arena."""
         buf = self.buffer()
         path = os.path.join(self.subdir("restore_raw"), "raw.bin")
         if not os.path.exists(path):
             raw_write(path, buf.view, self.file_bytes, request=64 * MIB, pool=self.pool)
-        views = buf.views(self.tensors, self.offsets)
-        buf.tensor.zero_()
-        raw_read(path, buf.view, self.file_bytes, request=request, pool=self.pool)
-        ok = state_equal(views, self.tensors)
+        if arena:
+            view, target = self.arena_buffer()
+            key = f"raw_read_{request // MIB}_arena"
+            label = f"raw O_DIRECT read {request // MIB} MiB, pitstop Arena"
+        else:
+            view, target = buf.view, buf.tensor
+            key = f"raw_read_{request // MIB}"
+            label = f"raw O_DIRECT read {request // MIB} MiB x2 thr"
+        target.zero_()
+        raw_read(path, view, self.file_bytes, request=request, pool=self.pool)
+        ok = state_equal(
+            [
+                target[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for t, o in zip(self.tensors, self.offsets)
+            ],
+            self.tensors,
+        )
 
         def run() -> Metrics:
             t0 = perf()
-            direct = raw_read(path, buf.view, self.file_bytes, request=request, pool=self.pool)
+            direct = raw_read(path, view, self.file_bytes, request=request, pool=self.pool)
             return {"secs": perf() - t0, "direct_io": float(direct)}
 
-        return Row(
-            f"raw_read_{request // MIB}",
-            f"raw O_DIRECT read {request // MIB} MiB x2 thr",
-            "limit",
-            run,
-            cold=True,
-            info={"verified": ok},
-        )
+        info = {"verified": ok, "huge_bytes": anon_huge_bytes(target.data_ptr())}
+        note = "4 KiB pages, as pitstop's restore reads" if arena else ""
+        return Row(key, label, "limit", run, cold=True, info=info, note=note)
 
     # ------------------------------------------------------------------ run
     def setup(self) -> None:
@@ -552,6 +596,11 @@ class Bench:
         a(self.row_torchsnapshot, "torchsnapshot", "torchsnapshot take + fsync")
         a(lambda: self.row_raw_write(64 * MIB), "raw_write_64", "raw O_DIRECT write 64 MiB")
         a(lambda: self.row_raw_write(256 * MIB), "raw_write_256", "raw O_DIRECT write 256 MiB")
+        a(
+            lambda: self.row_raw_write(64 * MIB, arena=True),
+            "raw_write_64_arena",
+            "raw O_DIRECT write 64 MiB, pitstop Arena",
+        )
         a(self.row_memcpy, "memcpy", "memcpy into reused buffer")
         a(self.row_pitstop_restore, "pitstop_restore", "pitstop restore")
         a(self.row_pitstop_restore_fresh, "pitstop_restore_fresh", "pitstop restore (new manager)")
@@ -559,6 +608,11 @@ class Bench:
         a(self.row_dcp_load, "dcp_load", "DCP load")
         a(lambda: self.row_raw_read(64 * MIB), "raw_read_64", "raw O_DIRECT read 64 MiB")
         a(lambda: self.row_raw_read(256 * MIB), "raw_read_256", "raw O_DIRECT read 256 MiB")
+        a(
+            lambda: self.row_raw_read(64 * MIB, arena=True),
+            "raw_read_64_arena",
+            "raw O_DIRECT read 64 MiB, pitstop Arena",
+        )
 
     def measure(self, row: Row, rep: int) -> None:
         if row.skipped:
@@ -650,8 +704,8 @@ def _check(name: str, value: float, target: str, detail: str) -> dict[str, Any]:
 def report(bench: Bench) -> dict[str, Any]:
     nb = bench.state_bytes
     rows = _by_key(bench.rows)
-    disk_w = _best_limit(rows, ("raw_write_64", "raw_write_256"))
-    disk_r = _best_limit(rows, ("raw_read_64", "raw_read_256"))
+    disk_w = _best_limit(rows, ("raw_write_64", "raw_write_256", "raw_write_64_arena"))
+    disk_r = _best_limit(rows, ("raw_read_64", "raw_read_256", "raw_read_64_arena"))
     memcpy = rows.get("memcpy")
     w_gbps = gbps(nb, disk_w.med()) if disk_w else math.nan
     r_gbps = gbps(nb, disk_r.med()) if disk_r else math.nan
@@ -753,6 +807,17 @@ def report(bench: Bench) -> dict[str, Any]:
                 f"{v['host_bytes'] / 1e9:.3f} GB -> {v['added_rss_per_state_per_arena']:.3f} x state per arena "
                 f"({a_row.info.get('rss_method')})"
             )
+    huge = {
+        r.key: r.info[k]
+        for r in bench.rows
+        for k in ("huge_bytes", "arena_huge_bytes")
+        if k in r.info
+    }
+    if huge:
+        out(
+            "  transparent huge pages backing the buffers (AnonHugePages / file bytes): "
+            + ", ".join(f"{k} {v / max(bench.file_bytes, 1):.2f}" for k, v in huge.items())
+        )
     for row in bench.rows:
         if "verified" in row.info and not row.info["verified"]:
             out(f"  WARNING: {row.label} did not restore the saved values in the warm-up check")
@@ -796,6 +861,26 @@ def report(bench: Bench) -> dict[str, Any]:
         "restore_new_manager_vs_disk": (
             gbps(nb, rows["pitstop_restore_fresh"].med()) / r_gbps
             if "pitstop_restore_fresh" in rows
+            else math.nan
+        ),
+        "save_vs_raw_write_from_pitstop_arena": (
+            rows["raw_write_64_arena"].med() / ps.med()
+            if ps and "raw_write_64_arena" in rows
+            else math.nan
+        ),
+        "raw_arena_vs_raw_hugepage_buffer": (
+            rows["raw_write_64"].med() / rows["raw_write_64_arena"].med()
+            if "raw_write_64" in rows and "raw_write_64_arena" in rows
+            else math.nan
+        ),
+        "restore_vs_raw_read_into_pitstop_arena": (
+            rows["raw_read_64_arena"].med() / pr.med()
+            if pr and "raw_read_64_arena" in rows
+            else math.nan
+        ),
+        "raw_read_arena_vs_raw_read_hugepage_buffer": (
+            rows["raw_read_64"].med() / rows["raw_read_64_arena"].med()
+            if "raw_read_64" in rows and "raw_read_64_arena" in rows
             else math.nan
         ),
         "save_vs_dcp_save": rows["dcp_save"].med() / ps.med()

@@ -9,6 +9,12 @@ Call sequence (training thread)::
         ckpt.async_save(step, state)       # or ckpt.save(step, state): durable on return
     ckpt.close()                           # waits for saves in flight
 
+or let a policy choose when, from what it measures::
+
+    for step in ...:
+        ...
+        ckpt.step(step, state, loss=loss.item())   # True when it started a save
+
 Retention runs on the persist thread right after a commit: older checkpoints
 beyond ``keep_last`` are un-committed (manifest removed first) and deleted;
 the newest committed one and any save in flight are never touched.
@@ -16,20 +22,31 @@ the newest committed one and any save in flight are never touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
 import uuid
 from collections.abc import Mapping
+from types import FrameType
 from typing import Any
 
 from pitstop.engine.catalog import Entry, committed, read_manifest, scan
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.restore import load_checkpoint
 from pitstop.engine.saver import Saver
-from pitstop.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from pitstop.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from pitstop.faults import killpoint
 from pitstop.format.names import quarantine_dir_name, step_dir_name
 from pitstop.log import get_logger
 from pitstop.options import IOOptions, SaveOptions
+from pitstop.policy import CheckFreq, CheckpointPolicy, PolicyContext
+from pitstop.profiler import Profiler, ProfileStats
 from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage
 
@@ -60,6 +77,7 @@ class CheckpointManager:
         io_threads: int | None = None,
         chunk_bytes: int | None = None,
         direct_io: str | None = None,
+        policy: CheckpointPolicy | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -82,6 +100,12 @@ class CheckpointManager:
         self.storage: Storage = root if isinstance(root, Storage) else LocalStorage(root, io)
         self.keep_last = keep_last
         self._saver = Saver(self.storage, self.options, on_commit=self._retain)
+        self.policy: CheckpointPolicy = policy if policy is not None else CheckFreq()
+        self.profiler = Profiler()
+        self._loop = _LoopClock()
+        self._preempted: int | None = None
+        self._signals: dict[int, Any] = {}
+        self._exit_code: int | None = 0
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage.url!r}, keep_last={self.keep_last})"
@@ -112,6 +136,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for saves in flight and release memory and threads."""
+        for sig, previous in self._signals.items():
+            signal.signal(sig, previous)
+        self._signals.clear()
         self._saver.close()
 
     @property
@@ -123,6 +150,109 @@ class CheckpointManager:
     def history(self) -> list[SaveHandle]:
         """Handles of the most recent saves (their ``stats`` hold the timings)."""
         return list(self._saver.history)
+
+    # ------------------------------------------------------------------ policy-driven
+    def step(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        loss: float | None = None,
+        epoch: int | None = None,
+        epoch_end: bool = False,
+    ) -> bool:
+        """Call once per iteration, after ``optimizer.step()``: measures, asks the policy,
+        and starts an ``async_save`` when it says so. Returns whether it did.
+
+        After ``save_on_signal``, the first call after the signal saves synchronously and
+        raises SystemExit (a clean exit: ``with`` blocks and ``finally`` clauses run).
+        """
+        loop = self._loop
+        now = time.perf_counter()
+        if loop.last is not None:
+            self.profiler.iteration(now - loop.last, persisting=loop.persisting)
+        else:
+            loop.start = now
+        self._collect()
+        if self._preempted is not None:
+            self._save_and_exit(step, state)
+        measured = self.profiler.snapshot()
+        ctx = PolicyContext(
+            step=step,
+            elapsed_secs=now - loop.start,
+            steps_since_checkpoint=step - loop.ckpt_step if loop.ckpt_step is not None else step,
+            secs_since_checkpoint=now
+            - (loop.ckpt_time if loop.ckpt_time is not None else loop.start),
+            iter_secs=measured.iter_secs,
+            stall_secs=measured.stall_secs,
+            persist_secs=measured.persist_secs,
+            slowdown_secs=measured.slowdown_secs,
+            in_flight=len(loop.pending),
+            max_in_flight=self.options.max_in_flight,
+            checkpoints=self.profiler.checkpoints + len(loop.pending),
+            epoch=epoch,
+            epoch_end=epoch_end,
+            loss=loss,
+        )
+        started = False
+        if self.policy.decide(ctx):
+            t0 = time.perf_counter()
+            try:
+                loop.pending.append(self.async_save(step, state))
+                started = True
+            except CheckpointExistsError:
+                pass  # resumed at a step that is already committed
+            stall = time.perf_counter() - t0
+            self.profiler.stall(stall)
+            if started:
+                loop.ckpt_step, loop.ckpt_time = step, time.perf_counter()
+        loop.persisting = bool(loop.pending)
+        loop.last = time.perf_counter()
+        return started
+
+    def _collect(self) -> None:
+        """Feed committed saves to the profiler."""
+        loop = self._loop
+        done = [h for h in loop.pending if h.done()]
+        loop.pending = [h for h in loop.pending if not h.done()]
+        for h in done:
+            if h.committed:
+                self.profiler.checkpoint(h.stats)
+        self._saver.raise_pending()
+
+    def stats(self) -> ProfileStats:
+        """Robust running estimates: iteration time, stall, persist time, slowdown, bandwidth, overhead."""
+        self._collect()
+        interval = getattr(self.policy, "interval", None) or getattr(
+            self.policy, "interval_secs", None
+        )
+        return self.profiler.snapshot(interval=interval)
+
+    def save_on_signal(self, *signals: int, exit_code: int | None = 0) -> None:
+        """On any of ``signals`` (default SIGTERM and SIGUSR1, as schedulers send before a
+        kill), the next ``step()`` saves a final checkpoint and, unless ``exit_code`` is
+        None, exits cleanly with it. Call from the main thread."""
+        self._exit_code = exit_code
+        for sig in signals or (signal.SIGTERM, signal.SIGUSR1):
+            self._signals[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._preempted = signum
+
+    @property
+    def preempted(self) -> bool:
+        """True once a signal of ``save_on_signal`` arrived."""
+        return self._preempted is not None
+
+    def _save_and_exit(self, step: int, state: Mapping[str, Any]) -> None:
+        _log.warning("signal %s: saving a final checkpoint at step %d", self._preempted, step)
+        self.wait()
+        with contextlib.suppress(CheckpointExistsError):  # already saved at this step
+            self.save(step, state)
+        code = self._exit_code
+        self._preempted = None
+        if code is not None:
+            raise SystemExit(code)
 
     # ------------------------------------------------------------------ query
     def steps(self) -> list[int]:
@@ -238,3 +368,15 @@ class CheckpointManager:
             for name in names:
                 self.storage.remove(name)
         return names
+
+
+class _LoopClock:
+    """Timing state of ``CheckpointManager.step`` (training thread only)."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.last: float | None = None
+        self.persisting = False
+        self.ckpt_step: int | None = None
+        self.ckpt_time: float | None = None
+        self.pending: list[SaveHandle] = []

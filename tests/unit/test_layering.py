@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "pitstop.dist": 4, "pitstop.state": 4,
     "pitstop.engine": 5, "pitstop.multilevel": 5,
     "pitstop.policy": 0,
-    "pitstop.manager": 6, "pitstop.oneshot": 6,
+    "pitstop.manager": 6, "pitstop.oneshot": 6, "pitstop.profiler": 6,
     "pitstop.cli": 7, "pitstop.sim": 7, "pitstop.bench": 7, "pitstop.testing": 7,
 }  # fmt: skip
 # which lower layers each may import (DESIGN.md's table)

@@ -1,0 +1,61 @@
+"""The context a policy decides on, and the policy protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = ["CheckpointPolicy", "PolicyContext"]
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What is known after an iteration. Times are seconds of wall-clock training time.
+
+    Estimates are None until measured. ``iter_secs`` is the compute time of one
+    iteration (stalls excluded); ``stall_secs`` how long a checkpoint blocks the
+    loop; ``persist_secs`` how long the background write takes until commit;
+    ``slowdown_secs`` how much longer training takes, per checkpoint, because a
+    persist runs beside it (contention for cores, memory bandwidth, the GIL).
+    """
+
+    step: int
+    elapsed_secs: float
+    steps_since_checkpoint: int
+    secs_since_checkpoint: float
+    iter_secs: float | None = None
+    stall_secs: float | None = None
+    persist_secs: float | None = None
+    slowdown_secs: float | None = None
+    in_flight: int = 0
+    max_in_flight: int = 1
+    checkpoints: int = 0
+    epoch: int | None = None
+    epoch_end: bool = False
+    loss: float | None = None
+
+    @property
+    def measured(self) -> bool:
+        """True once an iteration and a whole checkpoint have been measured."""
+        return (
+            self.iter_secs is not None
+            and self.stall_secs is not None
+            and self.persist_secs is not None
+        )
+
+    def checkpoint_cost(self, *, overlapped: bool) -> float:
+        """Training time one checkpoint costs: the stall, plus the slowdown while it persists,
+        or plus the whole persist when persists cannot overlap with training."""
+        stall = self.stall_secs or 0.0
+        if overlapped:
+            return stall + (self.slowdown_secs or 0.0)
+        return stall + (self.persist_secs or 0.0)
+
+
+@runtime_checkable
+class CheckpointPolicy(Protocol):
+    """``decide(ctx)`` is called once per iteration, on the training thread (or by the
+    simulator); True means: checkpoint now. A policy may keep state between calls
+    (fits, current interval) but reads no clock and does no I/O."""
+
+    def decide(self, ctx: PolicyContext) -> bool: ...

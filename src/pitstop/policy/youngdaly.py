@@ -1,0 +1,49 @@
+"""YoungDaly: the interval that minimizes expected lost time, from the measured cost and the MTBF."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pitstop.policy.base import PolicyContext
+from pitstop.policy.theory import daly_optimum, young_interval
+
+__all__ = ["YoungDaly"]
+
+
+@dataclass
+class YoungDaly:
+    """Checkpoint every tau seconds of training, tau = Daly's exact optimum
+    ``M [1 + W0(-exp(-(C/M + 1)))]`` (``exact=False``: Young's sqrt(2CM)).
+
+    C is the measured cost of one checkpoint: the stall plus the slowdown while
+    it persists, or plus the whole persist when saves cannot overlap training
+    (``max_in_flight == 1`` and a persist longer than the interval). Until a
+    checkpoint has been measured, one is taken after ``warmup`` iterations.
+    ``mtbf_secs`` is the job's mean time between failures (per-node MTBF / nodes).
+    """
+
+    mtbf_secs: float
+    restart_secs: float = 0.0
+    exact: bool = True
+    warmup: int = 5
+    interval_secs: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mtbf_secs <= 0:
+            raise ValueError(f"YoungDaly needs mtbf_secs > 0, got {self.mtbf_secs}")
+
+    def interval_for(self, cost_secs: float) -> float:
+        return (
+            daly_optimum(cost_secs, self.mtbf_secs)
+            if self.exact
+            else young_interval(cost_secs, self.mtbf_secs)
+        )
+
+    def decide(self, ctx: PolicyContext) -> bool:
+        if not ctx.measured:
+            return ctx.checkpoints == 0 and ctx.step >= self.warmup
+        tau = self.interval_for(max(ctx.checkpoint_cost(overlapped=True), 1e-9))
+        if ctx.max_in_flight == 1 and (ctx.persist_secs or 0.0) > tau:
+            tau = self.interval_for(ctx.checkpoint_cost(overlapped=False))
+        self.interval_secs = tau
+        return ctx.secs_since_checkpoint >= tau

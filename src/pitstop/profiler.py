@@ -1,0 +1,105 @@
+"""The online profiler behind ``ckpt.step``: robust running estimates of what checkpoints cost.
+
+Call sequence (training thread): ``iteration(secs, persisting)`` once per step with
+the compute time of the iteration (stalls excluded) and whether a persist was
+running beside it; ``checkpoint(stats)`` once per committed save; ``snapshot()``
+for the policy context and ``ckpt.stats()``. Estimates are medians over a sliding
+window, so they follow a disk that slows down or iterations that speed up, and a
+single outlier does not move them. The first ``warmup`` iterations are not counted.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from pitstop.engine.handle import SaveStats
+
+__all__ = ["ProfileStats", "Profiler"]
+
+
+@dataclass(frozen=True)
+class ProfileStats:
+    """What ``ckpt.stats()`` returns. Times in seconds; None until measured."""
+
+    iterations: int
+    checkpoints: int
+    iter_secs: float | None
+    stall_secs: float | None
+    persist_secs: float | None
+    slowdown_secs: float | None
+    checkpoint_bytes: int | None
+    write_gbps: float | None
+    training_secs: float
+    overhead: float
+    """Measured fraction of training time spent on checkpoints (stalls + slowdown)."""
+    interval: float | None = None
+    """The policy's current interval (iterations or seconds, as the policy counts), if it has one."""
+
+
+def _median(values: deque[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class Profiler:
+    def __init__(self, window: int = 50, warmup: int = 5) -> None:
+        self.warmup = warmup
+        self.iterations = 0
+        self.checkpoints = 0
+        self._quiet: deque[float] = deque(maxlen=window)  # iterations with no persist beside them
+        self._busy: deque[float] = deque(maxlen=window)  # iterations during a persist
+        self._stall: deque[float] = deque(maxlen=max(5, window // 5))
+        self._persist: deque[float] = deque(maxlen=max(5, window // 5))
+        self._gbps: deque[float] = deque(maxlen=max(5, window // 5))
+        self._bytes: int | None = None
+        self.training_secs = 0.0
+        self.stall_total = 0.0
+
+    def iteration(self, secs: float, persisting: bool) -> None:
+        self.iterations += 1
+        if self.iterations <= self.warmup:
+            return
+        self.training_secs += secs
+        (self._busy if persisting else self._quiet).append(secs)
+
+    def stall(self, secs: float) -> None:
+        """The loop was blocked ``secs`` by a save (counted when it happens)."""
+        self.stall_total += secs
+        self.training_secs += secs
+
+    def checkpoint(self, stats: SaveStats) -> None:
+        self.checkpoints += 1
+        self._stall.append(stats.stall_secs)
+        self._persist.append(max(stats.total_secs - stats.stall_secs, 0.0))
+        self._bytes = stats.nbytes
+        if stats.write_gbps > 0:
+            self._gbps.append(stats.write_gbps)
+
+    @property
+    def iter_secs(self) -> float | None:
+        return _median(self._quiet) or _median(self._busy)
+
+    def slowdown_secs(self) -> float | None:
+        """Extra training time per checkpoint while it persists (0 when it does not slow training)."""
+        quiet, busy, persist = _median(self._quiet), _median(self._busy), _median(self._persist)
+        if quiet is None or busy is None or persist is None:
+            return None
+        return max(busy - quiet, 0.0) * (persist / max(quiet, 1e-9))
+
+    def snapshot(self, interval: float | None = None) -> ProfileStats:
+        slowdown = self.slowdown_secs()
+        overhead_secs = self.stall_total + (slowdown or 0.0) * self.checkpoints
+        return ProfileStats(
+            iterations=self.iterations,
+            checkpoints=self.checkpoints,
+            iter_secs=self.iter_secs,
+            stall_secs=_median(self._stall),
+            persist_secs=_median(self._persist),
+            slowdown_secs=slowdown,
+            checkpoint_bytes=self._bytes,
+            write_gbps=_median(self._gbps),
+            training_secs=self.training_secs,
+            overhead=overhead_secs / self.training_secs if self.training_secs > 0 else 0.0,
+            interval=interval,
+        )

@@ -1,0 +1,241 @@
+"""Policies on synthetic measurements; the manager's step() hook; save on SIGTERM."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pitstop
+from pitstop.policy import (
+    Any,
+    CheckFreq,
+    Every,
+    EveryEpoch,
+    EveryN,
+    PolicyContext,
+    ValueAware,
+    YoungDaly,
+    daly_higher_order,
+    daly_optimum,
+    lambert_w0,
+    young_interval,
+)
+
+
+def ctx(**kw: float | int | bool | None) -> PolicyContext:
+    base: dict[str, object] = {
+        "step": 100, "elapsed_secs": 100.0, "steps_since_checkpoint": 0, "secs_since_checkpoint": 0.0,
+        "iter_secs": 0.3, "stall_secs": 0.2, "persist_secs": 6.0, "slowdown_secs": 0.0,
+        "checkpoints": 1, "max_in_flight": 2,
+    }  # fmt: skip
+    base.update(kw)
+    return PolicyContext(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "mtbf_hours, exact_min, higher_order_min",
+    [(24, 116.7, 117), (6, 56.7, 57), (0.25, 9.17, 9.1)],
+)
+def test_daly_published_examples(
+    mtbf_hours: float, exact_min: float, higher_order_min: float
+) -> None:
+    c, m = 5 * 60.0, mtbf_hours * 3600
+    assert daly_optimum(c, m) / 60 == pytest.approx(exact_min, abs=0.05)
+    assert (
+        round(daly_higher_order(c, m) / 60, 0 if higher_order_min > 10 else 1) == higher_order_min
+    )
+    assert young_interval(c, m) == pytest.approx(math.sqrt(2 * c * m))
+
+
+def test_lambert_w0() -> None:
+    for x in (-1 / math.e, -0.3, -0.1, -1e-9, 0.0, 0.5, 1.0, 10.0, 1e6):
+        w = lambert_w0(x)
+        assert w * math.exp(w) == pytest.approx(x, abs=1e-12, rel=1e-12)
+    assert lambert_w0(1.0) == pytest.approx(0.5671432904097838)
+    with pytest.raises(ValueError):
+        lambert_w0(-1.0)
+
+
+def test_fixed_policies() -> None:
+    p = EveryN(10)
+    assert not p.decide(ctx(steps_since_checkpoint=9)) and p.decide(ctx(steps_since_checkpoint=10))
+    assert EveryEpoch().decide(ctx(epoch_end=True)) and not EveryEpoch().decide(ctx())
+    assert Every(secs=5).decide(ctx(secs_since_checkpoint=5.0)) and not Every(secs=5).decide(
+        ctx(secs_since_checkpoint=4.9)
+    )
+    both = Any(EveryN(100), EveryEpoch())
+    assert both.decide(ctx(epoch_end=True)) and both.decide(ctx(steps_since_checkpoint=100))
+    assert not both.decide(ctx(steps_since_checkpoint=3))
+    with pytest.raises(ValueError):
+        EveryN(0)
+
+
+def test_checkfreq_paper_example_and_budget() -> None:
+    # CheckFreq's example: T_i = 0.3 s, t_full = 6 s, t_stall = 0.2 s -> k = 20 (persist-bound)
+    p = CheckFreq(max_overhead=0.035)
+    assert p.choose(ctx()) == 20
+    # a budget-bound case: overhead per checkpoint 0.5 s, 2 % budget of 0.1 s iterations -> k = 250
+    assert (
+        CheckFreq(0.02).choose(
+            ctx(iter_secs=0.1, stall_secs=0.3, slowdown_secs=0.2, persist_secs=1.0)
+        )
+        == 250
+    )
+    k = CheckFreq(0.02).choose(
+        ctx(iter_secs=0.1, stall_secs=0.3, slowdown_secs=0.2, persist_secs=1.0)
+    )
+    assert (0.3 + 0.2) / (k * 0.1) <= 0.02 and (0.3 + 0.2) / ((k - 1) * 0.1) > 0.02
+
+
+def test_checkfreq_retunes_both_ways() -> None:
+    p = CheckFreq(0.02)
+    base = p.choose(ctx(iter_secs=0.3, stall_secs=0.05, persist_secs=1.0))
+    slower_disk = p.choose(ctx(iter_secs=0.3, stall_secs=0.05, persist_secs=8.0))
+    faster_iters = p.choose(ctx(iter_secs=0.1, stall_secs=0.05, persist_secs=1.0))
+    recovered = p.choose(ctx(iter_secs=0.3, stall_secs=0.05, persist_secs=1.0))
+    assert slower_disk > base and faster_iters > base and recovered == base
+    assert (
+        p.choose(ctx(iter_secs=0.6, stall_secs=0.05, persist_secs=1.0)) < base
+    )  # slower iterations
+
+
+def test_checkfreq_probes_once_then_follows_interval() -> None:
+    p = CheckFreq(0.02, warmup=2, profile=3)
+    unmeasured = {"stall_secs": None, "persist_secs": None, "checkpoints": 0}
+    assert not p.decide(ctx(step=4, **unmeasured))
+    assert p.decide(ctx(step=5, **unmeasured))  # the probe
+    assert not p.decide(
+        ctx(step=6, stall_secs=None, persist_secs=None, checkpoints=1)
+    )  # wait for it
+    k = p.choose(ctx())
+    assert not p.decide(ctx(steps_since_checkpoint=k - 1)) and p.decide(
+        ctx(steps_since_checkpoint=k)
+    )
+    assert p.interval == k
+
+
+def test_young_daly_policy_uses_measured_cost() -> None:
+    p = YoungDaly(mtbf_secs=6 * 3600)
+    c = ctx(stall_secs=300.0, slowdown_secs=0.0, persist_secs=10.0)
+    tau = daly_optimum(300.0, 6 * 3600)
+    assert not p.decide(PolicyContext(**{**c.__dict__, "secs_since_checkpoint": tau - 1}))
+    assert p.decide(PolicyContext(**{**c.__dict__, "secs_since_checkpoint": tau}))
+    assert p.interval_secs == pytest.approx(tau)
+    # saves that cannot overlap training pay the whole persist
+    serial = YoungDaly(mtbf_secs=600)
+    serial.decide(ctx(stall_secs=1.0, persist_secs=200.0, max_in_flight=1))
+    assert serial.interval_secs == pytest.approx(daly_optimum(201.0, 600))
+
+
+def _value_schedule(policy: ValueAware, hours: float, loss: object) -> list[float]:
+    """Feed a synthetic run second by second; return the checkpoint times."""
+    times, last = [], 0.0
+    for t in range(0, int(hours * 3600), 10):
+        c = ctx(step=t, elapsed_secs=float(t), secs_since_checkpoint=t - last, stall_secs=2.0,
+                persist_secs=20.0, slowdown_secs=1.0, loss=loss(t))  # type: ignore[operator]  # fmt: skip
+        if policy.decide(c):
+            times.append(float(t))
+            last = float(t)
+    return times
+
+
+def test_value_aware_is_dense_early_and_sparse_late() -> None:
+    def loss(t: float) -> float:
+        return 0.4 + 3.0 * math.exp(-t / 3000.0) + 0.02 * math.sin(t)  # noisy, flattening
+
+    policy = ValueAware(mtbf_secs=4 * 3600, horizon_secs=10 * 3600)
+    times = _value_schedule(policy, 10, loss)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    early = [g for a, g in zip(times, gaps) if a < 3600]
+    late = [g for a, g in zip(times, gaps) if a > 8 * 3600]
+    assert early and late
+    assert sum(early) / len(early) < 0.5 * sum(late) / len(late)
+    young = daly_optimum(3.0, 4 * 3600)
+    assert (
+        max(gaps) <= 4.0 * young + 10
+    )  # never beyond max_factor x Daly: late training stays protected
+    assert min(early) < young  # denser than uniform placement early on
+    assert policy.curve.fitted and policy.curve.b == pytest.approx(1 / 3000.0, rel=0.3)
+
+
+def test_value_aware_is_scale_free() -> None:
+    def loss(t: float) -> float:
+        return 0.4 + 3.0 * math.exp(-t / 3000.0)
+
+    a = _value_schedule(ValueAware(mtbf_secs=3600, horizon_secs=20000), 5, loss)
+    b = _value_schedule(
+        ValueAware(mtbf_secs=3600, horizon_secs=20000), 5, lambda t: 1000 * loss(t) - 7
+    )
+    assert a == b
+
+
+def test_value_aware_without_loss_is_young_daly() -> None:
+    p = ValueAware(mtbf_secs=3600, max_overhead=0.99)
+    p.decide(ctx(stall_secs=2.0, slowdown_secs=1.0, persist_secs=1.0))
+    assert p.interval_secs == pytest.approx(daly_optimum(3.0, 3600))
+
+
+def test_manager_step_follows_the_policy(root: str) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    with pitstop.CheckpointManager(root, policy=EveryN(3)) as ckpt:
+        taken = [s for s in range(1, 11) if ckpt.step(s, state, loss=1.0 / s)]
+        ckpt.wait()
+        assert taken == [3, 6, 9] and ckpt.steps() == [3, 6, 9]
+        stats = ckpt.stats()
+        assert stats.iterations == 9 and stats.checkpoints == 3  # intervals between 10 calls
+        assert (
+            stats.stall_secs is not None
+            and stats.persist_secs is not None
+            and stats.checkpoint_bytes
+        )
+        assert 0.0 < stats.overhead < 1.0
+
+
+def test_manager_step_default_checkfreq_takes_a_probe(root: str) -> None:
+    state = {"w": torch.zeros(1000)}
+    with pitstop.CheckpointManager(root) as ckpt:
+        taken = [s for s in range(1, 40) if ckpt.step(s, state)]
+        assert taken[0] == 15  # warmup 5 + profile 10, then one probe to measure
+        ckpt.wait()
+        ckpt.step(40, state)  # sees the probe's measurements
+        assert isinstance(ckpt.policy, CheckFreq) and ckpt.policy.interval is not None
+        assert ckpt.stats().interval == ckpt.policy.interval
+
+
+def test_save_on_sigterm_saves_and_exits_cleanly(tmp_path: object) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch, pitstop
+        from pitstop.policy import EveryN
+        state = {{"x": torch.zeros(3), "extra": {{"step": 0}}}}
+        with pitstop.CheckpointManager({root!r}, policy=EveryN(1000)) as ckpt:
+            ckpt.save_on_signal(signal.SIGTERM)
+            try:
+                for step in range(1, 100):
+                    state["x"] += 1
+                    state["extra"]["step"] = step
+                    if step == 7:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    ckpt.step(step, state)
+            finally:
+                print("cleaned up", flush=True)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "cleaned up" in out.stdout
+    assert pitstop.CheckpointManager(root).steps() == [7]  # the first step() after the signal
+    got = pitstop.load(root)
+    assert got["extra"]["step"] == 7 and torch.equal(got["x"], torch.full((3,), 7.0))
