@@ -528,7 +528,7 @@ class Bench:
         run()
         remove_path(path)
         note = (
-            "4 KiB pages (MADV_HUGEPAGE after MAP_POPULATE): pitstop's buffer, raw loop"
+            "4 KiB pages (MADV_HUGEPAGE after MAP_POPULATE), as pitstop's saves write"
             if arena
             else ""
         )
@@ -917,7 +917,7 @@ def report(bench: Bench) -> dict[str, Any]:
         )
     out("INFO (not targets):")
     for k, v in extra.items():
-        out(f"  {k:40s} {_fmt(v, '.3f')}")
+        out(f"  {k:44s} {_fmt(v, '.3f')}")
 
     return {
         "config": {
