@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -125,8 +126,8 @@ def test_young_daly_policy_uses_measured_cost() -> None:
     p = YoungDaly(mtbf_secs=6 * 3600)
     c = ctx(stall_secs=300.0, slowdown_secs=0.0, persist_secs=10.0)
     tau = daly_optimum(300.0, 6 * 3600)
-    assert not p.decide(PolicyContext(**{**c.__dict__, "secs_since_checkpoint": tau - 1}))
-    assert p.decide(PolicyContext(**{**c.__dict__, "secs_since_checkpoint": tau}))
+    assert not p.decide(dataclasses.replace(c, secs_since_checkpoint=tau - 1))
+    assert p.decide(dataclasses.replace(c, secs_since_checkpoint=tau))
     assert p.interval_secs == pytest.approx(tau)
     # saves that cannot overlap training pay the whole persist
     serial = YoungDaly(mtbf_secs=600)

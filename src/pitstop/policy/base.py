@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 __all__ = ["CheckpointPolicy", "PolicyContext"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PolicyContext:
     """What is known after an iteration. Times are seconds of wall-clock training time.
 

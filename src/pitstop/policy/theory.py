@@ -25,16 +25,18 @@ def lambert_w0(x: float) -> float:
     else:
         lx = math.log(x)
         w = lx - math.log(lx)
-    for _ in range(100):
+    previous = math.inf
+    for _ in range(50):  # Halley's method converges cubically; rounding ends it near the branch
         ew = math.exp(w)
         f = w * ew - x
         wp1 = w + 1.0
-        if wp1 == 0.0:
+        if wp1 == 0.0 or f == 0.0:
             break
         step = f / (ew * wp1 - (w + 2.0) * f / (2.0 * wp1))
         w -= step
-        if abs(step) <= 1e-15 * (1.0 + abs(w)):
+        if abs(step) <= 1e-14 * (1.0 + abs(w)) or abs(step) >= previous:
             break
+        previous = abs(step)
     return w
 
 

@@ -143,6 +143,7 @@ class ValueAware:
     _points: deque[tuple[float, float]] = field(default_factory=deque, repr=False)
     _since_fit: int = 0
     _first_loss: float | None = None
+    _cached: tuple[tuple[float, float], float, float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mtbf_secs <= 0:
@@ -163,6 +164,7 @@ class ValueAware:
         ):
             self.curve.fit(*_binned(list(self._points), 200))
             self._since_fit = 0
+            self._cached = None
 
     def relative_value(self, t: float) -> float:
         """w(t): progress rate at t over the mean rate of the run (1 when unknown)."""
@@ -176,6 +178,14 @@ class ValueAware:
         return self.curve.rate(t) / mean_rate
 
     def interval_for(self, t: float, cost: float, persist: float) -> float:
+        key = (cost, persist)
+        if self._cached is not None and self._cached[0] == key and abs(t - self._cached[1]) < 0.01 * self._cached[2]:
+            return self._cached[2]  # w(t) changes slowly: recompute after 1 % of an interval
+        tau = self._interval(t, cost, persist)
+        self._cached = (key, t, tau)
+        return tau
+
+    def _interval(self, t: float, cost: float, persist: float) -> float:
         self.weight = max(self.relative_value(t), 1e-12)
         tau_max = self.max_factor * daly_optimum(cost, self.mtbf_secs)
         tau_min = min(max(cost / self.max_overhead, persist), tau_max)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pitstop.policy.base import PolicyContext
 from pitstop.policy.theory import daly_optimum, young_interval
@@ -27,17 +27,21 @@ class YoungDaly:
     exact: bool = True
     warmup: int = 5
     interval_secs: float | None = None
+    _memo: tuple[float, float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mtbf_secs <= 0:
             raise ValueError(f"YoungDaly needs mtbf_secs > 0, got {self.mtbf_secs}")
 
     def interval_for(self, cost_secs: float) -> float:
-        return (
-            daly_optimum(cost_secs, self.mtbf_secs)
-            if self.exact
-            else young_interval(cost_secs, self.mtbf_secs)
-        )
+        if self._memo is not None and self._memo[0] == cost_secs:
+            return self._memo[1]
+        if self.exact:
+            tau = daly_optimum(cost_secs, self.mtbf_secs)
+        else:
+            tau = young_interval(cost_secs, self.mtbf_secs)
+        self._memo = (cost_secs, tau)
+        return tau
 
     def decide(self, ctx: PolicyContext) -> bool:
         if not ctx.measured:

@@ -1,0 +1,179 @@
+"""The discrete-event simulation of one run: iterations, two-phase checkpoints, failures, restarts.
+
+It drives the very policy objects the manager drives, with the same
+:class:`~pitstop.policy.PolicyContext` (a fresh copy of the policy per run). The
+context's measurements appear as they would in a real run: iteration time after
+the warm-up, checkpoint costs after the first checkpoint commits.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+
+from pitstop.policy.base import CheckpointPolicy, PolicyContext
+from pitstop.sim.model import FailureModel, JobModel, LossModel
+
+__all__ = ["RunResult", "simulate"]
+
+WARMUP = 5
+
+
+@dataclass
+class RunResult:
+    """One simulated run. Seconds of wall-clock time unless said otherwise."""
+
+    policy: str
+    seed: int
+    wall_secs: float = 0.0
+    work_secs: float = 0.0
+    checkpoint_secs: float = 0.0  # stalls + slowdown of training while persisting
+    lost_secs: float = 0.0  # compute redone after failures
+    restart_secs: float = 0.0
+    checkpoints: int = 0
+    failures: int = 0
+    value_lost_secs: float = 0.0  # lost work weighted by the progress it bought (LossModel)
+    value_ft_overhead_secs: float = 0.0  # checkpoint + value-weighted lost work + restarts, until the stop
+    stopped_at_secs: float | None = None  # early termination (compute time), if the loss model has one
+    finished: bool = True  # False: failures came faster than the policy let it progress
+    events: list[tuple[float, str, float]] = field(default_factory=list)  # (wall, kind, progress secs)
+
+    @property
+    def goodput(self) -> float:
+        """Useful compute over wall-clock time (of the committed work, for a run that did not finish)."""
+        return self.work_secs / self.wall_secs if self.wall_secs > 0 else 0.0
+
+    @property
+    @property
+    def ft_overhead_secs(self) -> float:
+        """Fault-tolerance overhead: checkpoint cost + lost work + restarts."""
+        return self.checkpoint_secs + self.lost_secs + self.restart_secs
+
+    @property
+    def lost_per_failure_secs(self) -> float:
+        return self.lost_secs / self.failures if self.failures else 0.0
+
+
+def _name(policy: CheckpointPolicy) -> str:
+    return repr(policy).split("(")[0] if "(" in repr(policy) else type(policy).__name__
+
+
+def simulate(
+    job: JobModel,
+    failures: FailureModel,
+    policy: CheckpointPolicy,
+    *,
+    seed: int = 0,
+    loss: LossModel | None = None,
+    loss_every_secs: float = 60.0,
+    record: bool = False,
+    name: str | None = None,
+    max_wall_factor: float = 50.0,
+) -> RunResult:
+    """Run ``job`` to the end (or to the loss model's early stop) under ``failures`` with ``policy``."""
+    rng = random.Random(seed)
+    policy = copy.deepcopy(policy)
+    fail_times = failures.times(job.work_secs * max_wall_factor, rng)
+    stop_rng = random.Random(seed * 7919 + 1)
+    target = job.iterations
+    result = RunResult(policy=name or _name(policy), seed=seed)
+    if loss is not None and loss.stop_min is not None:
+        target = max(1, round(job.iterations * stop_rng.uniform(loss.stop_min, 1.0)))
+        result.stopped_at_secs = target * job.iter_secs
+    it = job.iter_secs
+    per_iter_slowdown = job.slowdown_secs * it / job.persist_secs if job.persist_secs > 0 else 0.0
+    loss_every = max(1, round(loss_every_secs / it))
+    epoch = job.iterations_per_epoch
+
+    t = 0.0
+    progress = committed = last_ckpt = 0
+    queue: list[tuple[float, int]] = []  # (commit time, iteration) of persists in flight, in order
+    persist_free_at = 0.0
+    measured = False
+    fi = 0
+    ckpt_count = 0
+    secs_since_restart = 0.0
+
+    def fail(at: float) -> None:
+        nonlocal t, progress, fi, queue, last_ckpt, persist_free_at, secs_since_restart
+        cls = failures.pick_class(rng)
+        lost = progress - committed
+        lost_secs = lost * it + (at - t if at > t else 0.0)
+        result.failures += 1
+        result.lost_secs += lost_secs
+        if loss is not None:
+            result.value_lost_secs += loss.weighted_secs(committed * it, progress * it, job.work_secs)
+        restart = job.restart_secs + (cls.extra_restart_secs if cls else 0.0)
+        result.restart_secs += restart
+        if record:
+            result.events.append((at, "failure", progress * it))
+        t = at + restart
+        progress = last_ckpt = committed
+        queue = []
+        persist_free_at = t
+        fi += 1
+        secs_since_restart = 0.0
+
+    cap = job.work_secs * max_wall_factor
+    while progress < target:
+        if t > cap:
+            result.finished = False
+            break
+        busy = bool(queue)
+        dur = it + (per_iter_slowdown if busy else 0.0)
+        if fi < len(fail_times) and fail_times[fi] < t + dur:
+            fail(fail_times[fi])
+            continue
+        t += dur
+        if busy:
+            result.checkpoint_secs += per_iter_slowdown
+        progress += 1
+        while queue and queue[0][0] <= t:
+            committed = queue.pop(0)[1]
+            measured = True
+            if record:
+                result.events.append((t, "commit", committed * it))
+        ctx = PolicyContext(
+            step=progress,
+            elapsed_secs=progress * it,
+            steps_since_checkpoint=progress - last_ckpt,
+            secs_since_checkpoint=(progress - last_ckpt) * it,
+            iter_secs=it if progress > WARMUP else None,
+            stall_secs=job.stall_secs if measured else None,
+            persist_secs=job.persist_secs if measured else None,
+            slowdown_secs=job.slowdown_secs if measured else None,
+            in_flight=len(queue),
+            max_in_flight=job.max_in_flight,
+            checkpoints=ckpt_count,
+            epoch=progress // epoch if epoch else None,
+            epoch_end=bool(epoch) and progress % epoch == 0,  # type: ignore[operator]
+            loss=loss.loss(progress * it) if loss is not None and progress % loss_every == 0 else None,
+        )
+        if not policy.decide(ctx):
+            continue
+        stall = job.stall_secs
+        if len(queue) >= job.max_in_flight:  # every arena busy: wait for the oldest persist
+            stall += max(0.0, queue[0][0] - t)
+        if fi < len(fail_times) and fail_times[fi] < t + stall:
+            fail(fail_times[fi])
+            continue
+        t += stall
+        result.checkpoint_secs += stall
+        start = max(t, persist_free_at)
+        persist_free_at = start + job.persist_secs
+        queue.append((persist_free_at, progress))
+        last_ckpt = progress
+        ckpt_count += 1
+        result.checkpoints += 1
+        if record:
+            result.events.append((t, "checkpoint", progress * it))
+        if job.persist_secs == 0:
+            committed = progress
+            queue.pop()
+            measured = True
+    result.wall_secs = t
+    result.work_secs = (target if result.finished else committed) * it
+    if loss is not None:
+        result.value_ft_overhead_secs = result.checkpoint_secs + result.value_lost_secs + result.restart_secs
+    return result

@@ -1,0 +1,167 @@
+"""What the simulator simulates: a job, its checkpoint costs, its failures, its value. No torch.
+
+Times are seconds. A *job* needs ``work_secs`` of compute (``iterations`` x
+``iter_secs``). A checkpoint stalls the loop ``stall_secs``, then persists in the
+background for ``persist_secs`` (slowing training by ``slowdown_secs`` in all, spread
+over the persist), and counts once committed. A failure loses the work since the last
+committed checkpoint and costs ``restart_secs``.
+
+Failures come from an exponential process (``weibull_shape=1``), a Weibull renewal
+process (shape < 1: failures cluster, as Tiwari et al. observed), or a trace of
+failure times. The job's MTBF is the per-node MTBF divided by the node count.
+Multi-level jobs give each failure a *class* (process crash, node loss,
+catastrophe), each recovered from the cheapest level that survives it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["FailureClass", "FailureModel", "JobModel", "LossModel", "load_profile", "load_trace"]
+
+
+@dataclass(frozen=True)
+class JobModel:
+    iter_secs: float
+    stall_secs: float
+    persist_secs: float
+    iterations: int
+    slowdown_secs: float = 0.0
+    restart_secs: float = 60.0
+    max_in_flight: int = 2
+    iterations_per_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("iter_secs", "stall_secs", "persist_secs", "slowdown_secs", "restart_secs"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"JobModel.{f} must be >= 0, got {getattr(self, f)}")
+        if self.iter_secs <= 0 or self.iterations < 1:
+            raise ValueError("JobModel needs iter_secs > 0 and iterations >= 1")
+
+    @property
+    def work_secs(self) -> float:
+        return self.iter_secs * self.iterations
+
+    @classmethod
+    def for_hours(cls, hours: float, **kw: Any) -> JobModel:
+        """A job of ``hours`` of compute."""
+        return cls(iterations=max(1, round(hours * 3600 / kw["iter_secs"])), **kw)
+
+
+@dataclass(frozen=True)
+class FailureClass:
+    """A kind of failure: its share of all failures, and the extra restart cost of recovering
+    from the level that survives it (e.g. rebuilding from a partner, fetching from shared storage)."""
+
+    name: str
+    share: float
+    extra_restart_secs: float = 0.0
+    loses_level: int = 0
+    """Checkpoints on levels below this one are lost (0: none; 1: node-local copies; ...)."""
+
+
+@dataclass(frozen=True)
+class FailureModel:
+    """Failures of the whole job: exponential or Weibull inter-arrival times, or a trace."""
+
+    mtbf_secs: float
+    weibull_shape: float = 1.0
+    trace: tuple[float, ...] | None = None
+    classes: tuple[FailureClass, ...] = ()
+
+    @classmethod
+    def per_node(cls, mtbf_hours_per_node: float, nodes: int, **kw: Any) -> FailureModel:
+        return cls(mtbf_secs=mtbf_hours_per_node * 3600 / max(1, nodes), **kw)
+
+    def times(self, horizon_secs: float, rng: random.Random) -> list[float]:
+        """Failure times in [0, horizon) of wall-clock time."""
+        if self.trace is not None:
+            return sorted(t for t in self.trace if 0 <= t < horizon_secs)
+        out: list[float] = []
+        t = 0.0
+        k = self.weibull_shape
+        scale = self.mtbf_secs / math.gamma(1 + 1 / k)  # so that the mean gap is the MTBF
+        while True:
+            t += rng.weibullvariate(scale, k) if k != 1.0 else rng.expovariate(1 / self.mtbf_secs)
+            if t >= horizon_secs:
+                return out
+            out.append(t)
+
+    def pick_class(self, rng: random.Random) -> FailureClass | None:
+        if not self.classes:
+            return None
+        x = rng.random() * sum(c.share for c in self.classes)
+        for c in self.classes:
+            x -= c.share
+            if x <= 0:
+                return c
+        return self.classes[-1]
+
+
+@dataclass(frozen=True)
+class LossModel:
+    """The training loss as a function of compute time, L(t) = floor + scale * exp(-t / tau),
+    for value-aware policies and value-weighted figures; and when the run may be stopped early
+    (COCI's exploratory setting): at a time drawn uniformly from [stop_min, 1] x the job's work."""
+
+    floor: float = 0.5
+    scale: float = 3.0
+    tau_secs: float = 3 * 3600.0
+    stop_min: float | None = None
+
+    def loss(self, t: float) -> float:
+        return self.floor + self.scale * math.exp(-t / self.tau_secs)
+
+    def weight(self, t: float, work_secs: float) -> float:
+        """Progress rate at t relative to the mean rate over the job's work."""
+        mean = (self.loss(0.0) - self.loss(work_secs)) / work_secs
+        rate = self.scale / self.tau_secs * math.exp(-t / self.tau_secs)
+        return rate / mean if mean > 0 else 1.0
+
+    def weighted_secs(self, t0: float, t1: float, work_secs: float) -> float:
+        """Integral of weight(t) dt over [t0, t1]: value-weighted seconds of work."""
+        if t1 <= t0:
+            return 0.0
+        mean = (self.loss(0.0) - self.loss(work_secs)) / work_secs
+        return (self.loss(t0) - self.loss(t1)) / mean if mean > 0 else t1 - t0
+
+
+def load_profile(path: str) -> dict[str, float]:
+    """The job-model fields found in a profile JSON (``iter_secs``, ``stall_secs``, ...)."""
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a profile must be a JSON object")
+    names = {f.name for f in fields(JobModel)}
+    out = {k: float(v) for k, v in doc.items() if k in names and isinstance(v, (int, float)) and v is not None}
+    if not out:
+        raise ValueError(f"{path}: no job-model fields ({', '.join(sorted(names))}) in the profile")
+    return out
+
+
+def load_trace(path: str) -> tuple[float, ...]:
+    """Failure times (seconds since the job started) from a CSV: one per row, first column,
+    or a column named ``time_secs``; a header row is skipped."""
+    times: list[float] = []
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return ()
+    column = 0
+    if rows[0] and "time_secs" in rows[0]:
+        column = rows[0].index("time_secs")
+    for i, row in enumerate(rows):
+        if not row or not row[column].strip():
+            continue
+        try:
+            times.append(float(row[column]))
+        except ValueError:
+            if i == 0:
+                continue  # a header
+            raise ValueError(f"{path}: row {i + 1} has no number in column {column + 1}: {row!r}") from None
+    return tuple(sorted(times))
