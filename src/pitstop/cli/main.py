@@ -30,6 +30,8 @@ EXAMPLES = {
     "verify": "pitstop verify ckpts            # every committed step\n  pitstop verify ckpts --step 1200",
     "gc": "pitstop gc ckpts --dry-run",
     "demo": "pitstop demo --steps 300 --every 10",
+    "simulate": "pitstop simulate --iter-secs 0.5 --stall-secs 0.05 --persist-secs 0.7 --mtbf-hours 4 \\\n"
+    "      --nodes 64 --hours 72 --policy all --plot out.png",
 }
 
 
@@ -191,6 +193,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pitstop.cli.simulate import run_simulate
+
+    try:
+        return run_simulate(args)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pitstop", description="Frequent, cheap, exact checkpoints for PyTorch training."
@@ -228,6 +239,12 @@ def _parser() -> argparse.ArgumentParser:
         "--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt"
     )
     p.set_defaults(func=cmd_gc)
+
+    p = add("simulate", "compare checkpoint policies under simulated failures (no torch needed)")
+    from pitstop.cli.simulate import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_simulate)
 
     p = add("demo", "train, SIGKILL, resume and prove the weights match an uninterrupted run")
     p.add_argument("--dir", help="working directory (default: a new temporary one)")

@@ -179,7 +179,11 @@ class ValueAware:
 
     def interval_for(self, t: float, cost: float, persist: float) -> float:
         key = (cost, persist)
-        if self._cached is not None and self._cached[0] == key and abs(t - self._cached[1]) < 0.01 * self._cached[2]:
+        if (
+            self._cached is not None
+            and self._cached[0] == key
+            and abs(t - self._cached[1]) < 0.01 * self._cached[2]
+        ):
             return self._cached[2]  # w(t) changes slowly: recompute after 1 % of an interval
         tau = self._interval(t, cost, persist)
         self._cached = (key, t, tau)

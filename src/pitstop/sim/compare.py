@@ -68,7 +68,9 @@ def compare(
     out = []
     for name, policy in policies.items():
         runs = tuple(
-            simulate(job, failures, policy, seed=s, loss=loss, name=name, record=record_first and s == 0)
+            simulate(
+                job, failures, policy, seed=s, loss=loss, name=name, record=record_first and s == 0
+            )
             for s in range(seeds)
         )
         out.append(PolicySummary(name, runs))

@@ -34,17 +34,22 @@ class RunResult:
     checkpoints: int = 0
     failures: int = 0
     value_lost_secs: float = 0.0  # lost work weighted by the progress it bought (LossModel)
-    value_ft_overhead_secs: float = 0.0  # checkpoint + value-weighted lost work + restarts, until the stop
-    stopped_at_secs: float | None = None  # early termination (compute time), if the loss model has one
+    value_ft_overhead_secs: float = (
+        0.0  # checkpoint + value-weighted lost work + restarts, until the stop
+    )
+    stopped_at_secs: float | None = (
+        None  # early termination (compute time), if the loss model has one
+    )
     finished: bool = True  # False: failures came faster than the policy let it progress
-    events: list[tuple[float, str, float]] = field(default_factory=list)  # (wall, kind, progress secs)
+    events: list[tuple[float, str, float]] = field(
+        default_factory=list
+    )  # (wall, kind, progress secs)
 
     @property
     def goodput(self) -> float:
         """Useful compute over wall-clock time (of the committed work, for a run that did not finish)."""
         return self.work_secs / self.wall_secs if self.wall_secs > 0 else 0.0
 
-    @property
     @property
     def ft_overhead_secs(self) -> float:
         """Fault-tolerance overhead: checkpoint cost + lost work + restarts."""
@@ -103,7 +108,9 @@ def simulate(
         result.failures += 1
         result.lost_secs += lost_secs
         if loss is not None:
-            result.value_lost_secs += loss.weighted_secs(committed * it, progress * it, job.work_secs)
+            result.value_lost_secs += loss.weighted_secs(
+                committed * it, progress * it, job.work_secs
+            )
         restart = job.restart_secs + (cls.extra_restart_secs if cls else 0.0)
         result.restart_secs += restart
         if record:
@@ -148,7 +155,9 @@ def simulate(
             checkpoints=ckpt_count,
             epoch=progress // epoch if epoch else None,
             epoch_end=bool(epoch) and progress % epoch == 0,  # type: ignore[operator]
-            loss=loss.loss(progress * it) if loss is not None and progress % loss_every == 0 else None,
+            loss=loss.loss(progress * it)
+            if loss is not None and progress % loss_every == 0
+            else None,
         )
         if not policy.decide(ctx):
             continue
@@ -175,5 +184,7 @@ def simulate(
     result.wall_secs = t
     result.work_secs = (target if result.finished else committed) * it
     if loss is not None:
-        result.value_ft_overhead_secs = result.checkpoint_secs + result.value_lost_secs + result.restart_secs
+        result.value_ft_overhead_secs = (
+            result.checkpoint_secs + result.value_lost_secs + result.restart_secs
+        )
     return result

@@ -138,7 +138,11 @@ def load_profile(path: str) -> dict[str, float]:
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a profile must be a JSON object")
     names = {f.name for f in fields(JobModel)}
-    out = {k: float(v) for k, v in doc.items() if k in names and isinstance(v, (int, float)) and v is not None}
+    out = {
+        k: float(v)
+        for k, v in doc.items()
+        if k in names and isinstance(v, (int, float)) and v is not None
+    }
     if not out:
         raise ValueError(f"{path}: no job-model fields ({', '.join(sorted(names))}) in the profile")
     return out
@@ -163,5 +167,7 @@ def load_trace(path: str) -> tuple[float, ...]:
         except ValueError:
             if i == 0:
                 continue  # a header
-            raise ValueError(f"{path}: row {i + 1} has no number in column {column + 1}: {row!r}") from None
+            raise ValueError(
+                f"{path}: row {i + 1} has no number in column {column + 1}: {row!r}"
+            ) from None
     return tuple(sorted(times))
