@@ -41,7 +41,7 @@ TORCH_FREE = [
     "pitstop", "pitstop.errors", "pitstop.options", "pitstop.faults", "pitstop.format.manifest",
     "pitstop.format.checksum", "pitstop.format.names", "pitstop.io.parallel", "pitstop.io.arena",
     "pitstop.storage", "pitstop.engine.catalog", "pitstop.engine.verify", "pitstop.cli.main",
-    "pitstop.testing",
+    "pitstop.testing", "pitstop.policy", "pitstop.sim", "pitstop.cli.simulate", "pitstop.profiler",
 ]  # fmt: skip
 
 
@@ -145,6 +145,8 @@ def test_torch_free_modules_import_and_run_without_torch(tmp_path: object) -> No
         assert main(["ls", {root!r}]) == 0
         assert main(["verify", {root!r}]) == 0
         assert main(["inspect", {root!r}]) == 0
+        assert main(["simulate", "--iter-secs", "1", "--stall-secs", "0.1", "--persist-secs", "1",
+                     "--hours", "1", "--seeds", "1", "--jobs", "1", "--policy", "checkfreq"]) == 0
         assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
         print("TORCH-FREE OK")
         """

@@ -178,7 +178,7 @@ def test_value_aware_is_scale_free() -> None:
 
 
 def test_value_aware_without_loss_is_young_daly() -> None:
-    p = ValueAware(mtbf_secs=3600, max_overhead=0.99)
+    p = ValueAware(mtbf_secs=3600)
     p.decide(ctx(stall_secs=2.0, slowdown_secs=1.0, persist_secs=1.0))
     assert p.interval_secs == pytest.approx(daly_optimum(3.0, 3600))
 

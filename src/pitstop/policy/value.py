@@ -122,15 +122,15 @@ class ValueAware:
     """Checkpoint every tau(t) = Daly(C, M / w(t)) seconds, w = progress rate relative to the mean.
 
     ``mtbf_secs``: the job's MTBF. ``horizon_secs``: expected length of the run (the mean
-    progress rate is taken over it; default: over the run so far). ``max_overhead``
-    bounds tau from below (tau >= C / max_overhead, and >= the persist time);
-    ``max_factor`` bounds it from above (tau <= max_factor * Daly(C, M)). Pass the loss
+    progress rate is taken over it; default: over the run so far). tau stays within
+    [Daly(C, M) / max_factor, max_factor * Daly(C, M)], at least the persist time, and, with
+    ``max_overhead``, at least C / max_overhead. Pass the loss
     to ``ckpt.step(step, state, loss=...)``; until the curve is fitted, w = 1 (Young/Daly).
     """
 
     mtbf_secs: float
     horizon_secs: float | None = None
-    max_overhead: float = 0.05
+    max_overhead: float | None = None
     max_factor: float = 4.0
     model: str = "exp"
     window: int = 4000
@@ -191,8 +191,10 @@ class ValueAware:
 
     def _interval(self, t: float, cost: float, persist: float) -> float:
         self.weight = max(self.relative_value(t), 1e-12)
-        tau_max = self.max_factor * daly_optimum(cost, self.mtbf_secs)
-        tau_min = min(max(cost / self.max_overhead, persist), tau_max)
+        base = daly_optimum(cost, self.mtbf_secs)
+        tau_max = self.max_factor * base
+        floor = cost / self.max_overhead if self.max_overhead else 0.0
+        tau_min = min(max(base / self.max_factor, persist, floor), tau_max)
         effective_mtbf = self.mtbf_secs / self.weight
         tau = daly_optimum(cost, effective_mtbf) if cost < 2 * effective_mtbf else effective_mtbf
         return min(max(tau, tau_min), tau_max)

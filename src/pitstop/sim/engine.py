@@ -87,7 +87,6 @@ def simulate(
         target = max(1, round(job.iterations * stop_rng.uniform(loss.stop_min, 1.0)))
         result.stopped_at_secs = target * job.iter_secs
     it = job.iter_secs
-    per_iter_slowdown = job.slowdown_secs * it / job.persist_secs if job.persist_secs > 0 else 0.0
     loss_every = max(1, round(loss_every_secs / it))
     epoch = job.iterations_per_epoch
 
@@ -127,14 +126,10 @@ def simulate(
         if t > cap:
             result.finished = False
             break
-        busy = bool(queue)
-        dur = it + (per_iter_slowdown if busy else 0.0)
-        if fi < len(fail_times) and fail_times[fi] < t + dur:
+        if fi < len(fail_times) and fail_times[fi] < t + it:
             fail(fail_times[fi])
             continue
-        t += dur
-        if busy:
-            result.checkpoint_secs += per_iter_slowdown
+        t += it
         progress += 1
         while queue and queue[0][0] <= t:
             committed = queue.pop(0)[1]
@@ -161,7 +156,8 @@ def simulate(
         )
         if not policy.decide(ctx):
             continue
-        stall = job.stall_secs
+        # the slowdown of training beside a persist is charged once, with the stall
+        stall = job.stall_secs + job.slowdown_secs
         if len(queue) >= job.max_in_flight:  # every arena busy: wait for the oldest persist
             stall += max(0.0, queue[0][0] - t)
         if fi < len(fail_times) and fail_times[fi] < t + stall:

@@ -2,8 +2,9 @@
 
 Times are seconds. A *job* needs ``work_secs`` of compute (``iterations`` x
 ``iter_secs``). A checkpoint stalls the loop ``stall_secs``, then persists in the
-background for ``persist_secs`` (slowing training by ``slowdown_secs`` in all, spread
-over the persist), and counts once committed. A failure loses the work since the last
+background for ``persist_secs`` and counts once committed; the slowdown of training
+beside the persist (``slowdown_secs`` in all) is charged with the stall, so that a
+run without failures takes exactly work + (stall + slowdown) x checkpoints. A failure loses the work since the last
 committed checkpoint and costs ``restart_secs``.
 
 Failures come from an exponential process (``weibull_shape=1``), a Weibull renewal

@@ -1,0 +1,171 @@
+"""The failure simulator: exact accounting, Daly's optimum, determinism, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from pitstop.cli.main import main
+from pitstop.policy import CheckFreq, EveryEpoch, EveryN, ValueAware, YoungDaly, daly_optimum
+from pitstop.sim import (
+    FailureClass,
+    FailureModel,
+    JobModel,
+    LossModel,
+    compare,
+    load_trace,
+    simulate,
+)
+
+NO_FAILURES = FailureModel(mtbf_secs=1e9, trace=())
+
+
+@pytest.mark.parametrize("policy", [EveryN(7), CheckFreq(0.05), YoungDaly(600.0)], ids=repr)
+def test_without_failures_overhead_is_cost_times_count(policy: object) -> None:
+    job = JobModel(
+        iter_secs=0.5, stall_secs=0.2, persist_secs=1.0, slowdown_secs=0.3, iterations=2000
+    )
+    r = simulate(job, NO_FAILURES, policy)  # type: ignore[arg-type]
+    assert r.failures == 0 and r.lost_secs == 0 and r.restart_secs == 0 and r.checkpoints > 0
+    assert r.checkpoint_secs == pytest.approx((0.2 + 0.3) * r.checkpoints, rel=1e-12)
+    assert r.wall_secs == pytest.approx(job.work_secs + r.checkpoint_secs, rel=1e-12)
+
+
+def test_every_n_takes_the_expected_count() -> None:
+    job = JobModel(iter_secs=1.0, stall_secs=0.1, persist_secs=0.5, iterations=1000)
+    assert simulate(job, NO_FAILURES, EveryN(10)).checkpoints == 100
+    epochs = JobModel(
+        iter_secs=1.0, stall_secs=0.1, persist_secs=0.5, iterations=1000, iterations_per_epoch=250
+    )
+    assert simulate(epochs, NO_FAILURES, EveryEpoch()).checkpoints == 4
+
+
+def test_simulated_optimum_interval_matches_daly() -> None:
+    """Synchronous checkpoints (persist 0) under exponential failures: Daly's model exactly."""
+    cost, mtbf = 60.0, 3600.0
+    job = JobModel.for_hours(
+        400, iter_secs=30.0, stall_secs=cost, persist_secs=0.0, restart_secs=30.0
+    )
+    failures = FailureModel(mtbf_secs=mtbf)
+    ks = list(range(8, 42, 2))
+    seeds = range(5)
+    wall = {k: sum(simulate(job, failures, EveryN(k), seed=s).wall_secs for s in seeds) for k in ks}
+    # a parabola through the points around the minimum, in log(interval)
+    best = min(ks, key=wall.__getitem__)
+    i = ks.index(best)
+    lo, hi = max(0, i - 4), min(len(ks), i + 5)
+    xs = [math.log(k * job.iter_secs) for k in ks[lo:hi]]
+    ys = [wall[k] for k in ks[lo:hi]]
+    n = len(xs)
+    sx, sy = sum(xs), sum(ys)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
+    sx3, sx4, sx2y = (
+        sum(x**3 for x in xs),
+        sum(x**4 for x in xs),
+        sum(x * x * y for x, y in zip(xs, ys)),
+    )
+    # least squares for y = a x^2 + b x + c (Cramer's rule on the normal equations)
+    m = [[sx4, sx3, sxx], [sx3, sxx, sx], [sxx, sx, n]]
+    v = [sx2y, sxy, sy]
+
+    def det(a: list[list[float]]) -> float:
+        return (
+            a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+            - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0])
+        )
+
+    d = det(m)
+    a = det([[v[0], m[0][1], m[0][2]], [v[1], m[1][1], m[1][2]], [v[2], m[2][1], m[2][2]]]) / d
+    b = det([[m[0][0], v[0], m[0][2]], [m[1][0], v[1], m[1][2]], [m[2][0], v[2], m[2][2]]]) / d
+    assert a > 0
+    simulated = math.exp(-b / (2 * a))
+    expected = daly_optimum(cost, mtbf)
+    assert abs(simulated - expected) / expected < 0.10, (simulated, expected)
+
+
+def test_deterministic_for_a_seed() -> None:
+    job = JobModel.for_hours(5, iter_secs=1.0, stall_secs=0.5, persist_secs=2.0)
+    failures = FailureModel.per_node(2.0, 4, weibull_shape=0.7)
+    a = simulate(job, failures, CheckFreq(0.02), seed=3, record=True)
+    b = simulate(job, failures, CheckFreq(0.02), seed=3, record=True)
+    assert a == b and a.failures > 0
+    assert simulate(job, failures, CheckFreq(0.02), seed=4).events != a.events  # the seed matters
+
+
+def test_failures_lose_work_since_the_last_commit() -> None:
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=10.0, iterations=100
+    )
+    failures = FailureModel(mtbf_secs=1.0, trace=(25.5,))
+    r = simulate(job, failures, EveryN(10))
+    assert r.failures == 1 and r.lost_secs == pytest.approx(5.5) and r.restart_secs == 10.0
+    assert r.wall_secs == pytest.approx(100 + 5.5 + 10.0)
+
+
+def test_a_persist_in_flight_at_the_failure_is_lost() -> None:
+    job = JobModel(iter_secs=1.0, stall_secs=0.0, persist_secs=3.0, restart_secs=0.0, iterations=30)
+    r = simulate(job, FailureModel(mtbf_secs=1.0, trace=(21.5,)), EveryN(10))
+    # checkpoint at 20 would commit at 23: the failure at 21.5 falls back to 10
+    assert r.lost_secs == pytest.approx(11.5)
+
+
+def test_failure_classes_add_their_restart_cost() -> None:
+    job = JobModel(iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=5.0, iterations=50)
+    failures = FailureModel(
+        mtbf_secs=1.0,
+        trace=(10.5, 30.5),
+        classes=(FailureClass("node", 1.0, extra_restart_secs=20.0),),
+    )
+    assert simulate(job, failures, EveryN(5)).restart_secs == pytest.approx(2 * 25.0)
+
+
+def test_value_aware_beats_uniform_on_value_weighted_overhead_with_early_stop() -> None:
+    job = JobModel.for_hours(
+        48, iter_secs=2.0, stall_secs=30.0, persist_secs=60.0, restart_secs=120.0
+    )
+    failures = FailureModel(mtbf_secs=2 * 3600.0)
+    loss = LossModel(tau_secs=8 * 3600.0, stop_min=0.1)
+    summaries = compare(
+        job, failures,
+        {"uniform": YoungDaly(failures.mtbf_secs), "value": ValueAware(failures.mtbf_secs, horizon_secs=job.work_secs)},
+        seeds=6, loss=loss,
+    )  # fmt: skip
+    uniform, value = (s.mean(lambda r: r.value_ft_overhead_secs) for s in summaries)
+    assert value < uniform
+
+
+def test_trace_csv(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "t.csv")
+    with open(path, "w") as f:
+        f.write("node,time_secs\na,30.5\nb,10\n")
+    assert load_trace(path) == (10.0, 30.5)
+
+
+def test_cli_simulate_table_json_and_plot(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["simulate", "--iter-secs", "1", "--stall-secs", "0.5", "--persist-secs", "2", "--mtbf-hours", "8",
+            "--nodes", "8", "--hours", "4", "--epoch-iters", "1000", "--seeds", "2", "--jobs", "1"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    first = capsys.readouterr().out
+    rows = json.loads(first)
+    assert {r["policy"] for r in rows} == {
+        "EveryEpoch",
+        "EveryN(100)",
+        "YoungDaly",
+        "CheckFreq(2%)",
+        "ValueAware",
+    }
+    assert main([*args, "--json"]) == 0
+    assert capsys.readouterr().out == first  # deterministic
+    plot = os.path.join(str(tmp_path), "out.png")
+    pytest.importorskip("matplotlib")
+    assert main([*args, "--policy", "epoch,checkfreq", "--plot", plot]) == 0
+    out = capsys.readouterr().out
+    assert "EveryEpoch" in out and "CheckFreq(2%)" in out and os.path.getsize(plot) > 10_000
+    assert main(["simulate", "--iter-secs", "1"]) == 2  # names what is missing
+    assert "--stall-secs" in capsys.readouterr().err
