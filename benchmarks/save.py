@@ -12,14 +12,21 @@ speed drifts (up to 2x within an hour on the CI machines, see
 per round in a fresh seeded order, and the report gives medians and
 ratios measured in the same run, never absolute figures to compare across runs.
 
-Save rows: pitstop ``save`` (durable) and ``async_save``; ``torch.save`` +
-fsync; ``torch.distributed.checkpoint`` save and async_save; torchsnapshot take
-(+ fsync, when installed); the limits: raw O_DIRECT writes of the same bytes
-from an aligned buffer (2 threads, 64 and 256 MiB requests) and a copy into a
-reused, pre-touched buffer. Restore rows, page cache dropped before each (when
-permitted): pitstop ``restore`` (reused manager, and a fresh manager as after a
-restart), ``torch.load``, DCP load, raw O_DIRECT reads. Rows whose library is
-missing or that fail are skipped with a note.
+Save rows: pitstop ``save`` (durable; outputs deleted outside the timing, and
+once more with keep_last=1 deleting the previous checkpoint inside ``save``)
+and ``async_save`` (default overlap, and overlap=False); ``torch.save`` + fsync;
+``torch.distributed.checkpoint`` save and async_save; torchsnapshot take (+ an
+fsync of its files, when installed). The limits: raw O_DIRECT writes of the
+same bytes (2 threads, 64 and 256 MiB requests) from a buffer backed by
+transparent huge pages, the same from a buffer allocated as pitstop allocates
+its arenas (4 KiB pages), and a copy into a reused, pre-touched buffer. Restore
+rows, page cache dropped before each (when permitted): pitstop ``restore``
+(reused manager, and a new manager as after a restart), ``torch.load``, DCP
+load, raw O_DIRECT reads into both kinds of buffer. Rows whose library is
+missing or that fail are skipped with a note. ``--only KEY,...`` runs a subset.
+
+Memory and disk at the default size: about 13 GB resident (state, restore
+target, six pitstop arenas, two raw buffers) and 9 GB of files at most.
 
 stdout: a table, the pitstop breakdown, target checks (PASS/MISS lines, not
 asserts) and, as the last line, one JSON object with every figure. Progress
@@ -713,6 +720,10 @@ def _fmt(x: float, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _times(x: float, what: str) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}x {what}"
+
+
 def _check(name: str, value: float, target: str, detail: str) -> dict[str, Any]:
     op, thr = target.split()
     if math.isnan(value):
@@ -776,13 +787,13 @@ def report(bench: Bench) -> dict[str, Any]:
             med = median(xs)
             rate = gbps(nb, med) if metric == "secs" else math.nan
             if metric != "secs":
-                ratio = f"{_fmt(med / memcpy_secs, '.2f')}x memcpy"
+                ratio = _times(med / memcpy_secs, "memcpy")
             elif row.group == "restore" or row.key.startswith("raw_read"):
-                ratio = f"{_fmt(rate / r_gbps, '.2f')}x disk read"
+                ratio = _times(rate / r_gbps, "disk read")
             elif row.key == "memcpy":
                 ratio = ""
             else:
-                ratio = f"{_fmt(rate / w_gbps, '.2f')}x disk write"
+                ratio = _times(rate / w_gbps, "disk write")
             rss = median(row.samples.get("rss_added", [])) / nb if metric == "secs" else math.nan
             out(
                 f"{label:44s} {med:9.3f} {min(xs):7.3f} {max(xs):7.3f} {_fmt(rate, '6.2f'):>6s}  "

@@ -30,6 +30,9 @@ EXAMPLES = {
     "verify": "pitstop verify ckpts            # every committed step\n  pitstop verify ckpts --step 1200",
     "gc": "pitstop gc ckpts --dry-run",
     "demo": "pitstop demo --steps 300 --every 10",
+    "export": "pitstop export ckpts --step 1200 --to safetensors model.safetensors --only model",
+    "import": "pitstop import model.pt --to ckpts --step 0",
+    "diff": "pitstop diff ckpts-a ckpts-b --step-a 100 --step-b 100",
     "simulate": "pitstop simulate --iter-secs 0.5 --stall-secs 0.05 --persist-secs 0.7 --mtbf-hours 4 \\\n"
     "      --nodes 64 --hours 72 --policy all --plot out.png",
 }
@@ -202,6 +205,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise _UsageError(str(e)) from None
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pitstop.cli.convert import run_export
+
+    return run_export(args)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from pitstop.cli.convert import run_import
+
+    return run_import(args)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from pitstop.cli.convert import run_diff
+
+    return run_diff(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pitstop", description="Frequent, cheap, exact checkpoints for PyTorch training."
@@ -239,6 +260,36 @@ def _parser() -> argparse.ArgumentParser:
         "--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt"
     )
     p.set_defaults(func=cmd_gc)
+
+    p = add(
+        "export", "write a checkpoint as a torch.save file, a safetensors file or a DCP directory"
+    )
+    p.add_argument("dir", help="a checkpoint root or one step directory")
+    p.add_argument("out", help="the file (torch, safetensors) or directory (dcp) to write")
+    p.add_argument("--to", choices=["torch", "safetensors", "dcp"], required=True)
+    p.add_argument("--step", type=int, help="default: the newest")
+    p.add_argument("--only", help="export only this top-level key (e.g. model)")
+    p.add_argument(
+        "--allow-pickle", action="store_true", help="load pickled values (trusted checkpoints only)"
+    )
+    p.set_defaults(func=cmd_export)
+
+    p = add("import", "make a pitstop checkpoint from a torch.save file or a DCP directory")
+    p.add_argument("src", help="a torch.save file (loaded with weights_only) or a DCP directory")
+    p.add_argument("--to", required=True, help="checkpoint root to write into")
+    p.add_argument("--step", type=int, default=0)
+    p.add_argument(
+        "--allow-pickle", action="store_true", help="allow arbitrary objects (trusted files only)"
+    )
+    p.set_defaults(func=cmd_import)
+
+    p = add("diff", "compare the tensors of two checkpoints; exit 1 if any differ")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--step-a", type=int)
+    p.add_argument("--step-b", type=int)
+    p.add_argument("--allow-pickle", action="store_true")
+    p.set_defaults(func=cmd_diff)
 
     p = add("simulate", "compare checkpoint policies under simulated failures (no torch needed)")
     from pitstop.cli.simulate import add_arguments

@@ -24,7 +24,7 @@ from pitstop.errors import CorruptCheckpointError, StateMismatchError
 from pitstop.format.codec import dtype_from_name, tensor_view
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import data_file_name
-from pitstop.state.tree import materialize, restore_into
+from pitstop.state.restore import materialize, restore_into
 from pitstop.storage.base import Storage
 
 __all__ = ["load_checkpoint", "read_checkpoint"]
