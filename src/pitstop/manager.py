@@ -245,7 +245,7 @@ class CheckpointManager:
         return self._preempted is not None
 
     def _save_and_exit(self, step: int, state: Mapping[str, Any]) -> None:
-        _log.warning("signal %s: saving a final checkpoint at step %d", self._preempted, step)
+        _log.warning("signal %s: saving a final checkpoint at step %d", self._preempted, step, phase="persist")
         self.wait()
         with contextlib.suppress(CheckpointExistsError):  # already saved at this step
             self.save(step, state)
@@ -295,7 +295,10 @@ class CheckpointManager:
                 self._load(entry, state, strict)
             except CorruptCheckpointError as e:
                 _log.warning(
-                    "checkpoint %s failed verification, trying an older one: %s", entry.name, e
+                    "checkpoint %s failed verification, trying an older one: %s",
+                    entry.name,
+                    e,
+                    phase="verify",
                 )
                 failures.append((entry, e))
                 continue
@@ -305,7 +308,7 @@ class CheckpointManager:
                 if e.status == "corrupt" and e.step is not None and e.step > (entry.step or 0)
             ]
             self._set_aside([f for f, _ in failures] + unreadable)
-            _log.info("restored step %d from %s", entry.step, self.storage.url)
+            _log.info("restored step %d from %s", entry.step, self.storage.url, phase="restore")
             return entry.step
         reasons = "; ".join(f"{e.name}: {err.message}" for e, err in failures)
         raise CorruptCheckpointError(
@@ -341,9 +344,9 @@ class CheckpointManager:
             target = quarantine_dir_name(entry.step, uuid.uuid4().hex[:8])
             try:
                 self.storage.rename(entry.name, target)
-                _log.warning("set aside corrupt checkpoint %s as %s", entry.name, target)
+                _log.warning("set aside corrupt checkpoint %s as %s", entry.name, target, phase="restore")
             except CheckpointError as e:
-                _log.warning("could not set aside %s: %s", entry.name, e)
+                _log.warning("could not set aside %s: %s", entry.name, e, phase="restore")
 
     # ------------------------------------------------------------------ retention and gc
     def _retain(self, newest: int) -> None:

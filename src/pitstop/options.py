@@ -13,6 +13,7 @@ PITSTOP_MAX_IN_FLIGHT      SaveOptions.max_in_flight              2
 PITSTOP_OVERLAP            SaveOptions.overlap (1|0)              1
 PITSTOP_LOG_LEVEL          log level of the ``pitstop`` logger    WARNING
 PITSTOP_KILL_AT            kill point for fault tests (NAME[:N])  unset
+RANK                       the rank shown in log records          0
 =========================  =====================================  ==========
 """
 
@@ -30,6 +31,7 @@ __all__ = [
     "SaveOptions",
     "env_kill_at",
     "env_log_level",
+    "env_rank",
 ]
 
 ALIGN_BYTES = 4096
@@ -132,6 +134,11 @@ def env_log_level() -> str | None:
     """PITSTOP_LOG_LEVEL, e.g. ``INFO`` or ``DEBUG``; None when unset."""
     raw = _env("PITSTOP_LOG_LEVEL")
     return raw.upper() if raw else None
+
+
+def env_rank() -> int:
+    """RANK, as torchrun sets it; 0 when unset."""
+    return _env_int("RANK", 0)
 
 
 def env_kill_at() -> tuple[str, int] | None:

@@ -95,3 +95,16 @@ def test_demo_proves_identical_weights(
     assert "resumed from step" in out
     assert "weights identical: yes" in out
     assert code == 0
+
+
+def test_log_records_name_rank_and_phase(root: str, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="pitstop"):
+        pitstop.save(root, {"x": torch.ones(4)}, step=3)
+    lines = [r for r in caplog.records if "checkpoint step=3" in r.getMessage()]
+    assert len(lines) == 1
+    record = lines[0]
+    assert record.phase == "commit" and record.rank == 0  # type: ignore[attr-defined]
+    assert record.getMessage().startswith("[rank 0] commit: checkpoint step=3 bytes=")
+    assert "GB/s" in record.getMessage()

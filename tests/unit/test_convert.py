@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_tensors, make_state, tensors_of
 
 import pitstop
+from conftest import assert_same_tensors, make_state, tensors_of
 from pitstop.cli.convert import flat_tensors
 from pitstop.cli.main import main
 

@@ -284,6 +284,7 @@ class Saver:
             _log.info(
                 "checkpoint step=%d bytes=%d stall=%.3fs persist=%.3fs write=%.2fGB/s direct=%s",
                 handle.step, stats.nbytes, stats.stall_secs, stats.persist_secs, stats.write_gbps, stats.direct_io,
+                phase="commit",
             )  # fmt: skip
         except BaseException as e:
             error = e
@@ -294,7 +295,7 @@ class Saver:
             try:
                 self._on_commit(handle.step)
             except CheckpointError as e:
-                _log.warning("retention after step %d failed: %s", handle.step, e)
+                _log.warning("retention after step %d failed: %s", handle.step, e, phase="gc")
         with self._cond:
             self._inflight.pop(handle.step, None)
             if error is not None:
@@ -307,7 +308,7 @@ class Saver:
             if not self.storage.has_manifest(directory):
                 self.storage.remove(directory)
         except Exception as e:  # the original error matters more; gc removes debris later
-            _log.warning("could not remove debris of %s: %s", directory, e)
+            _log.warning("could not remove debris of %s: %s", directory, e, phase="gc")
 
     def _check_open(self) -> None:
         if self._closed:

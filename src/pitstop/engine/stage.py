@@ -52,6 +52,7 @@ def pin_arena(arena: Arena, buffer: torch.Tensor) -> None:
             "cudaHostRegister of a %d-byte arena failed (%s); device copies will block",
             arena.nbytes,
             err,
+            phase="stage",
         )
         return
     arena.pinned = True

@@ -106,6 +106,7 @@ def _note_fallback(path: str, err: OSError) -> None:
         "O_DIRECT refused for %s (%s); using buffered I/O + fsync on this file system",
         path,
         err.strerror,
+        phase="persist",
     )
 
 
