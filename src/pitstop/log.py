@@ -35,7 +35,9 @@ def _current_rank() -> int:
 class PhaseLogger(logging.LoggerAdapter):
     """Adds ``rank`` and ``phase`` to each record (as attributes and in the message)."""
 
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
         phase = kwargs.pop("phase", "-")
         rank = _current_rank()
         kwargs["extra"] = {**(kwargs.get("extra") or {}), "rank": rank, "phase": phase}
@@ -53,7 +55,9 @@ def get_logger(name: str = "pitstop") -> PhaseLogger:
             root.setLevel(level)
             if not root.handlers:
                 handler = logging.StreamHandler()
-                handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+                handler.setFormatter(
+                    logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+                )
                 root.addHandler(handler)
     logger = root if name == "pitstop" else root.getChild(name.removeprefix("pitstop."))
     return PhaseLogger(logger, {})

@@ -245,7 +245,12 @@ class CheckpointManager:
         return self._preempted is not None
 
     def _save_and_exit(self, step: int, state: Mapping[str, Any]) -> None:
-        _log.warning("signal %s: saving a final checkpoint at step %d", self._preempted, step, phase="persist")
+        _log.warning(
+            "signal %s: saving a final checkpoint at step %d",
+            self._preempted,
+            step,
+            phase="persist",
+        )
         self.wait()
         with contextlib.suppress(CheckpointExistsError):  # already saved at this step
             self.save(step, state)
@@ -344,7 +349,9 @@ class CheckpointManager:
             target = quarantine_dir_name(entry.step, uuid.uuid4().hex[:8])
             try:
                 self.storage.rename(entry.name, target)
-                _log.warning("set aside corrupt checkpoint %s as %s", entry.name, target, phase="restore")
+                _log.warning(
+                    "set aside corrupt checkpoint %s as %s", entry.name, target, phase="restore"
+                )
             except CheckpointError as e:
                 _log.warning("could not set aside %s: %s", entry.name, e, phase="restore")
 

@@ -108,3 +108,9 @@ def test_log_records_name_rank_and_phase(root: str, caplog: pytest.LogCaptureFix
     assert record.phase == "commit" and record.rank == 0  # type: ignore[attr-defined]
     assert record.getMessage().startswith("[rank 0] commit: checkpoint step=3 bytes=")
     assert "GB/s" in record.getMessage()
+
+
+def test_verify_progress_on_stderr(two_steps: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", two_steps, "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "verify step-0000000010:" in err and "100.0%" in err and "GB/s" in err

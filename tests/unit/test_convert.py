@@ -68,7 +68,9 @@ def test_export_dcp_round_trip(saved: tuple[str, Any], tmp_path: Any) -> None:
 def test_import_torch_save_then_restore(tmp_path: Any) -> None:
     state = make_state(seed=4, steps=2)
     src = os.path.join(str(tmp_path), "ckpt.pt")
-    torch.save({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}, src)
+    torch.save(
+        {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}, src
+    )
     dest = os.path.join(str(tmp_path), "ck")
     assert main(["import", src, "--to", dest, "--step", "3"]) == 0
     fresh = make_state(seed=9, steps=0)
@@ -100,8 +102,12 @@ def test_import_refuses_pickled_objects_by_default(tmp_path: Any) -> None:
 def test_diff(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     a, b = os.path.join(str(tmp_path), "a"), os.path.join(str(tmp_path), "b")
     pitstop.save(a, {"w": torch.ones(3), "v": torch.zeros(2)}, step=1)
-    pitstop.save(b, {"w": torch.tensor([1.0, 1.5, 1.0]), "v": torch.zeros(2), "u": torch.ones(1)}, step=1)
+    pitstop.save(
+        b, {"w": torch.tensor([1.0, 1.5, 1.0]), "v": torch.zeros(2), "u": torch.ones(1)}, step=1
+    )
     assert main(["diff", a, a]) == 0
     assert main(["diff", a, b]) == 1
     out = capsys.readouterr().out
-    assert "w" in out and "0.5" in out and "only in B" in out and "3 tensors compared, 2 differ" in out
+    assert (
+        "w" in out and "0.5" in out and "only in B" in out and "3 tensors compared, 2 differ" in out
+    )

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +62,39 @@ def _open_root(path: str) -> tuple[LocalStorage, str | None]:
 
 class _UsageError(Exception):
     pass
+
+
+class _Progress:
+    """A one-line progress report on stderr (a terminal only, or when asked), for long reads."""
+
+    def __init__(self, label: str, total: int, *, enabled: bool | None) -> None:
+        self.label, self.total = label, max(total, 1)
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.done_bytes = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if not self.enabled:
+            return
+        with self.lock:
+            self.done_bytes += n
+            now = time.perf_counter()
+            if now - self.last < 0.2 and self.done_bytes < self.total:
+                return
+            self.last = now
+            rate = self.done_bytes / max(now - self.t0, 1e-9) / 1e9
+            pct = 100 * self.done_bytes / self.total
+            print(
+                f"\r{self.label}: {pct:5.1f}% of {_human(self.total)}, {rate:.2f} GB/s",
+                end="",
+                file=sys.stderr,
+            )
+
+    def done(self) -> None:
+        if self.enabled and self.done_bytes:
+            print(file=sys.stderr)
 
 
 def _select(storage: LocalStorage, only: str | None, step: int | None) -> list[Entry]:
@@ -160,7 +194,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"{e.name}: CORRUPT: {e.error}")
             bad += 1
             continue
-        report = verify_checkpoint(storage, e.name, e.manifest, threads=args.threads)
+        data_bytes = sum(f.nbytes for f in e.manifest.files if f.name.endswith(".bin"))
+        progress = _Progress(f"verify {e.name}", data_bytes, enabled=args.progress)
+        report = verify_checkpoint(
+            storage, e.name, e.manifest, threads=args.threads, on_bytes=progress.add
+        )
+        progress.done()
         rate = report.nbytes / report.secs / 1e9 if report.secs > 0 else 0.0
         if report.ok:
             print(
@@ -251,6 +290,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="a checkpoint root or one step directory")
     p.add_argument("--step", type=int, help="only this step")
     p.add_argument("--threads", type=int, default=None, help="reader threads")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress on stderr (default: when stderr is a terminal)")  # fmt: skip
     p.set_defaults(func=cmd_verify)
 
     p = add("gc", "remove debris of interrupted saves")

@@ -90,10 +90,12 @@ def read_verified(
     *,
     pool: Executor,
     problems: list[str],
+    on_bytes: Callable[[int], None] | None = None,
 ) -> int:
     """Read data ``file`` into ``view`` (at the file's own offsets) and check every segment.
 
-    Appends a line per problem to ``problems``; returns the bytes read.
+    Appends a line per problem to ``problems``; returns the bytes read. ``on_bytes(n)`` is
+    called from the reader threads as each extent is checked (for progress reports).
     """
     entry = manifest.file(file)
     try:
@@ -127,6 +129,8 @@ def read_verified(
                     bad.append(
                         f"{file}: tensor {t.key!r} segment {j} (bytes {start}-{start + length}) checksum mismatch"
                     )
+        if on_bytes is not None:
+            on_bytes(extent.nbytes)
 
     extents = plan_extents(segs, entry.nbytes, storage.io.chunk_bytes)
     try:
@@ -157,7 +161,7 @@ def verify_checkpoint(
     manifest: Manifest,
     *,
     threads: int | None = None,
-    on_file: Callable[[str, int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Check every file and every checksum of one checkpoint, reading it in full."""
     import time
@@ -177,9 +181,8 @@ def verify_checkpoint(
     ):
         for f in data_files:
             report.nbytes += read_verified(
-                storage, directory, manifest, f.name, view, pool=pool, problems=report.problems
-            )
-            if on_file is not None:
-                on_file(f.name, f.nbytes)
+                storage, directory, manifest, f.name, view,
+                pool=pool, problems=report.problems, on_bytes=on_bytes,
+            )  # fmt: skip
     report.secs = time.perf_counter() - t0
     return report
