@@ -118,6 +118,7 @@ def test_retention_keeps_newest(root: str) -> None:
     with pitstop.CheckpointManager(root, keep_last=2) as ckpt:
         for step in range(1, 6):
             ckpt.save(step, {"x": torch.tensor([step])})
+            ckpt.wait()  # retention runs after save() returns
             assert ckpt.steps()[-1] == step
             assert len(ckpt.steps()) == min(step, 2)
     assert sorted(os.listdir(root)) == ["step-0000000004", "step-0000000005"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from pitstop.errors import CheckpointError
 
@@ -49,6 +50,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._reported = False
         self._lock = threading.Lock()
+        self._job: Any = None  # the StageJob, set by the saver
 
     def __repr__(self) -> str:
         state = (
@@ -64,7 +66,9 @@ class SaveHandle:
 
     @property
     def staged(self) -> bool:
-        return self._staged.is_set()
+        """Every byte is in the host arena: the live state may change freely."""
+        job = self._job
+        return self._staged.is_set() or (job is not None and job.copied)
 
     @property
     def committed(self) -> bool:

@@ -16,6 +16,7 @@ import platform
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -59,13 +60,19 @@ def persist(
     algorithm: str,
     pool: Executor,
     rank: int = 0,
+    before_extent: Callable[[Extent], None] | None = None,
 ) -> PersistResult:
-    """Write this rank's data and objects files durably; return their manifest entries."""
+    """Write this rank's data and objects files durably; return their manifest entries.
+
+    ``before_extent`` runs in the writer thread before an extent is hashed and written
+    (the saver waits there for the extent's tensors to be copied into the arena)."""
     hasher = get_checksum(algorithm)
     sums: dict[tuple[int, int], str] = {}
     lock = threading.Lock()
 
     def on_extent(extent: Extent) -> None:
+        if before_extent is not None:
+            before_extent(extent)
         local = {
             tag: hasher(view[start : start + length]) for start, length, tag in extent.segments
         }

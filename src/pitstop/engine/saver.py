@@ -37,6 +37,7 @@ from pitstop.errors import CheckpointError, CheckpointExistsError
 from pitstop.format.checksum import default_algorithm
 from pitstop.format.names import step_dir_name
 from pitstop.io.arena import Arena
+from pitstop.io.parallel import Extent
 from pitstop.log import get_logger
 from pitstop.options import SaveOptions
 from pitstop.state.tree import Flat, flatten
@@ -108,6 +109,7 @@ class Saver:
             raise
         with self._cond:
             self._staging.append(job)
+        handle._job = job
         handle.stats.stall_secs = time.perf_counter() - t0
         handle.stats.nbytes = plan.file_bytes
         self.history.append(handle)
@@ -145,11 +147,13 @@ class Saver:
         return handle
 
     def wait_all(self) -> None:
-        """Wait for every save in flight; raise the first unreported error."""
+        """Wait for every save in flight and its retention; raise the first unreported error."""
         with self._cond:
             handles = list(self._inflight.values())
         for h in handles:
             h._finished.wait()
+        if not self._closed:
+            self._persist_pool.submit(lambda: None).result()  # FIFO: earlier retention is done
         self.raise_pending()
 
     def raise_pending(self) -> None:
@@ -253,13 +257,15 @@ class Saver:
     ) -> None:
         error: BaseException | None = None
         try:
-            job.wait_copied()
-            handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
-            handle._set_staged()
-            with self._cond:
-                self._staging = [j for j in self._staging if j is not job]
             t1 = time.perf_counter()
             objects = encode_objects(flat.tree, rank=0)
+
+            def before_extent(
+                extent: Extent,
+            ) -> None:  # writer threads: wait for the extent's items
+                if extent.segments:
+                    job.wait_items(max(tag[0] for _, _, tag in extent.segments))  # type: ignore[index]
+
             result = persist(
                 self.storage,
                 directory,
@@ -268,7 +274,13 @@ class Saver:
                 objects,
                 algorithm=self.algorithm,
                 pool=self.io_pool,
+                before_extent=before_extent,
             )
+            job.wait_copied()
+            handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
+            handle._set_staged()
+            with self._cond:
+                self._staging = [j for j in self._staging if j is not job]
             manifest = manifest_for(
                 handle.step,
                 [result],
@@ -291,17 +303,17 @@ class Saver:
             self._discard_debris(directory)
         finally:
             self._release_arena(arena)
-        if error is None and self._on_commit is not None:
-            try:
-                self._on_commit(handle.step)
-            except CheckpointError as e:
-                _log.warning("retention after step %d failed: %s", handle.step, e, phase="gc")
         with self._cond:
             self._inflight.pop(handle.step, None)
             if error is not None:
                 self._unreported.append(handle)
             self._cond.notify_all()
-        handle._finish(error)
+        handle._finish(error)  # save() returns here; retention is not on its path
+        if error is None and self._on_commit is not None:
+            try:  # still on the persist thread: the next persist starts after it, in order
+                self._on_commit(handle.step)
+            except CheckpointError as e:
+                _log.warning("retention after step %d failed: %s", handle.step, e, phase="gc")
 
     def _discard_debris(self, directory: str) -> None:
         try:

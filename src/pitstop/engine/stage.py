@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
 
 import torch
 
@@ -64,15 +63,45 @@ def unpin_arena(arena: Arena, buffer: torch.Tensor) -> None:
         arena.pinned = False
 
 
-@dataclass
 class StageJob:
-    """The copy of one save into its arena."""
+    """The copy of one save into its arena, item by item, so that writers can start early.
 
-    eager_secs: float = 0.0
-    copied_at: float | None = None
-    _future: Future[None] | None = None
-    _events: list[torch.cuda.Event] = field(default_factory=list)
-    _done: threading.Event = field(default_factory=threading.Event)
+    ``wait_items(i)`` returns once plan items 0..i are in the arena: a writer thread calls it
+    for the items of its extent, so writing overlaps with the deferred copy (a synchronous
+    ``save`` is then about as long as the longer of the two, not their sum).
+    """
+
+    def __init__(self, count: int) -> None:
+        self.eager_secs = 0.0
+        self.copied_at: float | None = None
+        self._future: Future[None] | None = None
+        self._events: list[torch.cuda.Event] = []
+        self._cond = threading.Condition()
+        self._done = [False] * count
+        self._frontier = 0
+        self._error: BaseException | None = None
+
+    def mark(self, index: int) -> None:
+        """Item ``index`` is in the arena (stage thread or training thread)."""
+        with self._cond:
+            self._done[index] = True
+            while self._frontier < len(self._done) and self._done[self._frontier]:
+                self._frontier += 1
+            if self._frontier == len(self._done) and self.copied_at is None:
+                self.copied_at = time.perf_counter()
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def wait_items(self, last: int) -> None:
+        """Block until items 0..last are copied (a writer thread, before it writes them)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._frontier > last or self._error is not None)
+            if self._error is not None and self._frontier <= last:
+                raise self._error
 
     def wait_for_optimizer(self) -> None:
         """Optimizer step pre-hook: block the update until the deferred copy is done."""
@@ -87,26 +116,34 @@ class StageJob:
             self._future.result()
         for event in self._events:
             event.synchronize()
+        self.wait_items(len(self._done) - 1)
         if self.copied_at is None:
             self.copied_at = time.perf_counter()
-        self._done.set()
 
     @property
     def copied(self) -> bool:
-        if self._done.is_set():
-            return True
-        if self._future is not None and not self._future.done():
-            return False
+        with self._cond:
+            if self._frontier < len(self._done):
+                return False
         return all(e.query() for e in self._events)
 
 
-def _copy(items: list[tuple[torch.Tensor, torch.Tensor]], progress: list[int], half: int) -> None:
-    with torch.no_grad():
-        for dst, src in items:
-            dst.copy_(src, non_blocking=src.device.type != "cpu")
-            progress[0] += 1
-            if progress[0] == half:
-                killpoint("stage.mid")
+Copy = tuple[int, torch.Tensor, torch.Tensor]  # (plan index, arena view, source)
+
+
+def _copy(job: StageJob, items: list[Copy], progress: list[int], half: int) -> None:
+    try:
+        with torch.no_grad():
+            for index, dst, src in items:
+                dst.copy_(src, non_blocking=src.device.type != "cpu")
+                if not src.is_cuda:
+                    job.mark(index)
+                progress[0] += 1
+                if progress[0] == half:
+                    killpoint("stage.mid")
+    except BaseException as e:
+        job.fail(e)
+        raise
 
 
 def stage(
@@ -119,41 +156,36 @@ def stage(
 ) -> StageJob:
     """Copy the eager tensors now and start the deferred ones (see the module docstring)."""
     t0 = time.perf_counter()
-    eager: list[tuple[torch.Tensor, torch.Tensor]] = []
-    deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for item in plan.items:
-        src = flat.tensors[item.key]
+    job = StageJob(len(plan.items))
+    eager: list[Copy] = []
+    deferred: list[Copy] = []
+    for index, item in enumerate(plan.items):
         if item.nbytes == 0:
+            job.mark(index)
             continue
         dst = tensor_view(buffer, item.offset, item.nbytes, item.dtype, item.shape)
-        (deferred if overlap and item.deferrable else eager).append((dst, src))
-    job = StageJob()
+        (deferred if overlap and item.deferrable else eager).append(
+            (index, dst, flat.tensors[item.key])
+        )
     progress = [0]
     half = max(1, (len(eager) + len(deferred) + 1) // 2)
-    on_cuda = any(src.is_cuda for _, src in eager + deferred)
-    if on_cuda:
+    if any(src.is_cuda for _, _, src in eager + deferred):
         _stage_cuda(job, eager, deferred, progress, half)
     else:
-        _copy(eager, progress, half)
+        _copy(job, eager, progress, half)
         if deferred:
-            job._future = copier.submit(_copy, deferred, progress, half)
+            job._future = copier.submit(_copy, job, deferred, progress, half)
     job.eager_secs = time.perf_counter() - t0
-    if job._future is None and not job._events:
-        job.copied_at = time.perf_counter()
     return job
 
 
 def _stage_cuda(
-    job: StageJob,
-    eager: list[tuple[torch.Tensor, torch.Tensor]],
-    deferred: list[tuple[torch.Tensor, torch.Tensor]],
-    progress: list[int],
-    half: int,
+    job: StageJob, eager: list[Copy], deferred: list[Copy], progress: list[int], half: int
 ) -> None:
     """Eager copies go on the current stream (ordered before the next forward's kernels);
     deferred ones on a side stream that first waits for the work already queued."""
     current = torch.cuda.current_stream()
-    _copy(eager, progress, half)
+    _copy(job, eager, progress, half)
     done_eager = torch.cuda.Event()
     done_eager.record(current)
     job._events.append(done_eager)
@@ -161,7 +193,17 @@ def _stage_cuda(
         side = torch.cuda.Stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            _copy(deferred, progress, half)
+            _copy(job, deferred, progress, half)
             done_side = torch.cuda.Event()
             done_side.record(side)
         job._events.append(done_side)
+    # host-side progress: the writers wait for the events, then for every item at once
+    events = list(job._events)
+
+    def finish() -> None:
+        for event in events:
+            event.synchronize()
+        for index, _, _ in eager + deferred:
+            job.mark(index)
+
+    threading.Thread(target=finish, name="pitstop-stage-cuda", daemon=True).start()

@@ -70,15 +70,18 @@ def plan_extents(
     """Pack sorted, non-overlapping segments into extents that tile [0, file_bytes).
 
     An extent grows until adding the next segment would take it past
-    ``chunk_bytes``; extent boundaries are 4 KiB-aligned, so every extent is a
-    valid O_DIRECT request. Gaps (alignment padding) belong to the extent before.
+    ``chunk_bytes`` (plus an eighth, so that a few small tensors beside large ones do not
+    push every extent down by one large tensor); extent boundaries are 4 KiB-aligned, so
+    every extent is a valid O_DIRECT request. Gaps (alignment padding) belong to the
+    extent before.
     """
+    limit = chunk_bytes + chunk_bytes // 8
     extents: list[Extent] = []
     start = 0
     group: list[tuple[int, int, object]] = []
     for seg in sorted(segments, key=lambda s: s[0]):
         seg_start = seg[0]
-        if group and seg_start + seg[1] - start > chunk_bytes:
+        if group and seg_start + seg[1] - start > limit:
             cut = seg_start - seg_start % ALIGN_BYTES
             if cut > start:
                 extents.append(Extent(start, cut, tuple(group)))
