@@ -114,3 +114,34 @@ def test_verify_progress_on_stderr(two_steps: str, capsys: pytest.CaptureFixture
     assert main(["verify", two_steps, "--progress"]) == 0
     err = capsys.readouterr().err
     assert "verify step-0000000010:" in err and "100.0%" in err and "GB/s" in err
+
+
+def test_bench_small_writes_a_profile_simulate_reads(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = os.path.join(str(tmp_path), "profile.json")
+    code = main(
+        [
+            "bench",
+            "--dir",
+            str(tmp_path),
+            "--size",
+            "60MB",
+            "--reps",
+            "1",
+            "--profile",
+            prof,
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "pitstop save" in out and "raw O_DIRECT write" in out and "torch.save + fsync" in out
+    profile = json.load(open(prof))
+    assert (
+        profile["stall_secs"] > 0 and profile["persist_secs"] > 0 and profile["state_bytes"] > 50e6
+    )
+    assert main(["simulate", "--profile", prof, "--iter-secs", "0.5", "--hours", "1", "--seeds", "1",
+                 "--jobs", "1", "--policy", "checkfreq"]) == 0  # fmt: skip
+    assert "CheckFreq(2%)" in capsys.readouterr().out
+    assert [n for n in os.listdir(str(tmp_path)) if n.startswith("run-")] == []  # cleaned up

@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[int]] = {
 }  # fmt: skip
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.dist", "pitstop.engine", "pitstop.manager",
             "pitstop.oneshot", "pitstop.cli.demo", "pitstop.sim", "pitstop.bench",
-            "pitstop.testing.crash", "pitstop.cli.convert")  # fmt: skip
+            "pitstop.testing.crash", "pitstop.cli.convert", "pitstop.bench")  # fmt: skip
 TORCH_FREE = [
     "pitstop", "pitstop.errors", "pitstop.options", "pitstop.faults", "pitstop.format.manifest",
     "pitstop.format.checksum", "pitstop.format.names", "pitstop.io.parallel", "pitstop.io.arena",

@@ -31,6 +31,7 @@ EXAMPLES = {
     "verify": "pitstop verify ckpts            # every committed step\n  pitstop verify ckpts --step 1200",
     "gc": "pitstop gc ckpts --dry-run",
     "demo": "pitstop demo --steps 300 --every 10",
+    "bench": "pitstop bench --dir /scratch --size 1GB --profile profile.json",
     "export": "pitstop export ckpts --step 1200 --to safetensors model.safetensors --only model",
     "import": "pitstop import model.pt --to ckpts --step 0",
     "diff": "pitstop diff ckpts-a ckpts-b --step-a 100 --step-b 100",
@@ -244,6 +245,38 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise _UsageError(str(e)) from None
 
 
+def _size(text: str) -> int:
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+    }
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    try:
+        return int(float(num) * units[t[len(num) :]])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MB, 1GB, 2GiB)") from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pitstop.bench import print_report, run_bench, write_profile
+
+    result = run_bench(args.dir, args.size, args.reps, progress=args.progress)
+    print_report(result)
+    if args.profile:
+        write_profile(result, args.profile)
+        print(
+            f"profile written to {args.profile} (pitstop simulate --profile {args.profile} --iter-secs ...)"
+        )
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from pitstop.cli.convert import run_export
 
@@ -301,6 +334,16 @@ def _parser() -> argparse.ArgumentParser:
         "--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt"
     )
     p.set_defaults(func=cmd_gc)
+
+    p = add(
+        "bench", "measure this machine's storage and pitstop against torch.save on the same bytes"
+    )
+    p.add_argument("--dir", help="where to write (default: a temporary directory here)")
+    p.add_argument("--size", type=_size, default=_size("1GB"), help="state size, e.g. 256MB, 1GB")
+    p.add_argument("--reps", type=int, default=3, help="rounds (medians are reported)")
+    p.add_argument("--profile", help="write a profile JSON for pitstop simulate --profile")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    p.set_defaults(func=cmd_bench)
 
     p = add(
         "export", "write a checkpoint as a torch.save file, a safetensors file or a DCP directory"
