@@ -130,6 +130,15 @@ class CheckpointManager:
         """Save ``state`` as ``step``; durable and committed when it returns."""
         return self._saver.save(step, state)
 
+    def reserve(self, state: Mapping[str, Any]) -> int:
+        """Allocate the staging arena for ``state`` now, not at the first save.
+
+        An arena is memory touched for the first time, which is slow (0.3-0.8 GB/s here):
+        call this at start-up so that the first ``async_save`` stalls only for its copy.
+        ``restore`` does it implicitly. Returns the bytes reserved.
+        """
+        return self._saver.reserve(state)
+
     def wait(self) -> None:
         """Wait for every save in flight; raise the error of a failed one."""
         self._saver.wait_all()

@@ -9,11 +9,24 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pitstop.errors import CheckpointNotFoundError
+from pitstop.errors import CheckpointNotFoundError, NotACheckpointError
 from pitstop.format.names import MANIFEST, parse_step_dir
 from pitstop.manager import CheckpointManager
 
-__all__ = ["load", "save"]
+__all__ = ["check_root", "load", "save"]
+
+
+def check_root(root: str) -> None:
+    """Raise NotACheckpointError for a non-empty directory that holds no pitstop checkpoint."""
+    names = os.listdir(root)
+    ours = [n for n in names if parse_step_dir(n) is not None or n.startswith(".corrupt-step-")]
+    if names and not ours:
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise NotACheckpointError(
+            f"{root} is not a pitstop checkpoint directory: it holds neither {MANIFEST} nor step-* "
+            f"directories (it holds {shown})",
+            path=root,
+        )
 
 
 def save(
@@ -55,6 +68,7 @@ def load(
         root = path
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"no such checkpoint directory: {path}", path=path)
+    check_root(root)
     with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
         if state is None:
             return mgr.load(step)

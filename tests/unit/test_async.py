@@ -97,6 +97,18 @@ def test_optimizer_step_waits_for_the_deferred_copy(root: str) -> None:
         assert_same_tensors(expected, tensors_of(pitstop.CheckpointManager(root).load(1)))
 
 
+def test_reserve_allocates_the_arena_before_the_first_save(root: str) -> None:
+    model, opt = _bn_model()
+    state = {"model": model, "optimizer": opt}
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.host_bytes == 0
+        reserved = ckpt.reserve(state)
+        assert ckpt.host_bytes == reserved > 0
+        ckpt.save(1, state)
+        assert ckpt.host_bytes == reserved  # the first save used the reserved arena
+        assert ckpt._saver._plans.misses == 1
+
+
 def test_arenas_are_reused_and_bounded(root: str) -> None:
     model, opt = _bn_model()
     state = {"model": model, "optimizer": opt}

@@ -170,6 +170,19 @@ def test_not_a_checkpoint_and_not_found(tmp_path: object) -> None:
     assert pitstop.CheckpointManager(empty).restore({"x": torch.zeros(1)}) is None
 
 
+def test_a_directory_that_is_not_a_checkpoint(tmp_path: object) -> None:
+    from pitstop.cli.main import main
+    from pitstop.errors import NotACheckpointError
+
+    other = os.path.join(str(tmp_path), "logs")
+    os.makedirs(other)
+    open(os.path.join(other, "train.log"), "w").close()
+    with pytest.raises(NotACheckpointError, match=r"not a pitstop checkpoint directory.*train.log"):
+        pitstop.load(other)
+    assert main(["verify", other]) == 2
+    assert main(["ls", other]) == 2
+
+
 def test_state_must_be_a_dict(root: str) -> None:
     with pytest.raises(UnsupportedValueError, match="state must be a dict"):
         pitstop.save(root, [torch.ones(1)], step=1)  # type: ignore[arg-type]

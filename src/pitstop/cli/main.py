@@ -58,6 +58,13 @@ def _open_root(path: str) -> tuple[LocalStorage, str | None]:
         return LocalStorage(os.path.dirname(norm) or "."), os.path.basename(norm)
     if not os.path.isdir(path):
         raise _UsageError(f"{path}: no such directory")
+    names = os.listdir(path)
+    if names and not any(
+        parse_step_dir(n) is not None or n.startswith(".corrupt-step-") for n in names
+    ):
+        raise _UsageError(
+            f"{path} is not a pitstop checkpoint directory (no manifest.json, no step-* directories)"
+        )
     return LocalStorage(path), None
 
 

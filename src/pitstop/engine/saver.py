@@ -140,6 +140,16 @@ class Saver:
             raise
         return job, flat, plan, arena
 
+    def reserve(self, state: Mapping[str, Any]) -> int:
+        """Plan ``state`` and allocate its arena now (training thread, before the loop), so that
+        the first save does not pay for first-touch memory. Returns the arena's bytes."""
+        flat = flatten(state, allow_pickle=self.options.allow_pickle)
+        deferrable = flat.deferrable if self.options.overlap else set()
+        plan = self._plans.get(flat.tensors, deferrable, self.options.io.chunk_bytes)
+        arena = self._acquire_arena(plan.file_bytes)
+        self._release_arena(arena)
+        return arena.nbytes
+
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Durable and committed when it returns: ``async_save(...).wait()``."""
         handle = self.async_save(step, state)
