@@ -170,7 +170,6 @@ def write_file(
 ) -> IOResult:
     """Write ``view[e.start:e.end]`` at ``e.start`` for every extent, in parallel, then fsync."""
     t0 = time.perf_counter()
-    use_direct = _want_direct(direct)
     hashed: set[int] = set()
     hash_lock = threading.Lock()
 
@@ -184,39 +183,52 @@ def write_file(
             hashed.add(extent.start)
         on_extent(extent)
 
-    try:
-        while True:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            try:
-                fd = _open(path, flags, use_direct)
-            except OSError as e:
-                if use_direct and e.errno == errno.EINVAL and direct == "auto":
-                    _note_fallback(path, e)
-                    use_direct = False
-                    continue
-                raise
-            try:
+    def write_all(fd: int) -> None:
+        def job(extent: Extent) -> None:
+            hash_once(extent)
+            _pwrite_all(fd, view[extent.start : extent.end], extent.start)
 
-                def job(extent: Extent, fd: int = fd) -> None:
-                    hash_once(extent)
-                    _pwrite_all(fd, view[extent.start : extent.end], extent.start)
+        _run_extents(pool, extents, job, midpoint="persist.mid")
+        if fsync:
+            os.fsync(fd)
 
-                _run_extents(pool, extents, job, midpoint="persist.mid")
-                if fsync:
-                    os.fsync(fd)
-            except OSError as e:
-                if use_direct and e.errno == errno.EINVAL and direct == "auto":
-                    _note_fallback(path, e)
-                    use_direct = False
-                    continue
-                raise
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    used_direct = _with_fd(path, flags, direct, "persist", write_all, on_fallback=_note_fallback)
+    total = sum(e.nbytes for e in extents)
+    return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=used_direct)
+
+
+def _with_fd(
+    path: str,
+    flags: int,
+    direct: DirectMode,
+    phase: str,
+    body: Callable[[int], None],
+    *,
+    on_fallback: Callable[[str, OSError], None] | None = None,
+) -> bool:
+    """Open ``path`` (with O_DIRECT when wanted) and run ``body(fd)``; where the file system
+    refuses O_DIRECT (EINVAL at open or at the first request) and ``direct`` is auto, run it
+    again with buffered I/O. Returns whether O_DIRECT was used. OSErrors become
+    CheckpointIOError named by ``phase``."""
+    use_direct = _want_direct(direct)
+    while True:
+        try:
+            fd = _open(path, flags, use_direct)
+            try:
+                body(fd)
             finally:
                 os.close(fd)
-            break
-    except OSError as e:
-        raise _io_error(e, path, "persist") from e
-    total = sum(e.nbytes for e in extents)
-    return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=use_direct)
+            return use_direct
+        except CheckpointIOError:
+            raise
+        except OSError as e:
+            if use_direct and e.errno == errno.EINVAL and direct == "auto":
+                if on_fallback is not None:
+                    on_fallback(path, e)
+                use_direct = False
+                continue
+            raise _io_error(e, path, phase) from e
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -238,36 +250,18 @@ def read_file(
 ) -> IOResult:
     """Read every extent of ``path`` into the same range of ``view``, in parallel."""
     t0 = time.perf_counter()
-    use_direct = _want_direct(direct)
-    try:
-        while True:
-            try:
-                fd = _open(path, os.O_RDONLY, use_direct)
-            except OSError as e:
-                if use_direct and e.errno == errno.EINVAL and direct == "auto":
-                    use_direct = False
-                    continue
-                raise
-            try:
 
-                def job(extent: Extent, fd: int = fd) -> None:
-                    _pread_all(fd, view[extent.start : extent.end], extent.start, path)
-                    if on_extent is not None:
-                        on_extent(extent)
+    def read_all(fd: int) -> None:
+        def job(extent: Extent) -> None:
+            _pread_all(fd, view[extent.start : extent.end], extent.start, path)
+            if on_extent is not None:
+                on_extent(extent)
 
-                _run_extents(pool, extents, job, midpoint=None)
-            except OSError as e:
-                if use_direct and e.errno == errno.EINVAL and direct == "auto":
-                    use_direct = False
-                    continue
-                raise
-            finally:
-                os.close(fd)
-            break
-    except OSError as e:
-        raise _io_error(e, path, "restore") from e
+        _run_extents(pool, extents, job, midpoint=None)
+
+    used_direct = _with_fd(path, os.O_RDONLY, direct, "restore", read_all)
     total = sum(e.nbytes for e in extents)
-    return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=use_direct)
+    return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=used_direct)
 
 
 def _pread_all(fd: int, out: memoryview, offset: int, path: str) -> None:
