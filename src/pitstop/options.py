@@ -8,6 +8,7 @@ variable                   option                                 default
 =========================  =====================================  ==========
 PITSTOP_IO_THREADS         IOOptions.threads                      2
 PITSTOP_CHUNK_BYTES        IOOptions.chunk_bytes                  64 MiB
+PITSTOP_READ_CHUNK_BYTES   IOOptions.read_chunk_bytes             256 MiB
 PITSTOP_DIRECT_IO          IOOptions.direct (auto|on|off)         auto
 PITSTOP_MAX_IN_FLIGHT      SaveOptions.max_in_flight              2
 PITSTOP_OVERLAP            SaveOptions.overlap (1|0)              1
@@ -62,13 +63,17 @@ class IOOptions:
     """How bytes move between host memory and one file system.
 
     ``threads`` writer/reader threads share each file; ``chunk_bytes`` is the
-    size of one request (and of one checksum segment); ``direct`` chooses
+    size of one write request (and of one checksum segment: writers start on a chunk as
+    soon as its tensors are copied, so smaller chunks overlap copying and writing
+    better); ``read_chunk_bytes`` the size of one read request (reads have nothing to
+    overlap with, and 256 MiB requests read 8-10 % faster here than 64 MiB); ``direct`` chooses
     O_DIRECT: ``auto`` uses it where the file system accepts it and falls back
     to buffered I/O + fsync elsewhere (tmpfs, some network file systems).
     """
 
     threads: int = 2
     chunk_bytes: int = 64 * _MIB
+    read_chunk_bytes: int = 256 * _MIB
     direct: DirectMode = "auto"
     fsync: bool = True
 
@@ -80,6 +85,11 @@ class IOOptions:
                 f"IOOptions.chunk_bytes must be a positive multiple of {ALIGN_BYTES}, "
                 f"got {self.chunk_bytes}"
             )
+        if self.read_chunk_bytes < ALIGN_BYTES or self.read_chunk_bytes % ALIGN_BYTES:
+            raise ValueError(
+                f"IOOptions.read_chunk_bytes must be a positive multiple of {ALIGN_BYTES}, "
+                f"got {self.read_chunk_bytes}"
+            )
         if self.direct not in ("auto", "on", "off"):
             raise ValueError(f"IOOptions.direct must be auto, on or off, got {self.direct!r}")
 
@@ -88,6 +98,7 @@ class IOOptions:
         values: dict[str, object] = {
             "threads": _env_int("PITSTOP_IO_THREADS", cls.threads),
             "chunk_bytes": _env_int("PITSTOP_CHUNK_BYTES", cls.chunk_bytes),
+            "read_chunk_bytes": _env_int("PITSTOP_READ_CHUNK_BYTES", cls.read_chunk_bytes),
             "direct": _env("PITSTOP_DIRECT_IO") or cls.direct,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -132,7 +132,7 @@ def read_verified(
         if on_bytes is not None:
             on_bytes(extent.nbytes)
 
-    extents = plan_extents(segs, entry.nbytes, storage.io.chunk_bytes)
+    extents = plan_extents(segs, entry.nbytes, storage.io.read_chunk_bytes)
     try:
         storage.read_data(directory, file, view, extents, pool=pool, on_extent=on_extent)
     except CheckpointError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -207,9 +208,4 @@ class RamStorage(LocalStorage):
         base = io if io is not None else IOOptions.from_env()
         if root is None:
             root = os.path.join("/dev/shm", f"pitstop-{os.getuid()}")
-        super().__init__(
-            root,
-            IOOptions(
-                threads=base.threads, chunk_bytes=base.chunk_bytes, direct="off", fsync=False
-            ),
-        )
+        super().__init__(root, dataclasses.replace(base, direct="off", fsync=False))
