@@ -42,7 +42,7 @@ from pitstop.errors import (
     CorruptCheckpointError,
 )
 from pitstop.faults import killpoint
-from pitstop.format.names import quarantine_dir_name, step_dir_name
+from pitstop.format.names import data_file_name, quarantine_dir_name, step_dir_name
 from pitstop.log import get_logger
 from pitstop.options import IOOptions, SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, PolicyContext
@@ -293,6 +293,7 @@ class CheckpointManager:
         StateMismatchError naming the keys (no fallback: an older one would not fit either).
         """
         self._saver.raise_pending()
+        self._saver.wait_staged()  # a save in flight must not copy what restore writes
         entries = scan(self.storage)
         candidates = [e for e in entries if e.status == "committed"]
         if step is not None:
@@ -322,6 +323,7 @@ class CheckpointManager:
                 if e.status == "corrupt" and e.step is not None and e.step > (entry.step or 0)
             ]
             self._set_aside([f for f, _ in failures] + unreadable)
+            self._loop.ckpt_step = entry.step  # the policy counts from the restored checkpoint
             _log.info("restored step %d from %s", entry.step, self.storage.url, phase="restore")
             return entry.step
         reasons = "; ".join(f"{e.name}: {err.message}" for e, err in failures)
@@ -331,15 +333,34 @@ class CheckpointManager:
 
     def _load(self, entry: Entry, state: Mapping[str, Any] | None, strict: bool) -> Any:
         manifest = entry.manifest or read_manifest(self.storage, entry.name)
-        size = max((f.nbytes for f in manifest.files if f.name.endswith(".bin")), default=0)
-        with self._saver.borrow_buffer(size) as (view, buffer):
-            return load_checkpoint(
-                self.storage, entry.name, manifest, state, view, buffer,
-                pool=self._saver.io_pool, allow_pickle=self.options.allow_pickle, strict=strict,
-            )  # fmt: skip
+        path = f"{self.storage.url}/{entry.name}"
+        name = data_file_name(0)
+        try:
+            claimed = manifest.file(name).nbytes
+        except KeyError:
+            raise CorruptCheckpointError(f"manifest lists no {name}", step=entry.step, path=path) from None
+        try:
+            actual = self.storage.file_size(entry.name, name)
+        except CheckpointError as e:
+            raise CorruptCheckpointError(f"{name}: {e.message}", step=entry.step, path=path) from e
+        if actual != claimed:  # checked before a buffer of that size is allocated
+            raise CorruptCheckpointError(
+                f"{name}: {actual} bytes on storage, manifest says {claimed}", step=entry.step, path=path
+            )
+        try:
+            with self._saver.borrow_buffer(claimed) as (view, buffer):
+                return load_checkpoint(
+                    self.storage, entry.name, manifest, state, view, buffer,
+                    pool=self._saver.io_pool, allow_pickle=self.options.allow_pickle, strict=strict,
+                )  # fmt: skip
+        except CheckpointError:
+            raise
+        except (OSError, KeyError, IndexError) as e:
+            raise CorruptCheckpointError(f"cannot load: {e!r}", step=entry.step, path=path) from e
 
     def load(self, step: int | None = None) -> Any:
         """The saved state as fresh objects (tensors on CPU; Statefuls as their state dicts)."""
+        self._saver.wait_staged()
         candidates = committed(self.storage)
         if step is not None:
             candidates = [e for e in candidates if e.step == step]

@@ -195,3 +195,62 @@ def test_sparse_and_meta_tensors_refused_with_key(root: str) -> None:
         pitstop.save(root, {"s": torch.eye(3).to_sparse()}, step=1)
     with pytest.raises(UnsupportedValueError, match="'m'"):
         pitstop.save(root, {"m": torch.empty(3, device="meta")}, step=1)
+
+
+def test_manifest_layout_checks(root: str) -> None:
+    pitstop.save(root, {"x": torch.ones(2), "y": torch.zeros(1024)}, step=1)
+    doc = json.load(open(_manifest_path(root, 1)))
+    bad = json.loads(json.dumps(doc))
+    bad["tensors"][1]["offset"] = 0  # y on top of x
+    with pytest.raises(ManifestError, match="overlap"):
+        Manifest.loads(json.dumps(bad))
+    bad = json.loads(json.dumps(doc))
+    bad["files"].append({"name": "rank-00001.bin", "rank": 1, "nbytes": 8192, "checksum": None})
+    bad["tensors"][0]["file"] = "rank-00001.bin"  # rank 0's tensor served from another file
+    with pytest.raises(ManifestError, match="lies in rank-00001.bin, not in rank-00000.bin"):
+        Manifest.loads(json.dumps(bad))
+    bad = json.loads(json.dumps(doc))
+    bad["checksum"]["segment_bytes"] = 1000
+    with pytest.raises(ManifestError, match="multiple of 4096"):
+        Manifest.loads(json.dumps(bad))
+
+
+def test_huge_claimed_size_falls_back_without_allocating(root: str) -> None:
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, {"x": torch.ones(2)})
+        ckpt.save(2, {"x": torch.full((2,), 2.0)})
+    doc = json.load(open(_manifest_path(root, 2)))
+    doc["files"][0]["nbytes"] = 2**50
+    for t in doc["tensors"]:
+        t["offset"] = 0
+    with open(_manifest_path(root, 2), "w") as f:
+        json.dump(doc, f)
+    live = {"x": torch.zeros(2)}
+    assert pitstop.CheckpointManager(root).restore(live) == 1  # no 1 PB buffer was asked for
+    assert live["x"].tolist() == [1.0, 1.0]
+
+
+def test_optimizer_group_mismatch_is_found_before_anything_changes(root: str) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    two_groups = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+    pitstop.save(root, {"model": model, "optimizer": two_groups}, step=1)
+    other = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    before = tensors_of({"m": other})
+    one_group = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(StateMismatchError, match=r"optimizer: parameter groups of sizes \[4\].*\[2, 2\]"):
+        pitstop.load(root, {"model": other, "optimizer": one_group})
+    after = tensors_of({"m": other})
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_stateful_that_fails_late_says_the_state_is_partly_restored(root: str) -> None:
+    class Picky:
+        def state_dict(self) -> dict[str, int]:
+            return {"v": 1}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            raise ValueError("version 1 is too old")
+
+    pitstop.save(root, {"a": torch.ones(2), "z": Picky()}, step=1)
+    with pytest.raises(StateMismatchError, match="partly restored: do not train from it"):
+        pitstop.load(root, {"a": torch.zeros(2), "z": Picky()})

@@ -166,6 +166,14 @@ class Saver:
             self._persist_pool.submit(lambda: None).result()  # FIFO: earlier retention is done
         self.raise_pending()
 
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has its bytes in its arena (training thread): after
+        this the live state may be changed by anything, not only by ``optimizer.step()``."""
+        with self._cond:
+            jobs = list(self._staging)
+        for job in jobs:
+            job.settle()
+
     def raise_pending(self) -> None:
         """Raise the error of a failed background save that nobody has seen yet."""
         with self._cond:
@@ -310,8 +318,11 @@ class Saver:
             )  # fmt: skip
         except BaseException as e:
             error = e
+            job.settle()  # no copy may still write into the arena once it is free
             self._discard_debris(directory)
         finally:
+            with self._cond:
+                self._staging = [j for j in self._staging if j is not job]
             self._release_arena(arena)
         with self._cond:
             self._inflight.pop(handle.step, None)

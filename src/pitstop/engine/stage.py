@@ -91,6 +91,13 @@ class StageJob:
                 self.copied_at = time.perf_counter()
             self._cond.notify_all()
 
+    def settle(self) -> None:
+        """Wait until no copy into the arena is running any more, whatever its outcome."""
+        if self._future is not None:
+            self._future.exception()
+        for event in self._events:
+            event.synchronize()
+
     def fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
@@ -104,14 +111,15 @@ class StageJob:
                 raise self._error
 
     def wait_for_optimizer(self) -> None:
-        """Optimizer step pre-hook: block the update until the deferred copy is done."""
+        """Optimizer step pre-hook: block the update until the deferred copy is done.
+        A failed copy does not stop training: the save's handle reports it."""
         if self._future is not None:
-            self._future.result()
+            self._future.exception()
         for event in self._events:  # the device waits; the host goes on
             torch.cuda.current_stream().wait_event(event)
 
     def wait_copied(self) -> None:
-        """Every byte of the snapshot is in the arena (host-synchronous)."""
+        """Every byte of the snapshot is in the arena (host-synchronous); raises a failed copy."""
         if self._future is not None:
             self._future.result()
         for event in self._events:

@@ -20,6 +20,7 @@ last, and is readable with ``cat`` and ``jq``::
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 
 from pitstop.errors import FormatVersionError, ManifestError
 from pitstop.format.checksum import ALGORITHMS, segments
-from pitstop.format.names import validate_file_name
+from pitstop.format.names import data_file_name, validate_file_name
 from pitstop.options import ALIGN_BYTES
 
 __all__ = [
@@ -202,9 +203,11 @@ def _parse(raw: object, path: str | None) -> Manifest:
     if algorithm not in ALGORITHMS:
         raise ManifestError(f"unknown checksum algorithm {algorithm!r}", path=path, step=step)
     segment_bytes = checksum.nonneg("segment_bytes")
-    if segment_bytes <= 0:
+    if segment_bytes <= 0 or segment_bytes % ALIGN_BYTES:
         raise ManifestError(
-            "manifest.checksum.segment_bytes must be positive", path=path, step=step
+            f"manifest.checksum.segment_bytes must be a positive multiple of {ALIGN_BYTES}",
+            path=path,
+            step=step,
         )
     files = tuple(_parse_file(f, i, path) for i, f in enumerate(top.get("files", list)))
     sizes = {f.name: f.nbytes for f in files}
@@ -216,6 +219,7 @@ def _parse(raw: object, path: str | None) -> Manifest:
     )
     if len({t.key for t in tensors}) != len(tensors):
         raise ManifestError("manifest.tensors names a key twice", path=path, step=step)
+    _check_layout(tensors, path, step)
     created = top.get("created_unix_secs", (int, float))
     if not math.isfinite(created):
         raise ManifestError("manifest.created_unix_secs is not finite", path=path, step=step)
@@ -234,6 +238,20 @@ def _parse(raw: object, path: str | None) -> Manifest:
         topology=top.get("topology", dict),
         format_version=version,
     )
+
+
+def _check_layout(tensors: tuple[TensorEntry, ...], path: str | None, step: int) -> None:
+    """Each tensor lies in its own rank's data file, and no two overlap."""
+    for t in tensors:
+        if t.file != data_file_name(t.rank):
+            raise ManifestError(
+                f"tensor {t.key!r} of rank {t.rank} lies in {t.file}, not in {data_file_name(t.rank)}",
+                path=path, step=step,
+            )  # fmt: skip
+    by_position = sorted((t for t in tensors if t.nbytes), key=lambda t: (t.file, t.offset))
+    for a, b in itertools.pairwise(by_position):
+        if a.file == b.file and a.offset + a.nbytes > b.offset:
+            raise ManifestError(f"tensors {a.key!r} and {b.key!r} overlap", path=path, step=step)
 
 
 def _parse_file(raw: object, i: int, path: str | None) -> FileEntry:

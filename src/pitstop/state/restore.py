@@ -211,7 +211,28 @@ class _Restorer:
                 f"{key}: state has {live.dtype} {list(live.shape)}, checkpoint has {dtype} {list(shape)}"
             )
 
+    def _check_optimizer(self, live: torch.optim.Optimizer, node: Node, key: str) -> None:
+        """What Optimizer.load_state_dict would refuse, found before anything is touched."""
+        saved = dict(node["dict"]) if isinstance(node, dict) and "dict" in node else {}
+        groups = saved.get("param_groups")
+        items = groups.get("list") if isinstance(groups, dict) else None
+        if items is None:
+            self.problems.mismatched.append(f"{key}: the checkpoint holds no optimizer state dict")
+            return
+        sizes = []
+        for group in items:
+            params = dict(group.get("dict", [])).get("params") if isinstance(group, dict) else None
+            sizes.append(len(params["list"]) if isinstance(params, dict) and "list" in params else -1)
+        live_sizes = [len(g["params"]) for g in live.param_groups]
+        if sizes != live_sizes:
+            self.problems.mismatched.append(
+                f"{key}: parameter groups of sizes {live_sizes} in the state, {sizes} in the checkpoint"
+            )
+
     def _check_stateful(self, live: Any, node: Node, key: str) -> None:
+        if isinstance(live, torch.optim.Optimizer):
+            self._check_optimizer(live, node, key)
+            return
         if not isinstance(live, torch.nn.Module):
             return  # other Statefuls validate in their own load_state_dict
         live_sd = live.state_dict()
@@ -307,6 +328,24 @@ def _holds_live(value: Any) -> bool:
     return False
 
 
+def _refuse_pickles(node: Node, key: str) -> None:
+    """Raise before anything is restored if the tree holds a pickle the caller did not allow."""
+    if isinstance(node, dict):
+        if "pickle" in node:
+            raise PickleRefusedError(
+                f"value at {key!r} ({node.get('type', '?')}) is stored as a pickle; "
+                "pass allow_pickle=True to load it (only for checkpoints you trust)"
+            )
+        if "dict" in node:
+            for k, v in node["dict"]:
+                _refuse_pickles(v, join_key(key, k))
+        for kind in ("list", "tuple"):
+            for i, v in enumerate(node.get(kind, ())):
+                _refuse_pickles(v, join_key(key, i))
+        if "stateful" in node:
+            _refuse_pickles(node["state"], key)
+
+
 def restore_into(
     state: Mapping[str, Any],
     tree: Node,
@@ -324,7 +363,17 @@ def restore_into(
     dicts may have keys that the checkpoint lacks.
     """
     restorer = _Restorer(source, meta, allow_pickle, strict)
+    if not allow_pickle:
+        _refuse_pickles(tree, "")
     restorer.check(state, tree, "")
     restorer.problems.raise_if_any()
-    with torch.no_grad():
-        restorer.apply(state, tree, "")
+    try:
+        with torch.no_grad():
+            restorer.apply(state, tree, "")
+    except PickleRefusedError:
+        raise
+    except Exception as e:  # a Stateful's own load_state_dict refused, after others were loaded
+        raise StateMismatchError(
+            f"restore failed part way ({e}); the live state is partly restored: do not train from it",
+            phase="restore",
+        ) from e
