@@ -338,14 +338,18 @@ class CheckpointManager:
         try:
             claimed = manifest.file(name).nbytes
         except KeyError:
-            raise CorruptCheckpointError(f"manifest lists no {name}", step=entry.step, path=path) from None
+            raise CorruptCheckpointError(
+                f"manifest lists no {name}", step=entry.step, path=path
+            ) from None
         try:
             actual = self.storage.file_size(entry.name, name)
         except CheckpointError as e:
             raise CorruptCheckpointError(f"{name}: {e.message}", step=entry.step, path=path) from e
         if actual != claimed:  # checked before a buffer of that size is allocated
             raise CorruptCheckpointError(
-                f"{name}: {actual} bytes on storage, manifest says {claimed}", step=entry.step, path=path
+                f"{name}: {actual} bytes on storage, manifest says {claimed}",
+                step=entry.step,
+                path=path,
             )
         try:
             with self._saver.borrow_buffer(claimed) as (view, buffer):

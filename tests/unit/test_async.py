@@ -109,6 +109,61 @@ def test_reserve_allocates_the_arena_before_the_first_save(root: str) -> None:
         assert ckpt._saver._plans.misses == 1
 
 
+def test_restore_waits_for_a_save_still_copying(root: str) -> None:
+    """A rollback while a save of the newer state is in flight must not leak into that save."""
+    import threading
+
+    model, opt = _bn_model()
+    state = {"model": model, "optimizer": opt}
+    _train(model, opt, 0)
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, state)
+        old = tensors_of(state)
+        _train(model, opt, 1)
+        newer = tensors_of(state)
+        gate = threading.Event()
+        ckpt._saver._stage_pool.submit(gate.wait)  # hold the deferred copy of step 2
+        handle = ckpt.async_save(2, state)
+        threading.Timer(0.2, gate.set).start()
+        assert ckpt.restore(state, step=1) == 1  # waits for step 2's copy before writing
+        handle.wait()
+        assert_same_tensors(old, tensors_of(state))
+    assert_same_tensors(newer, tensors_of(pitstop.CheckpointManager(root).load(2)))
+
+
+def test_a_failed_copy_fails_its_save_but_not_training(root: str) -> None:
+    model, opt = _bn_model()
+    state = {"model": model, "optimizer": opt}
+    _train(model, opt, 0)
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, state)
+
+        def broken_copy(*args: object) -> None:
+            raise RuntimeError("copy failed")
+
+        real_submit = ckpt._saver._stage_pool.submit
+        ckpt._saver._stage_pool.submit = lambda fn, *a: real_submit(broken_copy)  # type: ignore[method-assign]
+        handle = ckpt.async_save(2, state)
+        ckpt._saver._stage_pool.submit = real_submit  # type: ignore[method-assign]
+        with pytest.raises(pitstop.CheckpointError, match="copy failed"):
+            handle.wait()
+        for i in range(3):
+            _train(model, opt, 10 + i)  # optimizer.step() is not blocked by the failed copy
+        ckpt.save(3, state)
+        assert ckpt.steps() == [1, 3]
+
+
+def test_policy_counts_from_the_restored_step(root: str) -> None:
+    from pitstop.policy import EveryN
+
+    state = {"x": torch.zeros(3)}
+    with pitstop.CheckpointManager(root, policy=EveryN(5)) as ckpt:
+        assert [s for s in range(1, 11) if ckpt.step(s, state)] == [5, 10]
+    with pitstop.CheckpointManager(root, policy=EveryN(5)) as ckpt:
+        assert ckpt.restore(state) == 10
+        assert [s for s in range(11, 21) if ckpt.step(s, state)] == [15, 20]
+
+
 def test_arenas_are_reused_and_bounded(root: str) -> None:
     model, opt = _bn_model()
     state = {"model": model, "optimizer": opt}

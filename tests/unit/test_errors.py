@@ -232,12 +232,16 @@ def test_huge_claimed_size_falls_back_without_allocating(root: str) -> None:
 
 def test_optimizer_group_mismatch_is_found_before_anything_changes(root: str) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    two_groups = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+    two_groups = torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1
+    )
     pitstop.save(root, {"model": model, "optimizer": two_groups}, step=1)
     other = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     before = tensors_of({"m": other})
     one_group = torch.optim.SGD(other.parameters(), lr=0.1)
-    with pytest.raises(StateMismatchError, match=r"optimizer: parameter groups of sizes \[4\].*\[2, 2\]"):
+    with pytest.raises(
+        StateMismatchError, match=r"optimizer: parameter groups of sizes \[4\].*\[2, 2\]"
+    ):
         pitstop.load(root, {"model": other, "optimizer": one_group})
     after = tensors_of({"m": other})
     assert all(torch.equal(before[k], after[k]) for k in before)

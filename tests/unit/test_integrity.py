@@ -145,7 +145,7 @@ def test_debris_is_ignored_and_collected(root: str, capsys: pytest.CaptureFixtur
     assert ckpt.restore(make_state()) == 1
     assert main(["ls", root]) == 0
     assert "partial" in capsys.readouterr().out
-    assert main(["gc", root, "--dry-run"]) == 0
+    assert main(["gc", root, "--dry-run", "--min-age", "0"]) == 0
     assert os.path.exists(_dir(root, 2))
     assert ckpt.gc() == ["step-0000000002"]
     assert not os.path.exists(_dir(root, 2))

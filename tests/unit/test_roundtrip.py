@@ -205,3 +205,28 @@ def test_load_by_step_and_from_step_directory(root: str) -> None:
     assert pitstop.load(f"{root}/step-0000000001")["x"].item() == 1.0
     live = {"x": torch.zeros(1)}
     assert pitstop.load(root, live) == 3 and live["x"].item() == 3.0
+
+
+def test_keys_that_look_alike_do_not_collide(root: str) -> None:
+    state = {
+        "extra": {
+            1: torch.zeros(2),
+            "1": torch.ones(2),
+            None: torch.full((2,), 5.0),
+            "None": torch.full((2,), 6.0),
+        }
+    }
+    pitstop.save(root, state, step=1)
+    got = pitstop.load(root)["extra"]
+    assert got[1].tolist() == [0.0, 0.0] and got["1"].tolist() == [1.0, 1.0]
+    assert got[None].tolist() == [5.0, 5.0] and got["None"].tolist() == [6.0, 6.0]
+    live = {
+        "extra": {
+            1: torch.empty(2),
+            "1": torch.empty(2),
+            None: torch.empty(2),
+            "None": torch.empty(2),
+        }
+    }
+    pitstop.load(root, live)
+    assert live["extra"][1].tolist() == [0.0, 0.0] and live["extra"]["1"].tolist() == [1.0, 1.0]

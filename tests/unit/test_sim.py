@@ -169,3 +169,21 @@ def test_cli_simulate_table_json_and_plot(
     assert "EveryEpoch" in out and "CheckFreq(2%)" in out and os.path.getsize(plot) > 10_000
     assert main(["simulate", "--iter-secs", "1"]) == 2  # names what is missing
     assert "--stall-secs" in capsys.readouterr().err
+
+
+def test_a_persist_that_finished_before_the_failure_counts() -> None:
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=2.0, restart_secs=0.0, iterations=200
+    )
+    # checkpoint at 100 commits at 102; the failure at 103.5 (mid-iteration) keeps it
+    r = simulate(job, FailureModel(mtbf_secs=1.0, trace=(103.5,)), EveryN(100))
+    assert r.lost_secs == pytest.approx(3.5)
+
+
+def test_a_failure_during_a_restart_charges_only_the_time_spent() -> None:
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=60.0, iterations=300
+    )
+    r = simulate(job, FailureModel(mtbf_secs=1.0, trace=(105.0, 110.0)), EveryN(100))
+    assert r.restart_secs == pytest.approx(5.0 + 60.0)
+    assert r.wall_secs == pytest.approx(job.work_secs + r.lost_secs + r.restart_secs)

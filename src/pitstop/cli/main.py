@@ -9,6 +9,7 @@ so they run on a login node.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -221,13 +222,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _newest_mtime(path: str) -> float:
+    times = [os.stat(path).st_mtime]
+    for name in os.listdir(path):
+        with contextlib.suppress(FileNotFoundError):
+            times.append(os.stat(os.path.join(path, name)).st_mtime)
+    return max(times)
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     storage, _ = _open_root(args.dir)
-    debris = [
-        e
-        for e in scan(storage)
-        if e.status == "partial" or (args.corrupt and e.status == "corrupt")
-    ]
+    now = time.time()
+    debris = []
+    for e in scan(storage):
+        if not (e.status == "partial" or (args.corrupt and e.status == "corrupt")):
+            continue
+        age = now - _newest_mtime(os.path.join(storage.root, e.name))
+        if e.status == "partial" and age < args.min_age:
+            print(
+                f"kept {e.name}: written to {age:.0f} s ago (a save may be running; --min-age {args.min_age:g})"
+            )
+            continue
+        debris.append(e)
     for e in debris:
         print(f"{'would remove' if args.dry_run else 'removed'} {e.name} ({e.status})")
         if not args.dry_run:
@@ -340,6 +356,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt"
     )
+    p.add_argument("--min-age", type=float, default=300.0,
+                   help="keep partial directories written to within this many seconds (default 300)")  # fmt: skip
     p.set_defaults(func=cmd_gc)
 
     p = add(

@@ -98,6 +98,12 @@ class StageJob:
         for event in self._events:
             event.synchronize()
 
+    def _on_copy_done(self, future: Future[None]) -> None:
+        """However the copy ended, waiting writers must not wait for ever."""
+        error = future.exception()
+        if error is not None:
+            self.fail(error)
+
     def fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
@@ -183,6 +189,7 @@ def stage(
         _copy(job, eager, progress, half)
         if deferred:
             job._future = copier.submit(_copy, job, deferred, progress, half)
+            job._future.add_done_callback(job._on_copy_done)
     job.eager_secs = time.perf_counter() - t0
     return job
 

@@ -100,7 +100,21 @@ def simulate(
     secs_since_restart = 0.0
 
     def fail(at: float) -> None:
-        nonlocal t, progress, fi, queue, last_ckpt, persist_free_at, secs_since_restart
+        nonlocal \
+            t, \
+            progress, \
+            fi, \
+            queue, \
+            last_ckpt, \
+            persist_free_at, \
+            secs_since_restart, \
+            committed, \
+            measured
+        while queue and queue[0][0] <= at:  # persists that finished before the failure count
+            committed = queue.pop(0)[1]
+            measured = True
+        if at < t:  # failed while restarting: the rest of that restart is not spent
+            result.restart_secs -= t - at
         cls = failures.pick_class(rng)
         lost = progress - committed
         lost_secs = lost * it + (at - t if at > t else 0.0)

@@ -196,16 +196,19 @@ class _SeededDataset(Dataset[Any]):
             return [self.dataset[i] for i in batch]
         py, np_state = random.getstate(), _numpy_state()
         with torch.random.fork_rng(devices=[]):
-            _seed_all(seed)
+            _seed_all(seed, main_process=True)
             items = [self.dataset[i] for i in batch]
         random.setstate(py)
         _set_numpy_state(np_state)
         return items
 
 
-def _seed_all(seed: int) -> None:
+def _seed_all(seed: int, *, main_process: bool = False) -> None:
     random.seed(seed)
-    torch.manual_seed(seed)
+    if main_process:  # only the CPU generator: CUDA streams (dropout on GPU) stay untouched
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
     np = _numpy()
     if np is not None:
         np.random.seed(seed % (1 << 32))
@@ -294,6 +297,10 @@ class ResumableLoader:
         loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         if loader_kwargs["generator"] is None:
             loader_kwargs["generator"] = torch.Generator().manual_seed(seed)
+        if loader_kwargs.get("in_order") is False:  # delivered batch k must be batch k
+            raise ValueError(
+                "ResumableLoader needs in_order=True: out-of-order delivery cannot be resumed"
+            )
         self.loader = DataLoader(
             _SeededDataset(dataset), batch_sampler=self._batches, **loader_kwargs
         )

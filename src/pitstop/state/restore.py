@@ -40,7 +40,11 @@ def materialize(
 
 class _Materializer:
     def __init__(
-        self, source: TensorSource, allow_pickle: bool, clone: bool, live: dict[str, torch.Tensor]
+        self,
+        source: TensorSource,
+        allow_pickle: bool,
+        clone: bool,
+        live: dict[str, torch.Tensor | None],
     ) -> None:
         self.source, self.allow_pickle, self.clone, self.live = source, allow_pickle, clone, live
         self.built: dict[str, torch.Tensor] = {}  # stored key -> tensor, so shared stays shared
@@ -98,10 +102,11 @@ class _Materializer:
         raise UnsupportedValueError(f"unknown node at {key!r}: keys {sorted(node)}")
 
 
-def _live_tensors(obj: Any, key: str, out: dict[str, torch.Tensor]) -> None:
-    """Every tensor of a live state_dict-like tree, by key path."""
+def _live_tensors(obj: Any, key: str, out: dict[str, torch.Tensor | None]) -> None:
+    """Every tensor of a live state_dict-like tree, by key path (None where two paths look alike:
+    such a tensor is not received in place, so nothing lands in the wrong one)."""
     if isinstance(obj, torch.Tensor):
-        out[key] = obj
+        out[key] = None if key in out else obj
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _live_tensors(v, join_key(key, k), out)
@@ -222,7 +227,9 @@ class _Restorer:
         sizes = []
         for group in items:
             params = dict(group.get("dict", [])).get("params") if isinstance(group, dict) else None
-            sizes.append(len(params["list"]) if isinstance(params, dict) and "list" in params else -1)
+            sizes.append(
+                len(params["list"]) if isinstance(params, dict) and "list" in params else -1
+            )
         live_sizes = [len(g["params"]) for g in live.param_groups]
         if sizes != live_sizes:
             self.problems.mismatched.append(
@@ -256,7 +263,7 @@ class _Restorer:
     def apply(self, live: Any, node: Node, key: str) -> Any:
         """Restore ``node`` into ``live``; returns the value the parent should hold."""
         if is_stateful(live):
-            live_tensors: dict[str, torch.Tensor] = {}
+            live_tensors: dict[str, torch.Tensor | None] = {}
             _live_tensors(live.state_dict(), key, live_tensors)
             sd = _Materializer(self.source, self.allow_pickle, True, live_tensors).build(
                 _state_of(node), key

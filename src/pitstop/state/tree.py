@@ -152,11 +152,21 @@ class _Flattener:
         ident = _tensor_identity(t)
         if ident in self.seen:
             return {"tensor": self.seen[ident]}
+        key = self._unique(key)
         self.seen[ident] = key
         self.flat.tensors[key] = t.detach()
         if ident in self.owned_params or ident in self.optimizer_state:
             self.flat.deferrable.add(key)
         return {"tensor": key}
+
+    def _unique(self, key: str) -> str:
+        """Key paths of 1 and "1" (or None and "None") look alike: the second gets a suffix."""
+        if key not in self.flat.tensors:
+            return key
+        n = 2
+        while f"{key}~{n}" in self.flat.tensors:
+            n += 1
+        return f"{key}~{n}"
 
     def _mapping(self, obj: Mapping[Any, Any], key: str) -> Node:
         items = []
@@ -184,7 +194,11 @@ class _Flattener:
         if isinstance(obj, np.ndarray):
             if obj.dtype == object:
                 return None
-            t = torch.from_numpy(obj.copy() if not obj.flags.c_contiguous else obj)
+            try:
+                t = torch.from_numpy(obj.copy() if not obj.flags.c_contiguous else obj)
+            except (TypeError, ValueError):  # strings, datetimes, non-native byte order
+                return None  # stored as a pickle if allowed, else refused with the key named
+            key = self._unique(key)
             self.flat.tensors[key] = t
             return {"ndarray": key}
         if isinstance(obj, np.generic) and obj.dtype != object:
