@@ -34,10 +34,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import log  # noqa: E402
-
-import pitstop  # noqa: E402
-from pitstop.policy import CheckFreq, EveryN  # noqa: E402
+import pitstop
+from _common import log
+from pitstop.policy import CheckFreq, EveryN
 
 
 def build(width: int, layers: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -81,7 +80,7 @@ class Loop:
         loss.backward()
         self.opt.step()
         self.step_no += 1
-        return float(loss)
+        return loss.item()
 
     def fresh_dir(self, name: str) -> str:
         path = os.path.join(self.root, name)
