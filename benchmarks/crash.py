@@ -103,10 +103,12 @@ def run_trial(index: int, workdir: str, seed: int) -> Trial:
             same = digest(fresh) == recorded.get(str(trial.restored))
             trial.corrupt_load = not same
             trial.correct = same and trial.restored == trial.committed
-        trial.verify_ok = all(  # what `pitstop verify` checks, without printing (trials run in threads)
-            verify_checkpoint(storage, e.name, e.manifest).ok if e.manifest else False
-            for e in scan(storage)
-            if e.status in ("committed", "corrupt")
+        trial.verify_ok = (
+            all(  # what `pitstop verify` checks, without printing (trials run in threads)
+                verify_checkpoint(storage, e.name, e.manifest).ok if e.manifest else False
+                for e in scan(storage)
+                if e.status in ("committed", "corrupt")
+            )
         )
     except Exception as e:  # a failed restore is a result, not a crash of the benchmark
         trial.error = f"{type(e).__name__}: {e}"

@@ -72,7 +72,9 @@ class Loop:
         self.step_no = 0
         self.train_step()  # Adam state exists from here on
         self.state = {"model": self.model, "optimizer": self.opt}
-        self.state_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values()) * 3
+        self.state_bytes = (
+            sum(t.numel() * t.element_size() for t in self.model.state_dict().values()) * 3
+        )
 
     def train_step(self) -> float:
         loss = self.loss_fn(self.model(self.x), self.y)
@@ -95,10 +97,14 @@ class Loop:
             self.train_step()
         return time.perf_counter() - t0, [], 0, None
 
-    def pitstop(self, policy_factory: Callable[[], Any]) -> Callable[[], tuple[float, list[float], int, Any]]:
+    def pitstop(
+        self, policy_factory: Callable[[], Any]
+    ) -> Callable[[], tuple[float, list[float], int, Any]]:
         def run() -> tuple[float, list[float], int, Any]:
             policy = policy_factory()
-            with pitstop.CheckpointManager(self.fresh_dir("pitstop"), keep_last=2, policy=policy) as ckpt:
+            with pitstop.CheckpointManager(
+                self.fresh_dir("pitstop"), keep_last=2, policy=policy
+            ) as ckpt:
                 t0 = time.perf_counter()
                 for i in range(self.args.iters):
                     loss = self.train_step()
@@ -143,7 +149,9 @@ class Loop:
                 s0 = time.perf_counter()
                 path = os.path.join(d, "ckpt.pt")
                 with open(path + ".tmp", "wb") as f:
-                    torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f)
+                    torch.save(
+                        {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f
+                    )
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(path + ".tmp", path)
@@ -152,7 +160,9 @@ class Loop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
@@ -181,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs = {name: Run(name) for name in configs}
     names = list(configs)
-    log(f"state {loop.state_bytes / 1e6:.0f} MB, {args.iters} iterations per run, {args.rounds} rounds")
+    log(
+        f"state {loop.state_bytes / 1e6:.0f} MB, {args.iters} iterations per run, {args.rounds} rounds"
+    )
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
@@ -194,15 +206,21 @@ def main(argv: list[str] | None = None) -> int:
             log(f"round {r + 1}: {name}: {wall:.2f} s, {count} checkpoints")
     base = runs["none"].wall
     iter_secs = base / args.iters
-    print(f"state {loop.state_bytes / 1e6:.0f} MB; an iteration takes {iter_secs:.3f} s; {args.iters} iterations per run")
-    print(f"{'configuration':26} {'wall s':>8} {'overhead':>9} {'interval':>9} {'ckpts':>6} {'stall/ckpt s':>13}")
+    print(
+        f"state {loop.state_bytes / 1e6:.0f} MB; an iteration takes {iter_secs:.3f} s; {args.iters} iterations per run"
+    )
+    print(
+        f"{'configuration':26} {'wall s':>8} {'overhead':>9} {'interval':>9} {'ckpts':>6} {'stall/ckpt s':>13}"
+    )
     results: dict[str, Any] = {"state_bytes": loop.state_bytes, "iter_secs": iter_secs, "runs": {}}
     for name, run in runs.items():
         overhead = (run.wall - base) / base
         stall = statistics.median(run.stalls) if run.stalls else 0.0
         interval = run.intervals[-1]
         ckpts = statistics.median(run.checkpoints)
-        print(f"{name:26} {run.wall:8.2f} {100 * overhead:8.2f}% {interval!s:>9} {ckpts:6.0f} {stall:13.4f}")
+        print(
+            f"{name:26} {run.wall:8.2f} {100 * overhead:8.2f}% {interval!s:>9} {ckpts:6.0f} {stall:13.4f}"
+        )
         results["runs"][name] = {
             "wall_secs": run.wall, "overhead": overhead, "interval": interval,
             "checkpoints": ckpts, "stall_secs": stall, "walls": run.walls,
@@ -210,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     cf = results["runs"]["pitstop CheckFreq(0.02)"]["overhead"]
     p10 = results["runs"]["pitstop EveryN(10)"]["overhead"]
     d10 = results["runs"]["DCP async_save every 10"]["overhead"]
-    print(f"\nCheckFreq(0.02) overhead {100 * cf:.2f}% (target <= 2%): {'PASS' if cf <= 0.02 else 'MISS'}")
+    print(
+        f"\nCheckFreq(0.02) overhead {100 * cf:.2f}% (target <= 2%): {'PASS' if cf <= 0.02 else 'MISS'}"
+    )
     print(f"pitstop every 10 {100 * p10:.2f}% vs DCP async_save every 10 {100 * d10:.2f}%: "
           f"{'PASS' if p10 < d10 else 'MISS'}")  # fmt: skip
     if args.dir is None:
