@@ -12,6 +12,7 @@ PITSTOP_READ_CHUNK_BYTES   IOOptions.read_chunk_bytes             256 MiB
 PITSTOP_DIRECT_IO          IOOptions.direct (auto|on|off)         auto
 PITSTOP_MAX_IN_FLIGHT      SaveOptions.max_in_flight              2
 PITSTOP_OVERLAP            SaveOptions.overlap (1|0)              1
+PITSTOP_BACKGROUND_NICE    SaveOptions.background_nice            10
 PITSTOP_LOG_LEVEL          log level of the ``pitstop`` logger    WARNING
 PITSTOP_KILL_AT            kill point for fault tests (NAME[:N])  unset
 RANK                       the rank shown in log records          0
@@ -114,13 +115,16 @@ class SaveOptions:
     copying while the next forward and backward run (an optimizer step
     pre-hook waits for them); with ``overlap=False`` every byte is copied
     before ``async_save`` returns. ``allow_pickle`` stores values JSON cannot
-    hold as pickles; loading them needs the same opt-in.
+    hold as pickles; loading them needs the same opt-in. ``background_nice``
+    lowers the priority of the persist and writer threads (Linux, per thread), so
+    that on busy cores the write yields to training; 0 keeps normal priority.
     """
 
     io: IOOptions = field(default_factory=IOOptions)
     max_in_flight: int = 2
     overlap: bool = True
     allow_pickle: bool = False
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -133,6 +137,7 @@ class SaveOptions:
             "io": io if io is not None else IOOptions.from_env(),
             "max_in_flight": _env_int("PITSTOP_MAX_IN_FLIGHT", cls.max_in_flight),
             "overlap": _env_int("PITSTOP_OVERLAP", 1) != 0,
+            "background_nice": _env_int("PITSTOP_BACKGROUND_NICE", cls.background_nice),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ borrowed by restore), never allocated per save.
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import threading
 import time
 import weakref
@@ -48,6 +50,16 @@ __all__ = ["Saver"]
 _log = get_logger("pitstop.engine")
 
 
+def _lower_priority(nice: int) -> None:
+    """Thread initializer: on Linux a thread has its own nice value, so the background write
+    and its hashing take the cores only when training leaves them idle (the stage thread
+    keeps normal priority: optimizer.step() waits for it)."""
+    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
 class Saver:
     """Owns the arenas, the plan cache, the optimizer hooks and the background threads."""
 
@@ -75,8 +87,16 @@ class Saver:
             weakref.WeakKeyDictionary()
         )
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-stage")
-        self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-persist")
-        self.io_pool = ThreadPoolExecutor(options.io.threads, thread_name_prefix="pitstop-io")
+        nice = (options.background_nice,)
+        self._persist_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="pitstop-persist", initializer=_lower_priority, initargs=nice
+        )
+        self.io_pool = ThreadPoolExecutor(
+            options.io.threads,
+            thread_name_prefix="pitstop-io",
+            initializer=_lower_priority,
+            initargs=nice,
+        )
         self._closed = False
         self.history: collections.deque[SaveHandle] = collections.deque(maxlen=256)
 
