@@ -196,6 +196,7 @@ class CheckpointManager:
             stall_secs=measured.stall_secs,
             persist_secs=measured.persist_secs,
             slowdown_secs=measured.slowdown_secs,
+            observed_overhead=measured.recent_overhead,
             in_flight=len(loop.pending),
             max_in_flight=self.options.max_in_flight,
             checkpoints=self.profiler.checkpoints + len(loop.pending),

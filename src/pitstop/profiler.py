@@ -34,6 +34,8 @@ class ProfileStats:
     training_secs: float
     overhead: float
     """Measured fraction of training time spent on checkpoints (stalls + slowdown)."""
+    recent_overhead: float | None = None
+    """The same over the last ~100 iterations, measured against quiet iterations."""
     interval: float | None = None
     """The policy's current interval (iterations or seconds, as the policy counts), if it has one."""
 
@@ -45,6 +47,7 @@ def _median(values: deque[float]) -> float | None:
 class Profiler:
     def __init__(self, window: int = 50, warmup: int = 5) -> None:
         self.warmup = warmup
+        self._window = window
         self.iterations = 0
         self.checkpoints = 0
         self._quiet: deque[float] = deque(maxlen=window)  # iterations with no persist beside them
@@ -55,6 +58,7 @@ class Profiler:
         self._bytes: int | None = None
         self.training_secs = 0.0
         self.stall_total = 0.0
+        self._recent: deque[float] = deque(maxlen=2 * window)  # every iteration, stalls included
 
     def iteration(self, secs: float, persisting: bool) -> None:
         self.iterations += 1
@@ -62,11 +66,14 @@ class Profiler:
             return
         self.training_secs += secs
         (self._busy if persisting else self._quiet).append(secs)
+        self._recent.append(secs)
 
     def stall(self, secs: float) -> None:
         """The loop was blocked ``secs`` by a save (counted when it happens)."""
         self.stall_total += secs
         self.training_secs += secs
+        if self._recent:
+            self._recent[-1] += secs
 
     def checkpoint(self, stats: SaveStats) -> None:
         self.checkpoints += 1
@@ -79,6 +86,14 @@ class Profiler:
     @property
     def iter_secs(self) -> float | None:
         return _median(self._quiet) or _median(self._busy)
+
+    def recent_overhead(self) -> float | None:
+        """Measured, not modelled: how much longer the recent iterations took (stalls and all)
+        than iterations with no checkpoint work beside them. None until both are known."""
+        quiet = _median(self._quiet)
+        if quiet is None or len(self._recent) < self._window or len(self._quiet) < 5:
+            return None
+        return sum(self._recent) / (len(self._recent) * quiet) - 1.0
 
     def slowdown_secs(self) -> float | None:
         """Extra training time per checkpoint while it persists (0 when it does not slow training)."""
@@ -101,5 +116,6 @@ class Profiler:
             write_gbps=_median(self._gbps),
             training_secs=self.training_secs,
             overhead=overhead_secs / self.training_secs if self.training_secs > 0 else 0.0,
+            recent_overhead=self.recent_overhead(),
             interval=interval,
         )

@@ -16,7 +16,9 @@ class PolicyContext:
     iteration (stalls excluded); ``stall_secs`` how long a checkpoint blocks the
     loop; ``persist_secs`` how long the background write takes until commit;
     ``slowdown_secs`` how much longer training takes, per checkpoint, because a
-    persist runs beside it (contention for cores, memory bandwidth, the GIL).
+    persist runs beside it (contention for cores, memory bandwidth, the GIL);
+    ``observed_overhead`` the measured fraction of extra time over recent iterations
+    (stalls included) against iterations with no checkpoint work, when known.
     """
 
     step: int
@@ -27,6 +29,7 @@ class PolicyContext:
     stall_secs: float | None = None
     persist_secs: float | None = None
     slowdown_secs: float | None = None
+    observed_overhead: float | None = None
     in_flight: int = 0
     max_in_flight: int = 1
     checkpoints: int = 0

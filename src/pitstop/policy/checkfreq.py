@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pitstop.policy.base import PolicyContext
 
@@ -25,7 +25,10 @@ class CheckFreq:
     Unlike the original (which only ever grew k by 2 after the fact), k follows the
     measurements both ways: a slower disk or faster iterations raise it, and the
     reverse lowers it. A save that has to wait for a free arena shows up as a larger
-    stall, which raises k too.
+    stall, which raises k too. The model is corrected by what is observed: while the
+    measured overhead of recent iterations exceeds the budget, k is scaled up by 1.5
+    (at most once per interval); while it stays under half the budget, the scale
+    relaxes back towards 1.
     """
 
     max_overhead: float = 0.02
@@ -33,6 +36,10 @@ class CheckFreq:
     profile: int = 10
     min_interval: int = 1
     interval: int | None = None
+    scale: float = 1.0
+    """Feedback on the model: grows while the observed overhead exceeds the budget, shrinks
+    back (never below 1) while it stays under half of it."""
+    _last_adjust: int = field(default=-(10**9), repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_overhead < 1:
@@ -54,5 +61,20 @@ class CheckFreq:
                 and ctx.iter_secs is not None
                 and ctx.step >= self.warmup + self.profile
             )
-        self.interval = self.choose(ctx)
+        self._feedback(ctx)
+        self.interval = max(1, math.ceil(self.choose(ctx) * self.scale - 1e-9))
         return ctx.steps_since_checkpoint >= self.interval
+
+    def _feedback(self, ctx: PolicyContext) -> None:
+        """The model misses costs it cannot see (cache and memory-bandwidth contention, a busy
+        disk); the measured overhead corrects it, at most once per interval."""
+        seen = ctx.observed_overhead
+        if seen is None or ctx.step - self._last_adjust < max(self.interval or 1, 20):
+            return
+        if seen > self.max_overhead:
+            self.scale *= 1.5
+        elif seen < self.max_overhead / 2 and self.scale > 1.0:
+            self.scale = max(1.0, self.scale / 1.25)
+        else:
+            return
+        self._last_adjust = ctx.step
