@@ -1,19 +1,21 @@
 """Training overhead of checkpoint policies on a CPU training loop (issue: when to checkpoint).
 
-    python benchmarks/overhead.py            # default: ~400 MB of state, 60 iterations per run, 3 rounds
-    python benchmarks/overhead.py --quick    # ~100 MB, 25 iterations, 1 round (under a minute)
+    python benchmarks/overhead.py            # ~350 MB of state, 0.4-0.5 s iterations (a few minutes)
+    python benchmarks/overhead.py --quick    # ~100 MB, short segments (under a minute)
 
-One process, one model, the same data. Each round runs every configuration once, in a
-rotating order (the disk's speed drifts, so configurations are compared within rounds):
+This machine's speed drifts by 10-20 % within minutes (the host is shared), which
+swamps a 2 % effect if configurations are timed minutes apart. So each configuration
+is measured in *pairs of segments*: S iterations with checkpoints, then S iterations
+without (the order alternates from pair to pair), in the same process, on the same
+model; overhead = median over pairs of (segment with / segment without - 1). Before the
+pairs, one unmeasured segment warms up each configuration (arena allocation,
+CheckFreq's probe), so the figures are steady-state costs. A segment with
+checkpoints includes waiting for its last save to commit.
 
-* ``none``: no checkpoints (the baseline);
-* pitstop ``ckpt.step`` with ``EveryN(1)``, ``EveryN(10)`` and ``CheckFreq(0.02)``;
-* DCP ``async_save`` every 10 iterations (the previous one is waited for first, as DCP's
-  docs recommend; its stall is the call plus that wait);
-* ``torch.save`` + fsync every 10 iterations (synchronous).
-
-Overhead = (median wall time of the run - median of ``none``) / median of ``none``.
-Prints a table and a final JSON line.
+Configurations: pitstop ``ckpt.step`` with ``EveryN(1)``, ``EveryN(10)`` and
+``CheckFreq(0.02)``; DCP ``async_save`` every 10 iterations (the previous one is
+waited for first); ``torch.save`` + fsync every 10 iterations. Prints a table and a
+final JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,19 +47,6 @@ def build(width: int, layers: int, seed: int = 0) -> tuple[nn.Module, torch.opti
         blocks += [nn.Linear(width, width), nn.ReLU()]
     model = nn.Sequential(*blocks, nn.Linear(width, 10))
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
-
-
-@dataclass
-class Run:
-    name: str
-    walls: list[float] = field(default_factory=list)
-    stalls: list[float] = field(default_factory=list)
-    checkpoints: list[int] = field(default_factory=list)
-    intervals: list[Any] = field(default_factory=list)
-
-    @property
-    def wall(self) -> float:
-        return statistics.median(self.walls)
 
 
 class Loop:
@@ -90,73 +78,86 @@ class Loop:
         os.makedirs(path)
         return path
 
-    # ---- configurations: each returns (wall, stalls, checkpoints, interval)
-    def none(self) -> tuple[float, list[float], int, Any]:
+    def plain(self, n: int) -> float:
         t0 = time.perf_counter()
-        for _ in range(self.args.iters):
+        for _ in range(n):
             self.train_step()
-        return time.perf_counter() - t0, [], 0, None
+        return time.perf_counter() - t0
 
-    def pitstop(
-        self, policy_factory: Callable[[], Any]
-    ) -> Callable[[], tuple[float, list[float], int, Any]]:
-        def run() -> tuple[float, list[float], int, Any]:
-            policy = policy_factory()
-            with pitstop.CheckpointManager(
-                self.fresh_dir("pitstop"), keep_last=2, policy=policy
-            ) as ckpt:
-                t0 = time.perf_counter()
-                for i in range(self.args.iters):
-                    loss = self.train_step()
-                    ckpt.step(self.step_no, self.state, loss=loss)
-                    del i
-                ckpt.wait()
-                wall = time.perf_counter() - t0
-                stalls = [h.stats.stall_secs for h in ckpt.history]
-                interval = getattr(policy, "interval", None) or getattr(policy, "n", None)
-                return wall, stalls, len(stalls), interval
 
-        return run
+class Pitstop:
+    """A pitstop manager that lives across all segments of one configuration."""
 
-    def dcp_async(self) -> tuple[float, list[float], int, Any]:
-        import torch.distributed.checkpoint as dcp
+    def __init__(self, loop: Loop, policy: Any) -> None:
+        self.loop, self.policy = loop, policy
+        self.ckpt = pitstop.CheckpointManager(loop.fresh_dir("pitstop"), keep_last=2, policy=policy)
+        self.ckpt.reserve(loop.state)
+        self.steps = 0  # the manager counts only the iterations of its own segments
 
-        d = self.fresh_dir("dcp")
-        pending = None
-        stalls: list[float] = []
+    def segment(self, n: int) -> tuple[float, int]:
         t0 = time.perf_counter()
-        for i in range(1, self.args.iters + 1):
-            self.train_step()
-            if i % 10 == 0:
-                s0 = time.perf_counter()
-                if pending is not None:
-                    pending.result()
-                sd = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
-                resp = dcp.async_save(sd, checkpoint_id=os.path.join(d, f"s{self.step_no}"))
-                pending = getattr(resp, "upload_completion", resp)
-                stalls.append(time.perf_counter() - s0)
-        if pending is not None:
-            pending.result()
-        return time.perf_counter() - t0, stalls, len(stalls), 10
+        taken = 0
+        for _ in range(n):
+            loss = self.loop.train_step()
+            self.steps += 1
+            taken += self.ckpt.step(self.steps, self.loop.state, loss=loss)
+        self.ckpt.wait()
+        self.ckpt.pause()  # the segment without checkpoints is not one long iteration
+        return time.perf_counter() - t0, taken
 
-    def torch_save(self) -> tuple[float, list[float], int, Any]:
-        d = self.fresh_dir("torch")
-        stalls: list[float] = []
+    def stalls(self) -> list[float]:
+        return [h.stats.stall_secs for h in self.ckpt.history]
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class EveryTen:
+    """DCP async_save or torch.save every 10 iterations."""
+
+    def __init__(self, loop: Loop, kind: str) -> None:
+        self.loop, self.kind = loop, kind
+        self.dir = loop.fresh_dir(kind)
+        self.pending: Any = None
+        self._stalls: list[float] = []
+
+    def _save(self) -> None:
+        s0 = time.perf_counter()
+        sd = {"model": self.loop.model.state_dict(), "optimizer": self.loop.opt.state_dict()}
+        if self.kind == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            if self.pending is not None:
+                self.pending.result()
+            resp = dcp.async_save(sd, checkpoint_id=os.path.join(self.dir, f"s{self.loop.step_no}"))
+            self.pending = getattr(resp, "upload_completion", resp)
+        else:
+            path = os.path.join(self.dir, "ckpt.pt")
+            with open(path + ".tmp", "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+        self._stalls.append(time.perf_counter() - s0)
+
+    def segment(self, n: int) -> tuple[float, int]:
         t0 = time.perf_counter()
-        for i in range(1, self.args.iters + 1):
-            self.train_step()
-            if i % 10 == 0:
-                s0 = time.perf_counter()
-                path = os.path.join(d, "ckpt.pt")
-                with open(path + ".tmp", "wb") as f:
-                    torch.save(
-                        {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f
-                    )
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(path + ".tmp", path)
-                stalls.append(time.perf_counter() - s0)
-        return time.perf_counter() - t0, stalls, len(stalls), 10
+        taken = 0
+        for _ in range(n):
+            self.loop.train_step()
+            if self.loop.step_no % 10 == 0:
+                self._save()
+                taken += 1
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+        return time.perf_counter() - t0, taken
+
+    def stalls(self) -> list[float]:
+        return self._stalls
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,64 +168,76 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--segment", type=int, default=None, help="iterations per segment")
+    p.add_argument("--pairs", type=int, default=None, help="pairs of segments per configuration")
     p.add_argument("--dir", default=None)
     args = p.parse_args(argv)
     args.width = args.width or (1536 if args.quick else 2048)
     args.layers = args.layers or (3 if args.quick else 7)
     args.batch = args.batch or (128 if args.quick else 256)
-    args.iters = args.iters or (25 if args.quick else 60)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.segment = args.segment or (8 if args.quick else 24)
+    args.pairs = args.pairs or (2 if args.quick else 3)
     torch.set_num_threads(2)
     root = args.dir or tempfile.mkdtemp(prefix="pitstop-overhead-")
     loop = Loop(args, root)
     for _ in range(3):
         loop.train_step()  # warm up the allocator and kernels
-    configs: dict[str, Callable[[], tuple[float, list[float], int, Any]]] = {
-        "none": loop.none,
-        "pitstop EveryN(1)": loop.pitstop(lambda: EveryN(1)),
-        "pitstop EveryN(10)": loop.pitstop(lambda: EveryN(10)),
-        "pitstop CheckFreq(0.02)": loop.pitstop(lambda: CheckFreq(0.02)),
-        "DCP async_save every 10": loop.dcp_async,
-        "torch.save every 10": loop.torch_save,
+    configs: dict[str, Callable[[], Any]] = {
+        "pitstop EveryN(1)": lambda: Pitstop(loop, EveryN(1)),
+        "pitstop EveryN(10)": lambda: Pitstop(loop, EveryN(10)),
+        "pitstop CheckFreq(0.02)": lambda: Pitstop(loop, CheckFreq(0.02)),
+        "DCP async_save every 10": lambda: EveryTen(loop, "dcp"),
+        "torch.save every 10": lambda: EveryTen(loop, "torch"),
     }
-    runs = {name: Run(name) for name in configs}
-    names = list(configs)
+    seg, pairs = args.segment, args.pairs
     log(
-        f"state {loop.state_bytes / 1e6:.0f} MB, {args.iters} iterations per run, {args.rounds} rounds"
+        f"state {loop.state_bytes / 1e6:.0f} MB; {pairs} pairs of {seg}-iteration segments per configuration"
     )
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            wall, stalls, count, interval = configs[name]()
-            run = runs[name]
-            run.walls.append(wall)
-            run.stalls += stalls
-            run.checkpoints.append(count)
-            run.intervals.append(interval)
-            log(f"round {r + 1}: {name}: {wall:.2f} s, {count} checkpoints")
-    base = runs["none"].wall
-    iter_secs = base / args.iters
+    results: dict[str, Any] = {
+        "state_bytes": loop.state_bytes,
+        "segment": seg,
+        "pairs": pairs,
+        "runs": {},
+    }
+    base_iters: list[float] = []
     print(
-        f"state {loop.state_bytes / 1e6:.0f} MB; an iteration takes {iter_secs:.3f} s; {args.iters} iterations per run"
+        f"{'configuration':26} {'overhead':>9} {'pairs (%)':>24} {'ckpts/seg':>9} {'interval':>9} {'stall/ckpt s':>13}"
     )
-    print(
-        f"{'configuration':26} {'wall s':>8} {'overhead':>9} {'interval':>9} {'ckpts':>6} {'stall/ckpt s':>13}"
-    )
-    results: dict[str, Any] = {"state_bytes": loop.state_bytes, "iter_secs": iter_secs, "runs": {}}
-    for name, run in runs.items():
-        overhead = (run.wall - base) / base
-        stall = statistics.median(run.stalls) if run.stalls else 0.0
-        interval = run.intervals[-1]
-        ckpts = statistics.median(run.checkpoints)
+    for name, factory in configs.items():
+        cfg = factory()
+        cfg.segment(seg)  # warm-up: allocation, probe, first interval
+        ratios, counts = [], []
+        for r in range(pairs):
+            if r % 2 == 0:
+                with_ckpt, taken = cfg.segment(seg)
+                without = loop.plain(seg)
+            else:
+                without = loop.plain(seg)
+                with_ckpt, taken = cfg.segment(seg)
+            ratios.append(with_ckpt / without - 1)
+            counts.append(taken)
+            base_iters.append(without / seg)
+            log(
+                f"{name}: pair {r + 1}: {with_ckpt:.2f} s with, {without:.2f} s without, {taken} checkpoints"
+            )
+        stalls = cfg.stalls()
+        interval = getattr(getattr(cfg, "policy", None), "interval", None) or getattr(
+            getattr(cfg, "policy", None), "n", None
+        )
+        interval = interval if interval is not None else 10
+        cfg.close()
+        overhead = statistics.median(ratios)
+        stall = statistics.median(stalls) if stalls else 0.0
+        pair_text = " ".join(f"{100 * x:+.1f}" for x in ratios)
         print(
-            f"{name:26} {run.wall:8.2f} {100 * overhead:8.2f}% {interval!s:>9} {ckpts:6.0f} {stall:13.4f}"
+            f"{name:26} {100 * overhead:8.2f}% {pair_text:>24} {statistics.median(counts):9.0f} {interval!s:>9} {stall:13.4f}"
         )
         results["runs"][name] = {
-            "wall_secs": run.wall, "overhead": overhead, "interval": interval,
-            "checkpoints": ckpts, "stall_secs": stall, "walls": run.walls,
+            "overhead": overhead, "pairs": ratios, "checkpoints_per_segment": statistics.median(counts),
+            "interval": interval, "stall_secs": stall,
         }  # fmt: skip
+    results["iter_secs"] = statistics.median(base_iters)
+    print(f"an iteration takes {results['iter_secs']:.3f} s without checkpoints (median)")
     cf = results["runs"]["pitstop CheckFreq(0.02)"]["overhead"]
     p10 = results["runs"]["pitstop EveryN(10)"]["overhead"]
     d10 = results["runs"]["DCP async_save every 10"]["overhead"]

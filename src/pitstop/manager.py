@@ -180,8 +180,8 @@ class CheckpointManager:
         now = time.perf_counter()
         if loop.last is not None:
             self.profiler.iteration(now - loop.last, persisting=loop.persisting)
-        else:
-            loop.start = now
+        elif not loop.started:
+            loop.start, loop.started = now, True
         self._collect()
         if self._preempted is not None:
             self._save_and_exit(step, state)
@@ -219,6 +219,11 @@ class CheckpointManager:
         loop.persisting = bool(loop.pending)
         loop.last = time.perf_counter()
         return started
+
+    def pause(self) -> None:
+        """The loop is about to do other work (evaluation, a long log flush): the time until the
+        next ``step()`` is not an iteration and is not measured."""
+        self._loop.last = None
 
     def _collect(self) -> None:
         """Feed committed saves to the profiler."""
@@ -420,6 +425,7 @@ class _LoopClock:
 
     def __init__(self) -> None:
         self.start = 0.0
+        self.started = False
         self.last: float | None = None
         self.persisting = False
         self.ckpt_step: int | None = None

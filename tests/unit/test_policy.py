@@ -246,14 +246,41 @@ def test_checkfreq_corrects_its_model_with_the_observed_overhead() -> None:
     p = CheckFreq(0.02)
     model_k = p.choose(ctx(iter_secs=0.5, stall_secs=0.002, persist_secs=1.0, slowdown_secs=0.0))
     step = 100
-    p.decide(ctx(step=step, iter_secs=0.5, stall_secs=0.002, persist_secs=1.0, observed_overhead=0.12))
+    p.decide(
+        ctx(step=step, iter_secs=0.5, stall_secs=0.002, persist_secs=1.0, observed_overhead=0.12)
+    )
     assert p.scale == 1.5 and p.interval == math.ceil(model_k * 1.5)
     for _ in range(3):  # still too costly: keeps growing, at most once per interval
         step += max(p.interval or 1, 20)
-        p.decide(ctx(step=step, iter_secs=0.5, stall_secs=0.002, persist_secs=1.0, observed_overhead=0.05))
+        p.decide(
+            ctx(
+                step=step, iter_secs=0.5, stall_secs=0.002, persist_secs=1.0, observed_overhead=0.05
+            )
+        )
     assert p.scale == pytest.approx(1.5**4)
     grown = p.interval
     for _ in range(20):  # now cheap: relaxes back to the model, never below it
         step += max(p.interval or 1, 20)
-        p.decide(ctx(step=step, iter_secs=0.5, stall_secs=0.002, persist_secs=1.0, observed_overhead=0.001))
+        p.decide(
+            ctx(
+                step=step,
+                iter_secs=0.5,
+                stall_secs=0.002,
+                persist_secs=1.0,
+                observed_overhead=0.001,
+            )
+        )
     assert p.scale == 1.0 and p.interval == model_k < (grown or 0)
+
+
+def test_pause_keeps_other_work_out_of_the_iteration_time(root: str) -> None:
+    import time
+
+    with pitstop.CheckpointManager(root, policy=EveryN(1000)) as ckpt:
+        for s in range(1, 12):
+            ckpt.step(s, {"x": torch.zeros(1)})
+        ckpt.pause()
+        time.sleep(0.3)  # evaluation
+        ckpt.step(12, {"x": torch.zeros(1)})
+        stats = ckpt.stats()
+        assert stats.iterations == 10 and stats.training_secs < 0.3
