@@ -178,8 +178,12 @@ class CheckpointManager:
         """
         loop = self._loop
         now = time.perf_counter()
+        waited = self._saver.hook_wait_secs - loop.hook_wait_seen  # optimizer.step() waited
+        loop.hook_wait_seen += waited
         if loop.last is not None:
-            self.profiler.iteration(now - loop.last, persisting=loop.persisting)
+            self.profiler.iteration(now - loop.last - waited, persisting=loop.persisting)
+            if waited > 0:
+                self.profiler.stall(waited, add_to_last=True)
         elif not loop.started:
             loop.start, loop.started = now, True
         self._collect()
@@ -426,6 +430,7 @@ class _LoopClock:
     def __init__(self) -> None:
         self.start = 0.0
         self.started = False
+        self.hook_wait_seen = 0.0
         self.last: float | None = None
         self.persisting = False
         self.ckpt_step: int | None = None

@@ -59,6 +59,7 @@ class Profiler:
         self.training_secs = 0.0
         self.stall_total = 0.0
         self._recent: deque[float] = deque(maxlen=2 * window)  # every iteration, stalls included
+        self._pending_stall = 0.0  # stall time since the last committed checkpoint
 
     def iteration(self, secs: float, persisting: bool) -> None:
         self.iterations += 1
@@ -68,16 +69,20 @@ class Profiler:
         (self._busy if persisting else self._quiet).append(secs)
         self._recent.append(secs)
 
-    def stall(self, secs: float) -> None:
-        """The loop was blocked ``secs`` by a save (counted when it happens)."""
+    def stall(self, secs: float, *, add_to_last: bool = True) -> None:
+        """The loop was blocked ``secs`` by a save: in ``async_save``, or in ``optimizer.step()``
+        waiting for the deferred copy (counted when it happens)."""
         self.stall_total += secs
         self.training_secs += secs
-        if self._recent:
+        self._pending_stall += secs
+        if add_to_last and self._recent:
             self._recent[-1] += secs
 
     def checkpoint(self, stats: SaveStats) -> None:
+        """A save committed: its stall is what the loop lost to it, call and hook waits both."""
         self.checkpoints += 1
-        self._stall.append(stats.stall_secs)
+        self._stall.append(max(stats.stall_secs, self._pending_stall))
+        self._pending_stall = 0.0
         self._persist.append(max(stats.total_secs - stats.stall_secs, 0.0))
         self._bytes = stats.nbytes
         if stats.write_gbps > 0:

@@ -98,6 +98,7 @@ class Saver:
             initargs=nice,
         )
         self._closed = False
+        self.hook_wait_secs = 0.0  # total time optimizer.step() waited for deferred copies
         self.history: collections.deque[SaveHandle] = collections.deque(maxlen=256)
 
     # ------------------------------------------------------------------ public
@@ -277,10 +278,15 @@ class Saver:
         """Optimizer step pre-hook (training thread): the snapshot must see this step's state."""
         with self._cond:
             jobs = list(self._staging)
+        if not jobs:
+            return
+        t0 = time.perf_counter()
         for job in jobs:
             job.wait_for_optimizer()
+        waited = time.perf_counter() - t0
         with self._cond:
             self._staging = [j for j in self._staging if not j.copied]
+            self.hook_wait_secs += waited  # the loop was stalled here too: the profiler counts it
 
     # ------------------------------------------------------------------ persist thread
     def _persist(
