@@ -32,7 +32,7 @@ from pitstop.manager import CheckpointManager
 
 __all__ = ["BenchResult", "run_bench"]
 
-_RAW_CHUNK = 256 << 20
+_RAW_CHUNK = 64 << 20
 
 
 @dataclass
@@ -125,7 +125,10 @@ def _run(work: str, size_bytes: int, reps: int, progress: bool) -> BenchResult:
         return step[0]
 
     def raw_write() -> float:
-        return write_file(raw_path, raw.view, extents, pool=pool).secs
+        fresh = raw_path + ".new"  # a new file each time, as every checkpoint is
+        secs = write_file(fresh, raw.view, extents, pool=pool).secs
+        os.replace(fresh, raw_path)  # the old one is freed after the timing
+        return secs
 
     def raw_read() -> float:
         if cold:
