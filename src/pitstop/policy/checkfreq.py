@@ -24,11 +24,16 @@ class CheckFreq:
 
     Unlike the original (which only ever grew k by 2 after the fact), k follows the
     measurements both ways: a slower disk or faster iterations raise it, and the
-    reverse lowers it. A save that has to wait for a free arena shows up as a larger
-    stall, which raises k too. The model is corrected by what is observed: while the
-    measured overhead of recent iterations exceeds the budget, k is scaled up by 1.5
-    (at most once per interval); while it stays under half the budget, the scale
-    relaxes back towards 1.
+    reverse lowers it. A save that has to wait for a free arena, or an optimizer step
+    that waits for the copy, shows up as a larger stall, which raises k too.
+
+    The model cannot see every cost (cache and memory-bandwidth contention, a busy
+    disk), so it is checked against what is measured: at most once per interval, the
+    observed overhead of recent iterations (against iterations with no checkpoint work)
+    gives the cost a checkpoint really has, C_obs = observed x k x iter, hence
+    k_obs = observed x k / max_overhead; k_obs is smoothed (half old, half new) and
+    k = max(k_model, k_obs). Its fixed point does not depend on k, so it settles in a
+    few adjustments, and falls back to the model when the observed cost drops.
     """
 
     max_overhead: float = 0.02
@@ -36,9 +41,8 @@ class CheckFreq:
     profile: int = 10
     min_interval: int = 1
     interval: int | None = None
-    scale: float = 1.0
-    """Feedback on the model: grows while the observed overhead exceeds the budget, shrinks
-    back (never below 1) while it stays under half of it."""
+    observed_interval: float | None = None
+    """k_obs, the interval the measured overhead asks for (smoothed); None until measured."""
     _last_adjust: int = field(default=-(10**9), repr=False)
 
     def __post_init__(self) -> None:
@@ -50,7 +54,10 @@ class CheckFreq:
         it = max(ctx.iter_secs or 0.0, 1e-9)
         cost = ctx.checkpoint_cost(overlapped=True)
         k_budget = math.ceil(cost / (self.max_overhead * it) - 1e-9)
-        k_persist = math.ceil((ctx.persist_secs or 0.0) / it - 1e-9)
+        persist = ctx.persist_secs or 0.0
+        # the pipeline must keep up, with one quiet iteration between persists (the baseline
+        # that the observed overhead is measured against stays fresh)
+        k_persist = math.ceil(persist / it - 1e-9) + (1 if persist > 0 else 0)
         return max(1, self.min_interval, k_budget, k_persist)
 
     def decide(self, ctx: PolicyContext) -> bool:
@@ -62,19 +69,22 @@ class CheckFreq:
                 and ctx.step >= self.warmup + self.profile
             )
         self._feedback(ctx)
-        self.interval = max(1, math.ceil(self.choose(ctx) * self.scale - 1e-9))
+        k = self.choose(ctx)
+        if self.observed_interval is not None:
+            k = max(k, math.ceil(self.observed_interval - 1e-9))
+        self.interval = k
         return ctx.steps_since_checkpoint >= self.interval
 
     def _feedback(self, ctx: PolicyContext) -> None:
-        """The model misses costs it cannot see (cache and memory-bandwidth contention, a busy
-        disk); the measured overhead corrects it, at most once per interval."""
+        """Update k_obs from the measured overhead, at most once per interval."""
         seen = ctx.observed_overhead
-        if seen is None or ctx.step - self._last_adjust < max(self.interval or 1, 20):
+        if (
+            seen is None
+            or self.interval is None
+            or ctx.step - self._last_adjust < max(self.interval, 20)
+        ):
             return
-        if seen > self.max_overhead:
-            self.scale *= 1.5
-        elif seen < self.max_overhead / 2 and self.scale > 1.0:
-            self.scale = max(1.0, self.scale / 1.25)
-        else:
-            return
+        k_obs = max(seen, 0.0) * self.interval / self.max_overhead
+        previous = self.observed_interval
+        self.observed_interval = k_obs if previous is None else 0.5 * (previous + k_obs)
         self._last_adjust = ctx.step
