@@ -117,7 +117,7 @@ def test_failure_classes_add_their_restart_cost() -> None:
     job = JobModel(iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=5.0, iterations=50)
     failures = FailureModel(
         mtbf_secs=1.0,
-        trace=(10.5, 30.5),
+        trace=(10.5, 60.5),
         classes=(FailureClass("node", 1.0, extra_restart_secs=20.0),),
     )
     assert simulate(job, failures, EveryN(5)).restart_secs == pytest.approx(2 * 25.0)
