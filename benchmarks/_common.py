@@ -22,6 +22,8 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from pitstop.io.files import fsync_dir
+
 __all__ = [
     "ALIGN",
     "AlignedBuffer",
@@ -255,14 +257,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: str) -> None:
