@@ -22,6 +22,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from pitstop.bench import drop_caches
 from pitstop.io.files import fsync_dir
 
 __all__ = [
@@ -246,17 +247,6 @@ class PeakRSS:
 
 
 # --------------------------------------------------------------------------- files
-
-
-def drop_caches() -> bool:
-    """sync + drop the page cache (needs root). False when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
 
 
 def fsync_tree(root: str) -> None:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent, read_file, write_file
 from pitstop.manager import CheckpointManager
 
-__all__ = ["BenchResult", "run_bench"]
+__all__ = ["BenchResult", "drop_caches", "run_bench"]
 
 _RAW_CHUNK = 64 << 20
 
@@ -73,11 +72,12 @@ def _build(nbytes: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _drop_caches() -> bool:
+def drop_caches() -> bool:
+    """sync + drop the page cache (needs root). False when not permitted."""
+    os.sync()
     try:
-        subprocess.run(["sync"], check=True)
         with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+            f.write("3")
         return True
     except OSError:
         return False
@@ -110,7 +110,7 @@ def _run(work: str, size_bytes: int, reps: int, progress: bool) -> BenchResult:
     model, opt = _build(size_bytes)
     state = {"model": model, "optimizer": opt}
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
-    cold = _drop_caches()
+    cold = drop_caches()
     result = BenchResult(state_bytes=nbytes, cache="cold" if cold else "warm (cannot drop caches)")
     raw = Arena(nbytes)
     torch.frombuffer(raw.view, dtype=torch.uint8).fill_(7)
@@ -132,7 +132,7 @@ def _run(work: str, size_bytes: int, reps: int, progress: bool) -> BenchResult:
 
     def raw_read() -> float:
         if cold:
-            _drop_caches()
+            drop_caches()
         return read_file(raw_path, raw.view, extents, pool=pool).secs
 
     def save() -> float:
@@ -150,7 +150,7 @@ def _run(work: str, size_bytes: int, reps: int, progress: bool) -> BenchResult:
     def restore() -> float:
         mgr.wait()
         if cold:
-            _drop_caches()
+            drop_caches()
         t0 = time.perf_counter()
         mgr.restore(state)
         return time.perf_counter() - t0

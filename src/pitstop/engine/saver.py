@@ -146,9 +146,7 @@ class Saver:
                 f"step {step} is already committed; committed checkpoints are never rewritten",
                 step=step, path=f"{self.storage.url}/{directory}", phase="plan",
             )  # fmt: skip
-        flat = flatten(state, allow_pickle=self.options.allow_pickle)
-        deferrable = flat.deferrable if self.options.overlap else set()
-        plan = self._plans.get(flat.tensors, deferrable, self.options.io.chunk_bytes)
+        flat, plan = self._plan(state)
         arena = self._acquire_arena(plan.file_bytes)
         try:
             buffer = self._buffers[id(arena)]
@@ -164,12 +162,16 @@ class Saver:
     def reserve(self, state: Mapping[str, Any]) -> int:
         """Plan ``state`` and allocate its arena now (training thread, before the loop), so that
         the first save does not pay for first-touch memory. Returns the arena's bytes."""
-        flat = flatten(state, allow_pickle=self.options.allow_pickle)
-        deferrable = flat.deferrable if self.options.overlap else set()
-        plan = self._plans.get(flat.tensors, deferrable, self.options.io.chunk_bytes)
+        _, plan = self._plan(state)
         arena = self._acquire_arena(plan.file_bytes)
         self._release_arena(arena)
         return arena.nbytes
+
+    def _plan(self, state: Mapping[str, Any]) -> tuple[Flat, SavePlan]:
+        """Flatten ``state`` and get its (cached) layout."""
+        flat = flatten(state, allow_pickle=self.options.allow_pickle)
+        deferrable = flat.deferrable if self.options.overlap else set()
+        return flat, self._plans.get(flat.tensors, deferrable, self.options.io.chunk_bytes)
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Durable and committed when it returns: ``async_save(...).wait()``."""
