@@ -9,12 +9,18 @@
     ├── CorruptCheckpointError                     checksum, size or parse failure
     │   ├── ManifestError(+ValueError)             manifest.json does not parse or validate
     │   └── UnsafePathError(+ValueError)           a name that escapes the checkpoint directory
-    ├── FormatVersionError                         written by a newer pitstop
+    ├── FormatVersionError                         written by a newer pitstop: upgrade
     ├── StateMismatchError(+ValueError)            checkpoint and live state disagree (keys named)
+    │   └── PartialRestoreError                    failed after part of the live state was overwritten
     ├── UnsupportedValueError(+TypeError)          a value pitstop cannot store (key named)
     ├── PickleRefusedError                         a pickled value without the caller's opt-in
-    ├── CheckpointIOError(+OSError)                storage failed (ENOSPC, EIO, ...)
+    ├── CheckpointIOError(+OSError)                storage failed (ENOSPC, EIO, ...) after retries
+    ├── UnsupportedSetupError(+RuntimeError)       a setup this pitstop cannot serve yet
     └── MissingExtraError(+ImportError)            an optional dependency is not installed
+
+Only evidence of damage (CorruptCheckpointError: checksum, size, parse) marks a
+checkpoint bad and makes restore try an older one; a CheckpointIOError is an
+error of the storage, not of the checkpoint, and is raised as it is.
 
 Every error carries ``step``, ``path``, ``rank`` and ``phase`` where known, and
 its message names them. An error raised in a background thread is kept and
@@ -35,9 +41,11 @@ __all__ = [
     "ManifestError",
     "MissingExtraError",
     "NotACheckpointError",
+    "PartialRestoreError",
     "PickleRefusedError",
     "StateMismatchError",
     "UnsafePathError",
+    "UnsupportedSetupError",
     "UnsupportedValueError",
 ]
 
@@ -106,6 +114,10 @@ class StateMismatchError(CheckpointError, ValueError):
     """The checkpoint and the live state disagree: missing or unexpected keys, shapes, dtypes."""
 
 
+class PartialRestoreError(StateMismatchError):
+    """Restore failed after part of the live state was overwritten: do not train from it."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value in the state that pitstop cannot store (and pickle was not allowed)."""
 
@@ -131,6 +143,10 @@ class CheckpointIOError(CheckpointError, OSError):
         self.errno = errno
         self.strerror = _errno.errorcode.get(errno, "") if errno is not None else None
         self.filename = path
+
+
+class UnsupportedSetupError(CheckpointError, RuntimeError):
+    """The caller's setup (e.g. several ranks) is one this pitstop does not serve yet."""
 
 
 class MissingExtraError(CheckpointError, ImportError):

@@ -10,6 +10,8 @@ PITSTOP_IO_THREADS         IOOptions.threads                      2
 PITSTOP_CHUNK_BYTES        IOOptions.chunk_bytes                  64 MiB
 PITSTOP_READ_CHUNK_BYTES   IOOptions.read_chunk_bytes             256 MiB
 PITSTOP_DIRECT_IO          IOOptions.direct (auto|on|off)         auto
+PITSTOP_MAX_METADATA_BYTES IOOptions.max_metadata_bytes           256 MiB
+PITSTOP_IO_RETRIES         IOOptions.retries                      3
 PITSTOP_MAX_IN_FLIGHT      SaveOptions.max_in_flight              2
 PITSTOP_OVERLAP            SaveOptions.overlap (1|0)              1
 PITSTOP_BACKGROUND_NICE    SaveOptions.background_nice            10
@@ -70,6 +72,10 @@ class IOOptions:
     overlap with, and 256 MiB requests read 8-10 % faster here than 64 MiB); ``direct`` chooses
     O_DIRECT: ``auto`` uses it where the file system accepts it and falls back
     to buffered I/O + fsync elsewhere (tmpfs, some network file systems).
+    ``max_metadata_bytes`` bounds a manifest or objects file that is read: a larger one
+    is refused as damaged before it is read. ``retries`` attempts are made of a storage
+    call that fails with a transient error (EIO, EAGAIN, ETIMEDOUT, ...), with
+    exponential backoff from ``retry_backoff_secs``, before CheckpointIOError is raised.
     """
 
     threads: int = 2
@@ -77,8 +83,17 @@ class IOOptions:
     read_chunk_bytes: int = 256 * _MIB
     direct: DirectMode = "auto"
     fsync: bool = True
+    max_metadata_bytes: int = 256 * _MIB
+    retries: int = 3
+    retry_backoff_secs: float = 0.05
 
     def __post_init__(self) -> None:
+        if self.max_metadata_bytes < 1:
+            raise ValueError(
+                f"IOOptions.max_metadata_bytes must be >= 1, got {self.max_metadata_bytes}"
+            )
+        if self.retries < 1:
+            raise ValueError(f"IOOptions.retries must be >= 1, got {self.retries}")
         if self.threads < 1:
             raise ValueError(f"IOOptions.threads must be >= 1, got {self.threads}")
         if self.chunk_bytes < ALIGN_BYTES or self.chunk_bytes % ALIGN_BYTES:
@@ -101,6 +116,8 @@ class IOOptions:
             "chunk_bytes": _env_int("PITSTOP_CHUNK_BYTES", cls.chunk_bytes),
             "read_chunk_bytes": _env_int("PITSTOP_READ_CHUNK_BYTES", cls.read_chunk_bytes),
             "direct": _env("PITSTOP_DIRECT_IO") or cls.direct,
+            "max_metadata_bytes": _env_int("PITSTOP_MAX_METADATA_BYTES", cls.max_metadata_bytes),
+            "retries": _env_int("PITSTOP_IO_RETRIES", cls.retries),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
