@@ -25,6 +25,7 @@ KILL_POINTS: tuple[str, ...] = (
     "commit.before_rename",  # manifest written to its temporary name and fsynced
     "commit.after_rename",  # manifest renamed: the checkpoint is committed
     "retention.mid",  # an old checkpoint un-committed, its files not yet removed
+    "gc.mid",  # gc holds a directory it is about to remove
 )
 
 _lock = threading.Lock()

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pitstop.errors import CheckpointNotFoundError, NotACheckpointError
-from pitstop.format.names import MANIFEST, parse_step_dir
-from pitstop.manager import CheckpointManager
+from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir, step_dir_name
+from pitstop.manager import CheckpointManager, KeyMap
 
 __all__ = ["check_root", "load", "save"]
 
@@ -19,7 +19,7 @@ __all__ = ["check_root", "load", "save"]
 def check_root(root: str) -> None:
     """Raise NotACheckpointError for a non-empty directory that holds no pitstop checkpoint."""
     names = os.listdir(root)
-    ours = [n for n in names if parse_step_dir(n) is not None or n.startswith(".corrupt-step-")]
+    ours = [n for n in names if parse_step_dir(n) is not None or parse_aside_dir(n) is not None]
     if names and not ours:
         shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
         raise NotACheckpointError(
@@ -39,7 +39,7 @@ def save(
     """Save ``state`` under the root ``path`` as ``step``; durable on return. Returns the checkpoint directory."""
     with CheckpointManager(path, allow_pickle=allow_pickle, max_in_flight=1, overlap=False) as mgr:
         mgr.save(step, state)
-        return os.path.join(mgr.storage.url, f"step-{step:010d}")
+        return os.path.join(mgr.storage.url, step_dir_name(step))
 
 
 def load(
@@ -49,17 +49,19 @@ def load(
     step: int | None = None,
     allow_pickle: bool = False,
     strict: bool = True,
+    key_map: KeyMap | None = None,
 ) -> Any:
     """Load a checkpoint from a root (newest valid step, or ``step``) or from a step directory.
 
-    With ``state``, restores it in place and returns the step loaded; without,
-    returns the saved state as fresh objects.
+    With ``state``, restores it in place and returns the step loaded (``strict=False``
+    loads the keys the state has; ``key_map`` renames saved keys); without, returns the
+    saved state as fresh objects. Nothing under the root is moved (no rollback).
     """
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, MANIFEST)):
         dir_step = parse_step_dir(os.path.basename(os.path.normpath(path)))
         if dir_step is not None and step is not None and step != dir_step:
-            raise ValueError(f"{path} holds step {dir_step}, not {step}")
+            raise CheckpointNotFoundError(f"{path} holds step {dir_step}, not {step}", path=path)
         root, step = (
             os.path.dirname(os.path.normpath(path)),
             dir_step if dir_step is not None else step,
@@ -72,7 +74,7 @@ def load(
     with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
         if state is None:
             return mgr.load(step)
-        loaded = mgr.restore(state, step, strict=strict)
+        loaded = mgr.restore(state, step, strict=strict, key_map=key_map, rollback=False)
         if loaded is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {path}", path=path)
         return loaded

@@ -38,6 +38,9 @@ class ProfileStats:
     """The same over the last ~100 iterations, measured against quiet iterations."""
     interval: float | None = None
     """The policy's current interval (iterations or seconds, as the policy counts), if it has one."""
+    refused_saves: int = 0
+    """Saves the policy asked for that were refused (the step was already committed or being
+    written by another writer): each one is also a warning and a ``StepResult.REFUSED``."""
 
 
 def _median(values: deque[float]) -> float | None:
@@ -58,6 +61,7 @@ class Profiler:
         self._bytes: int | None = None
         self.training_secs = 0.0
         self.stall_total = 0.0
+        self.refused_saves = 0
         self._recent: deque[float] = deque(maxlen=2 * window)  # every iteration, stalls included
         self._pending_stall = 0.0  # stall time since the last committed checkpoint
 
@@ -123,4 +127,5 @@ class Profiler:
             overhead=overhead_secs / self.training_secs if self.training_secs > 0 else 0.0,
             recent_overhead=self.recent_overhead(),
             interval=interval,
+            refused_saves=self.refused_saves,
         )

@@ -1,15 +1,15 @@
 """The ``pitstop`` command line.
 
 Exit codes follow shell conventions: 0 all good, 1 a problem was found (a
-checksum failed, the demo's weights differ), 2 bad usage or a path that is not
-a checkpoint. ``ls``, ``inspect``, ``verify`` and ``gc`` do not import torch,
+checksum failed, damaged or hostile input, the demo's weights differ), 2 bad usage
+or a path that is not a checkpoint. Every error is one line on stderr; ``--debug``
+shows the traceback. ``ls``, ``inspect``, ``verify`` and ``gc`` do not import torch,
 so they run on a login node.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -18,11 +18,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pitstop.engine.catalog import Entry, read_manifest, scan
+from pitstop.engine.catalog import Catalog, Entry
 from pitstop.engine.verify import verify_checkpoint
 from pitstop.errors import CheckpointError
-from pitstop.format.names import MANIFEST, parse_step_dir
+from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir
 from pitstop.storage.local import LocalStorage
+from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["main"]
 
@@ -30,7 +31,7 @@ EXAMPLES = {
     "ls": "pitstop ls ckpts",
     "inspect": "pitstop inspect ckpts --step 1200 --json",
     "verify": "pitstop verify ckpts            # every committed step\n  pitstop verify ckpts --step 1200",
-    "gc": "pitstop gc ckpts --dry-run",
+    "gc": "pitstop gc ckpts --dry-run\n  pitstop gc ckpts --abandoned --damaged   # also what rollbacks and damage set aside",
     "demo": "pitstop demo --steps 300 --every 10",
     "bench": "pitstop bench --dir /scratch --size 1GB --profile profile.json",
     "export": "pitstop export ckpts --step 1200 --to safetensors model.safetensors --only model",
@@ -49,24 +50,23 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def _open_root(path: str) -> tuple[LocalStorage, str | None]:
-    """A storage root and, when ``path`` is itself a checkpoint directory, its name."""
-    if (
-        os.path.isfile(os.path.join(path, MANIFEST))
-        and parse_step_dir(os.path.basename(os.path.normpath(path))) is not None
-    ):
-        norm = os.path.normpath(path)
-        return LocalStorage(os.path.dirname(norm) or "."), os.path.basename(norm)
+def _open_root(path: str) -> tuple[Catalog, str | None]:
+    """The catalog of a root and, when ``path`` is itself a checkpoint directory, its name."""
+    norm = os.path.normpath(path)
+    if os.path.lexists(os.path.join(path, MANIFEST)) and parse_step_dir(os.path.basename(norm)):
+        return Catalog(
+            RetryingStorage(LocalStorage(os.path.dirname(norm) or "."))
+        ), os.path.basename(norm)  # type: ignore[arg-type]
     if not os.path.isdir(path):
         raise _UsageError(f"{path}: no such directory")
     names = os.listdir(path)
     if names and not any(
-        parse_step_dir(n) is not None or n.startswith(".corrupt-step-") for n in names
+        parse_step_dir(n) is not None or parse_aside_dir(n) is not None for n in names
     ):
         raise _UsageError(
             f"{path} is not a pitstop checkpoint directory (no manifest.json, no step-* directories)"
         )
-    return LocalStorage(path), None
+    return Catalog(RetryingStorage(LocalStorage(path))), None  # type: ignore[arg-type]
 
 
 class _UsageError(Exception):
@@ -106,20 +106,20 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def _select(storage: LocalStorage, only: str | None, step: int | None) -> list[Entry]:
-    entries = [e for e in scan(storage) if e.step is not None]
+def _select(catalog: Catalog, only: str | None, step: int | None) -> list[Entry]:
+    entries = [e for e in catalog.scan() if e.is_step_dir]
     if only is not None:
         entries = [e for e in entries if e.name == only]
     if step is not None:
         entries = [e for e in entries if e.step == step]
         if not entries:
-            raise _UsageError(f"{storage.url}: no checkpoint of step {step}")
+            raise _UsageError(f"{catalog.storage.url}: no checkpoint of step {step}")
     return entries
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage, only = _open_root(args.dir)
-    entries = [e for e in scan(storage) if only is None or e.name == only]
+    catalog, only = _open_root(args.dir)
+    entries = [e for e in catalog.scan() if only is None or e.name == only]
     rows: list[dict[str, Any]] = []
     for e in entries:
         if e.status == "other":
@@ -136,6 +136,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "bytes": m.nbytes if m else None,
                 "tensors": len(m.tensors) if m else None,
                 "world_size": m.world_size if m else None,
+                "timeline": m.lineage.timeline if m and m.lineage else None,
+                "parent": m.lineage.parent if m and m.lineage else None,
                 "error": e.error,
             }
         )
@@ -143,7 +145,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"{storage.url}: no checkpoints")
+        print(f"{catalog.storage.url}: no checkpoints")
         return 0
     print(f"{'STEP':>12}  {'TIME':19}  {'SIZE':>10}  {'TENSORS':>7}  {'WORLD':>5}  STATUS")
     for r in rows:
@@ -151,20 +153,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         size = "-" if r["bytes"] is None else _human(r["bytes"])
         tensors = "-" if r["tensors"] is None else str(r["tensors"])
         world = "-" if r["world_size"] is None else str(r["world_size"])
-        note = f"  ({r['name']})" if r["step"] is None else ""
+        note = f"  ({r['name']})" if parse_step_dir(r["name"]) is None else ""
+        why = f": {r['error'][:100]}" if r["error"] and r["status"] != "committed" else ""
         print(
-            f"{step:>12}  {r['time']:19}  {size:>10}  {tensors:>7}  {world:>5}  {r['status']}{note}"
+            f"{step:>12}  {r['time']:19}  {size:>10}  {tensors:>7}  {world:>5}  {r['status']}{note}{why}"
         )
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage, only = _open_root(args.dir)
-    entries = [e for e in _select(storage, only, args.step) if e.status == "committed"]
+    catalog, only = _open_root(args.dir)
+    entries = [e for e in _select(catalog, only, args.step) if e.manifest is not None]
     if not entries:
         raise _UsageError(f"{args.dir}: no committed checkpoint")
     entry = entries[-1]
-    manifest = entry.manifest or read_manifest(storage, entry.name)
+    manifest = entry.manifest
+    assert manifest is not None
     if args.json:
         print(json.dumps(manifest.to_json(), indent=1))
         return 0
@@ -174,6 +178,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f" by pitstop {manifest.library.get('pitstop', '?')}, torch {manifest.library.get('torch', '?')}"
     )
     print(f"world    {manifest.world_size} rank(s); checksum {manifest.checksum_algorithm}")
+    if manifest.lineage is not None:
+        print(
+            f"lineage  run {manifest.lineage.run}, timeline {manifest.lineage.timeline}, "
+            f"parent step {manifest.lineage.parent}"
+        )
+    if entry.status != "committed":
+        print(f"status   {entry.status}: {entry.error}")
     print(
         f"size     {_human(manifest.nbytes)} in {len(manifest.files)} files, {len(manifest.tensors)} tensors"
     )
@@ -187,8 +198,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage, only = _open_root(args.dir)
-    entries = _select(storage, only, args.step)
+    catalog, only = _open_root(args.dir)
+    storage = catalog.storage
+    entries = _select(catalog, only, args.step)
     if not entries:
         print(f"{storage.url}: no checkpoints to verify")
         return 0
@@ -199,18 +211,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"{e.name}: partial (no manifest: an interrupted save)")
                 bad += 1
             continue
-        if e.status != "committed" or e.manifest is None:
-            print(f"{e.name}: CORRUPT: {e.error}")
+        if e.status == "newer":
+            print(f"{e.name}: NEWER FORMAT: {e.error}")
+            bad += 1
+            continue
+        if e.status in ("foreign",) or e.manifest is None:
+            print(
+                f"{e.name}: {'CORRUPT' if e.status == 'damaged' else e.status.upper()}: {e.error}"
+            )
             bad += 1
             continue
         data_bytes = sum(f.nbytes for f in e.manifest.files if f.name.endswith(".bin"))
         progress = _Progress(f"verify {e.name}", data_bytes, enabled=args.progress)
-        report = verify_checkpoint(
-            storage, e.name, e.manifest, threads=args.threads, on_bytes=progress.add
-        )
+        with catalog.pin(e.name) as alive:
+            if not alive:
+                print(f"{e.name}: removed while being verified")
+                continue
+            report = verify_checkpoint(
+                storage, e.name, e.manifest, threads=args.threads, on_bytes=progress.add
+            )
         progress.done()
         rate = report.nbytes / report.secs / 1e9 if report.secs > 0 else 0.0
-        if report.ok:
+        if report.ok and e.status == "damaged":
+            print(f"{e.name}: ok now, but marked damaged earlier: {e.error}")
+            bad += 1
+        elif report.ok:
             print(
                 f"{e.name}: ok ({_human(report.nbytes)} checked in {report.secs:.2f} s, {rate:.2f} GB/s)"
             )
@@ -222,33 +247,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _newest_mtime(path: str) -> float:
-    times = [os.stat(path).st_mtime]
-    for name in os.listdir(path):
-        with contextlib.suppress(FileNotFoundError):
-            times.append(os.stat(os.path.join(path, name)).st_mtime)
-    return max(times)
-
-
 def cmd_gc(args: argparse.Namespace) -> int:
-    storage, _ = _open_root(args.dir)
-    now = time.time()
-    debris = []
-    for e in scan(storage):
-        if not (e.status == "partial" or (args.corrupt and e.status == "corrupt")):
-            continue
-        age = now - _newest_mtime(os.path.join(storage.root, e.name))
-        if e.status == "partial" and age < args.min_age:
-            print(
-                f"kept {e.name}: written to {age:.0f} s ago (a save may be running; --min-age {args.min_age:g})"
-            )
-            continue
-        debris.append(e)
-    for e in debris:
-        print(f"{'would remove' if args.dry_run else 'removed'} {e.name} ({e.status})")
-        if not args.dry_run:
-            storage.remove(e.name)
-    if not debris:
+    catalog, _ = _open_root(args.dir)
+    done = catalog.collect(
+        abandoned=args.abandoned,
+        damaged=args.damaged,
+        min_age_secs=args.min_age,
+        dry_run=args.dry_run,
+    )
+    for e, what in done:
+        print(f"{what} {e.name} ({e.status})")
+    if not any(what in ("removed", "would remove") for _, what in done):
         print("nothing to remove")
     return 0
 
@@ -323,6 +332,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="pitstop", description="Frequent, cheap, exact checkpoints for PyTorch training."
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
@@ -353,9 +363,10 @@ def _parser() -> argparse.ArgumentParser:
     p = add("gc", "remove debris of interrupted saves")
     p.add_argument("dir")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    p.add_argument(
-        "--corrupt", action="store_true", help="also remove checkpoints set aside as corrupt"
-    )
+    p.add_argument("--abandoned", action="store_true",
+                   help="also remove checkpoints a rollback set aside (newer steps of an old timeline)")  # fmt: skip
+    p.add_argument("--damaged", "--corrupt", dest="damaged", action="store_true",
+                   help="also remove checkpoints that failed verification")  # fmt: skip
     p.add_argument("--min-age", type=float, default=300.0,
                    help="keep partial directories written to within this many seconds (default 300)")  # fmt: skip
     p.set_defaults(func=cmd_gc)
@@ -432,13 +443,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except _UsageError as e:
-        print(f"pitstop {args.command}: {e}", file=sys.stderr)
-        return 2
+        return _fail(args, f"{e}", 2)
     except CheckpointError as e:
-        print(f"pitstop {args.command}: {e}", file=sys.stderr)
-        return 1
+        return _fail(args, f"{e}", 1)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug or an input no check named: one line, not a traceback
+        return _fail(args, f"internal error: {type(e).__name__}: {e} (--debug shows where)", 1)
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    if args.debug:
+        import traceback
+
+        traceback.print_exc()
+    print(f"pitstop {args.command}: {' '.join(message.split())}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

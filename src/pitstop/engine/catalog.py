@@ -1,27 +1,66 @@
-"""What a storage root holds: committed checkpoints, debris, quarantined ones. No torch.
+"""The catalog: what a storage root holds and the lifecycle of each checkpoint. No torch.
 
-Call sequence: any thread; reads only. ``scan`` parses every manifest (cheap:
-no data is read), so ``committed`` means "the manifest parses", which is the
-definition of a checkpoint; whether its bytes are intact is ``verify``'s job.
+Statuses of the names under a root (``pitstop ls`` shows them):
+
+==========  ==================================================================
+committed   ``step-N`` whose manifest parses and validates: a restore candidate
+partial     ``step-N`` without a manifest: a save in progress or its debris
+writing     ``.writing-step-N-ID``: a save being created (or its debris)
+damaged     failed verification (``DAMAGED`` marker), a manifest that does not
+            parse or validate, or ``.damaged-``/``.corrupt-step-N-ID`` set aside
+abandoned   ``.abandoned-step-N-ID``: newer than a step a rollback restored
+newer       written in a newer format than this pitstop reads: never touched
+foreign     a ``step-N`` that is a symlink or a file: never followed or removed
+other       anything else (not pitstop's)
+==========  ==================================================================
+
+Pins: a checkpoint being restored, loaded, exported or verified is pinned (a shared
+lock, :meth:`Catalog.pin`); retention, gc and set-aside take it exclusively without
+waiting and skip it when it is pinned. A save holds its directory until it commits.
+
+Call sequence: the manager's training thread (scan, pin, mark, set aside) and its
+persist thread (``retire`` after each commit); the CLI; any process at the same time.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pitstop.errors import CheckpointError, ManifestError
+from pitstop.errors import (
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+)
+from pitstop.faults import killpoint
 from pitstop.format.manifest import Manifest
-from pitstop.format.names import MANIFEST, parse_step_dir
+from pitstop.format.names import MANIFEST, aside_dir_name, parse_aside_dir, parse_step_dir
+from pitstop.log import get_logger
+from pitstop.policy.retention import CheckpointInfo, RetentionPolicy
 from pitstop.storage.base import Storage
 
-__all__ = ["Entry", "committed", "read_manifest", "scan"]
+__all__ = ["STATUSES", "Catalog", "Entry", "read_manifest"]
+
+_log = get_logger("pitstop.catalog")
+
+STATUSES = ("committed", "partial", "writing", "damaged", "abandoned", "newer", "foreign", "other")
+_ASIDE_STATUS = {
+    "abandoned": "abandoned",
+    "damaged": "damaged",
+    "corrupt": "damaged",
+    "writing": "writing",
+}
+PIN_WAIT_SECS = 30.0
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One name under the root. ``status``: committed, partial (no manifest: an
-    interrupted save), corrupt (a manifest that does not parse, or set aside
-    after failing verification), or other (not pitstop's)."""
+    """One name under the root; ``step`` is the step it holds (None for ``other``)."""
 
     name: str
     step: int | None
@@ -29,39 +68,181 @@ class Entry:
     manifest: Manifest | None = None
     error: str | None = None
 
+    @property
+    def is_step_dir(self) -> bool:
+        return parse_step_dir(self.name) is not None
+
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
-    """Parse the manifest of ``directory``; raises CheckpointNotFoundError or ManifestError."""
+    """Parse the manifest of ``directory``; raises CheckpointNotFoundError, ManifestError,
+    FormatVersionError or CheckpointIOError."""
     data = storage.read_manifest(directory)
-    manifest = Manifest.loads(data, path=f"{storage.url}/{directory}/{MANIFEST}")
+    path = f"{storage.url}/{directory}/{MANIFEST}"
+    manifest = Manifest.loads(data, path=path)
     expected = parse_step_dir(directory)
     if expected is not None and manifest.step != expected:
-        raise ManifestError(
-            f"manifest says step {manifest.step} but lies in {directory}",
-            path=f"{storage.url}/{directory}",
+        raise CorruptCheckpointError(
+            f"manifest says step {manifest.step} but lies in {directory}", path=path
         )
     return manifest
 
 
-def scan(storage: Storage) -> list[Entry]:
-    """Every entry under the root, checkpoints sorted by step."""
-    out: list[Entry] = []
-    for name in storage.entries():
+class Catalog:
+    """The checkpoints under one storage root and their lifecycle (see the module docstring)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    # ------------------------------------------------------------------ listing
+    def scan(self) -> list[Entry]:
+        """Every entry under the root, sorted by step. I/O errors are raised, not hidden."""
+        out = [e for e in (self._entry(n) for n in self.storage.entries()) if e is not None]
+        return sorted(out, key=lambda e: (e.step is None, e.step or 0, e.name))
+
+    def _entry(self, name: str) -> Entry | None:
         step = parse_step_dir(name)
         if step is None:
-            status = "corrupt" if name.startswith(".corrupt-step-") else "other"
-            out.append(Entry(name, None, status))
-            continue
-        if not storage.has_manifest(name):
-            out.append(Entry(name, step, "partial"))
-            continue
+            aside = parse_aside_dir(name)
+            if aside is None:
+                return Entry(name, None, "other")
+            return Entry(name, aside[1], _ASIDE_STATUS[aside[0]])
+        kind = self.storage.entry_kind(name)
+        if kind == "missing":
+            return None
+        if kind != "dir":
+            return Entry(name, step, "foreign", error=f"a {kind}, not a directory: never touched")
+        if not self.storage.has_manifest(name):
+            return Entry(name, step, "partial")
         try:
-            out.append(Entry(name, step, "committed", read_manifest(storage, name)))
+            manifest = read_manifest(self.storage, name)
+        except CheckpointNotFoundError:
+            return None  # removed while we looked
+        except FormatVersionError as e:
+            return Entry(name, step, "newer", error=e.message)
+        except CorruptCheckpointError as e:
+            return Entry(name, step, "damaged", error=e.message)
+        marker = self.storage.read_marker(name)
+        if marker is not None:
+            return Entry(name, step, "damaged", manifest, error=marker)
+        return Entry(name, step, "committed", manifest)
+
+    def committed(self) -> list[Entry]:
+        """Committed checkpoints, oldest first."""
+        return [e for e in self.scan() if e.status == "committed"]
+
+    # ------------------------------------------------------------------ pins
+    @contextmanager
+    def pin(self, name: str) -> Iterator[bool]:
+        """Hold ``name`` against retention and gc while reading it. Yields False if it is no
+        longer committed (removed just before the pin took hold)."""
+        deadline = time.monotonic() + PIN_WAIT_SECS
+        while True:
+            try:
+                lock = self.storage.lock(name, exclusive=False)
+            except CheckpointNotFoundError:
+                yield False
+                return
+            if lock is not None:
+                break
+            if time.monotonic() > deadline:
+                raise CheckpointIOError(
+                    f"{name} is held by another process (being removed or moved) for "
+                    f"{PIN_WAIT_SECS:.0f} s", path=f"{self.storage.url}/{name}", phase="restore",
+                )  # fmt: skip
+            time.sleep(0.01)
+        with lock:
+            yield self.storage.has_manifest(name)
+
+    # ------------------------------------------------------------------ damage and timelines
+    def mark_damaged(self, name: str, reason: str) -> None:
+        """Record why ``name`` failed verification; nothing is moved or deleted."""
+        try:
+            self.storage.mark_damaged(name, reason)
         except CheckpointError as e:
-            out.append(Entry(name, step, "corrupt", error=str(e)))
-    return sorted(out, key=lambda e: (e.step is None, e.step or 0, e.name))
+            _log.warning("could not mark %s damaged: %s", name, e, phase="verify")
 
+    def set_aside(self, entry: Entry, kind: str) -> str | None:
+        """Move ``entry`` out of the restore candidates and out of a new save's way
+        (``kind``: abandoned or damaged). Returns the new name; None if it is pinned."""
+        assert entry.step is not None
+        lock = self.storage.lock(entry.name, exclusive=True)
+        if lock is None:
+            _log.warning("%s is in use elsewhere; not set aside", entry.name, phase="restore")
+            return None
+        target = aside_dir_name(kind, entry.step, uuid.uuid4().hex[:8])
+        with lock:
+            self.storage.rename(entry.name, target)
+        return target
 
-def committed(storage: Storage) -> list[Entry]:
-    """Committed checkpoints, oldest first."""
-    return [e for e in scan(storage) if e.status == "committed"]
+    # ------------------------------------------------------------------ retention and gc
+    def retire(
+        self, policy: RetentionPolicy, *, newest: int, owned: Callable[[Manifest], bool]
+    ) -> tuple[list[int], list[int]]:
+        """Persist thread, right after ``newest`` committed: delete the committed checkpoints of
+        this run up to ``newest`` that ``policy`` does not keep, unless pinned. Returns the
+        steps removed and the steps of other runs left alone."""
+        entries = [e for e in self.committed() if e.step is not None and e.step <= newest]
+        mine = [e for e in entries if e.manifest is not None and owned(e.manifest)]
+        others = [e.step for e in entries if e not in mine and e.step is not None]
+        infos = [
+            CheckpointInfo(e.step, e.manifest.created_unix_secs, dict(e.manifest.metrics))
+            for e in mine
+            if e.step is not None and e.manifest is not None
+        ]
+        keep = policy.keep(infos) | {newest}
+        removed = []
+        for e in mine:
+            if e.step in keep or e.step is None:
+                continue
+            if self._remove_held(e.name, uncommit=True, point="retention.mid"):
+                removed.append(e.step)
+        return removed, others
+
+    def _remove_held(self, name: str, *, uncommit: bool, point: str) -> bool:
+        """Remove ``name`` if nobody holds it; False if pinned or being written."""
+        try:
+            lock = self.storage.lock(name, exclusive=True)
+        except CheckpointNotFoundError:
+            return False
+        if lock is None:
+            _log.info("%s is pinned or being written; left for later", name, phase="gc")
+            return False
+        with lock:
+            if uncommit:
+                self.storage.uncommit(name)
+            killpoint(point)
+            self.storage.remove(name)
+        return True
+
+    def collect(
+        self,
+        *,
+        abandoned: bool = False,
+        damaged: bool = False,
+        min_age_secs: float = 0.0,
+        busy: frozenset[str] = frozenset(),
+        dry_run: bool = False,
+    ) -> list[tuple[Entry, str]]:
+        """gc: remove debris of dead saves (and, when asked, abandoned or damaged checkpoints).
+        A save in progress (its directory held), a pinned checkpoint or debris written to
+        within ``min_age_secs`` is kept. Returns (entry, what happened) pairs."""
+        wanted = {"partial", "writing"} | ({"abandoned"} if abandoned else set())
+        wanted |= {"damaged"} if damaged else set()
+        out: list[tuple[Entry, str]] = []
+        now = time.time()
+        for e in self.scan():
+            if e.status not in wanted or e.name in busy:
+                continue
+            min_age = max(min_age_secs, 10.0) if e.status == "writing" else min_age_secs
+            if e.status in ("partial", "writing") and min_age > 0:
+                age = now - self.storage.mtime(e.name)
+                if age < min_age:
+                    out.append((e, f"kept: written to {age:.0f} s ago (a save may be running)"))
+                    continue
+            if dry_run:
+                out.append((e, "would remove"))
+            elif self._remove_held(e.name, uncommit=e.status == "damaged", point="gc.mid"):
+                out.append((e, "removed"))
+            else:
+                out.append((e, "kept: in use by a running save or reader"))
+        return out

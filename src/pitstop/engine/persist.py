@@ -11,7 +11,6 @@ write it, so every stored byte is covered and no extra pass reads the arena.
 
 from __future__ import annotations
 
-import json
 import platform
 import socket
 import threading
@@ -26,14 +25,13 @@ from pitstop._version import __version__
 from pitstop.engine.plan import SavePlan
 from pitstop.faults import killpoint
 from pitstop.format.checksum import get_checksum
-from pitstop.format.manifest import FileEntry, Manifest, TensorEntry
+from pitstop.format.manifest import FileEntry, Lineage, Manifest, TensorEntry
 from pitstop.format.names import data_file_name, objects_file_name
+from pitstop.format.objects import encode_objects
 from pitstop.io.parallel import Extent
 from pitstop.storage.base import Storage
 
 __all__ = ["PersistResult", "encode_objects", "manifest_for", "persist"]
-
-OBJECTS_FORMAT = "pitstop-objects"
 
 
 @dataclass(frozen=True)
@@ -43,11 +41,6 @@ class PersistResult:
     nbytes: int
     write_secs: float
     direct: bool
-
-
-def encode_objects(tree: object, rank: int) -> bytes:
-    doc = {"format": OBJECTS_FORMAT, "format_version": 1, "rank": rank, "tree": tree}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def persist(
@@ -118,7 +111,14 @@ def persist(
 
 
 def manifest_for(
-    step: int, results: list[PersistResult], *, algorithm: str, segment_bytes: int, world_size: int
+    step: int,
+    results: list[PersistResult],
+    *,
+    algorithm: str,
+    segment_bytes: int,
+    world_size: int,
+    lineage: Lineage | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> Manifest:
     return Manifest(
         step=step,
@@ -134,4 +134,6 @@ def manifest_for(
             "python": platform.python_version(),
         },
         topology={"world_size": world_size, "hosts": [socket.gethostname()]},
+        lineage=lineage,
+        metrics=dict(metrics or {}),
     )

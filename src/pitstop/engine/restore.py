@@ -4,30 +4,32 @@ Call sequence (training thread; io pool threads read and hash extents)::
 
     load_checkpoint(storage, directory, manifest, state, view, buffer, pool=...)
 
-The objects file is read and checked first (it is small), then the data file
-is read with large parallel reads into ``view`` and every segment's checksum
-checked; only then is anything in the live state touched. Tensors are views of
-the buffer until they are copied into the live objects (or cloned, where the
-live object has no tensor of that shape to receive them).
+Every file's real size is checked, the objects file is read, checked and its tree
+validated against the manifest, then the data file is read with large parallel reads
+into ``view`` and every segment's checksum checked; only then is anything in the
+live state touched. Tensors are views of the buffer until they are copied into the
+live objects (or cloned, where the live object has no tensor of that shape).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
 import torch
 
-from pitstop.engine.verify import read_objects, read_verified
-from pitstop.errors import CorruptCheckpointError, StateMismatchError
+from pitstop.engine.verify import check_sizes, raise_problems, read_objects, read_verified
+from pitstop.errors import CheckpointError, CorruptCheckpointError, UnsupportedSetupError
 from pitstop.format.codec import dtype_from_name, tensor_view
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import data_file_name
-from pitstop.state.restore import materialize, restore_into
+from pitstop.state.restore import RestoreReport, materialize, restore_into
 from pitstop.storage.base import Storage
 
 __all__ = ["load_checkpoint", "read_checkpoint"]
+
+KeyMap = Callable[[str], "str | None"]
 
 
 def read_checkpoint(
@@ -35,38 +37,22 @@ def read_checkpoint(
     directory: str,
     manifest: Manifest,
     view: memoryview,
-    buffer: torch.Tensor,
     *,
     pool: Executor,
     rank: int = 0,
 ) -> tuple[Any, dict[str, TensorEntry]]:
-    """Read and verify rank ``rank``'s part; returns (tree, entries by key). Raises CorruptCheckpointError."""
+    """Read and verify rank ``rank``'s part; returns (tree, entries by key). Raises
+    CorruptCheckpointError listing every problem found."""
     path = f"{storage.url}/{directory}"
     problems: list[str] = []
-    tree = read_objects(storage, directory, manifest, rank, problems)
+    check_sizes(storage, directory, manifest, problems)
+    tree = None if problems else read_objects(storage, directory, manifest, rank, problems)
     if not problems:
         read_verified(
             storage, directory, manifest, data_file_name(rank), view, pool=pool, problems=problems
         )
-    if problems:
-        raise CorruptCheckpointError(
-            "; ".join(problems), step=manifest.step, path=path, phase="verify"
-        )
-    entries = {t.key: t for t in manifest.tensors if t.rank == rank}
-    return tree, entries
-
-
-def _source(buffer: torch.Tensor, entries: dict[str, TensorEntry], step: int) -> Any:
-    def source(key: str) -> torch.Tensor:
-        try:
-            t = entries[key]
-        except KeyError:
-            raise CorruptCheckpointError(
-                f"objects file refers to tensor {key!r}, not in the manifest", step=step
-            ) from None
-        return tensor_view(buffer, t.offset, t.nbytes, dtype_from_name(t.dtype), t.shape)
-
-    return source
+    raise_problems(problems, step=manifest.step, path=path)
+    return tree, {t.key: t for t in manifest.tensors if t.rank == rank}
 
 
 def load_checkpoint(
@@ -80,27 +66,39 @@ def load_checkpoint(
     pool: Executor,
     allow_pickle: bool = False,
     strict: bool = True,
-) -> Any:
-    """Restore into ``state`` in place (returns it), or build fresh objects when ``state`` is None."""
+    key_map: KeyMap | None = None,
+) -> tuple[Any, RestoreReport | None]:
+    """Restore into ``state`` in place (returns it and what was loaded or skipped), or build
+    fresh objects when ``state`` is None (returns them and None)."""
     if manifest.world_size != 1:
-        raise StateMismatchError(
+        raise UnsupportedSetupError(
             f"checkpoint was written by {manifest.world_size} ranks; restoring it in one process "
             "arrives with distributed checkpointing",
             step=manifest.step, phase="restore",
         )  # fmt: skip
-    tree, entries = read_checkpoint(storage, directory, manifest, view, buffer, pool=pool)
-    source = _source(buffer, entries, manifest.step)
+    tree, entries = read_checkpoint(storage, directory, manifest, view, pool=pool)
+
+    def source(key: str) -> torch.Tensor:
+        t = entries[key]  # parse_objects checked that every key the tree names is here
+        return tensor_view(buffer, t.offset, t.nbytes, dtype_from_name(t.dtype), t.shape)
 
     def meta(key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         t = entries[key]
         return dtype_from_name(t.dtype), t.shape
 
-    if state is None:
-        return materialize(tree, source, allow_pickle=allow_pickle)
+    path = f"{storage.url}/{directory}"
     try:
-        restore_into(state, tree, source, meta, allow_pickle=allow_pickle, strict=strict)
-    except StateMismatchError as e:
-        e.step = manifest.step
-        e.path = f"{storage.url}/{directory}"
+        if state is None:
+            return materialize(tree, source, allow_pickle=allow_pickle), None
+        report = restore_into(
+            state, tree, source, meta, allow_pickle=allow_pickle, strict=strict, key_map=key_map
+        )
+    except CheckpointError as e:
+        e.step, e.path = manifest.step, e.path or path
         raise
-    return state
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError) as e:
+        # a verified tree that still cannot be built: damage the checks did not name
+        raise CorruptCheckpointError(
+            f"cannot load: {e!r}", step=manifest.step, path=path, phase="restore"
+        ) from e
+    return state, report

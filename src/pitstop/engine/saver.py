@@ -10,7 +10,8 @@ Call sequence (training thread)::
 
 Threads: ``pitstop-stage`` finishes deferred CPU copies; ``pitstop-persist``
 writes, commits and runs ``on_commit`` (retention) for one save at a time, in
-step order; ``pitstop-io`` threads write the extents of a file in parallel.
+step order, before the save's handle reports it done (so when ``save()`` or
+``wait()`` returns, retention for that commit has run); ``pitstop-io`` threads write the extents of a file in parallel.
 Memory: at most ``max_in_flight`` arenas exist; a save that finds them all busy
 waits for the oldest persist to finish. Arenas are reused across saves (and
 borrowed by restore), never allocated per save.
@@ -27,6 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from pitstop.engine.plan import PlanCache, SavePlan
 from pitstop.engine.stage import StageJob, arena_tensor, pin_arena, stage, unpin_arena
 from pitstop.errors import CheckpointError, CheckpointExistsError
 from pitstop.format.checksum import default_algorithm
+from pitstop.format.manifest import Lineage
 from pitstop.format.names import step_dir_name
 from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent
@@ -58,6 +61,12 @@ def _lower_priority(nice: int) -> None:
         return
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    lineage: Lineage | None
+    metrics: dict[str, float]
 
 
 class Saver:
@@ -108,8 +117,16 @@ class Saver:
         with self._cond:
             return sum(a.nbytes for a in self._arenas)
 
-    def async_save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
-        """Stage ``state`` for ``step`` and persist it in the background."""
+    def async_save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        lineage: Lineage | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> SaveHandle:
+        """Stage ``state`` for ``step`` and persist it in the background; ``lineage`` and
+        ``metrics`` go into its manifest."""
         t0 = time.perf_counter()
         self._check_open()
         self.raise_pending()
@@ -134,7 +151,10 @@ class Saver:
         handle.stats.stall_secs = time.perf_counter() - t0
         handle.stats.nbytes = plan.file_bytes
         self.history.append(handle)
-        self._persist_pool.submit(self._persist, handle, job, flat, plan, arena, directory, t0)
+        meta = _Meta(lineage, dict(metrics or {}))
+        self._persist_pool.submit(
+            self._persist, handle, job, flat, plan, arena, directory, t0, meta
+        )
         return handle
 
     def _stage(
@@ -173,9 +193,9 @@ class Saver:
         deferrable = flat.deferrable if self.options.overlap else set()
         return flat, self._plans.get(flat.tensors, deferrable, self.options.io.chunk_bytes)
 
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveHandle:
         """Durable and committed when it returns: ``async_save(...).wait()``."""
-        handle = self.async_save(step, state)
+        handle = self.async_save(step, state, **kwargs)
         handle.wait()
         return handle
 
@@ -300,6 +320,7 @@ class Saver:
         arena: Arena,
         directory: str,
         t0: float,
+        meta: _Meta,
     ) -> None:
         error: BaseException | None = None
         try:
@@ -333,6 +354,8 @@ class Saver:
                 algorithm=self.algorithm,
                 segment_bytes=plan.segment_bytes,
                 world_size=1,
+                lineage=meta.lineage,
+                metrics=meta.metrics,
             )
             self.storage.commit(directory, manifest.dumps())
             stats = handle.stats
@@ -347,29 +370,34 @@ class Saver:
         except BaseException as e:
             error = e
             job.settle()  # no copy may still write into the arena once it is free
-            self._discard_debris(directory)
+            self._abort(directory)
         finally:
             with self._cond:
                 self._staging = [j for j in self._staging if j is not job]
             self._release_arena(arena)
+        if error is None and self._on_commit is not None:
+            try:  # part of the save: wait() returns after it; the next persist starts after it
+                self._on_commit(handle.step)
+            except CheckpointError as e:
+                _log.warning("retention after step %d failed: %s", handle.step, e, phase="gc")
         with self._cond:
             self._inflight.pop(handle.step, None)
             if error is not None:
                 self._unreported.append(handle)
             self._cond.notify_all()
-        handle._finish(error)  # save() returns here; retention is not on its path
-        if error is None and self._on_commit is not None:
-            try:  # still on the persist thread: the next persist starts after it, in order
-                self._on_commit(handle.step)
-            except CheckpointError as e:
-                _log.warning("retention after step %d failed: %s", handle.step, e, phase="gc")
+        handle._finish(error)
 
-    def _discard_debris(self, directory: str) -> None:
+    def _abort(self, directory: str) -> None:
         try:
-            if not self.storage.has_manifest(directory):
-                self.storage.remove(directory)
+            self.storage.abort(directory)
         except Exception as e:  # the original error matters more; gc removes debris later
             _log.warning("could not remove debris of %s: %s", directory, e, phase="gc")
+
+    @property
+    def busy_directories(self) -> frozenset[str]:
+        """Step directories of saves in flight (gc leaves them alone)."""
+        with self._cond:
+            return frozenset(step_dir_name(s) for s in self._inflight)
 
     def _check_open(self) -> None:
         if self._closed:

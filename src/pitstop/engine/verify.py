@@ -1,30 +1,40 @@
-"""verify: every file present, every size right, every checksum equal. No torch.
+"""verify: every file present and regular, every size right, every checksum equal. No torch.
 
-Call sequence: the restore path (training thread) calls :func:`read_verified`
-to read a checkpoint into a buffer and check it in one pass; ``pitstop verify``
-calls :func:`verify_checkpoint`, which brings its own buffer. The io pool's
-threads read extents and hash their segments in parallel.
+Call sequence: the restore path (training thread) calls :func:`read_objects` and
+:func:`read_verified` to read a checkpoint into a buffer and check it in one pass;
+``pitstop verify`` calls :func:`verify_checkpoint`, which checks every real size
+before it allocates its buffer. The io pool's threads read extents and hash their
+segments in parallel. Every problem found is evidence of damage; an I/O error is
+raised as the CheckpointIOError it is (after the storage's retries).
 """
 
 from __future__ import annotations
 
-import json
 import threading
-import typing
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pitstop.errors import CheckpointError
+from pitstop.errors import CorruptCheckpointError
 from pitstop.format.checksum import get_checksum, segments
-from pitstop.format.manifest import Manifest, TensorEntry
+from pitstop.format.manifest import Manifest
+from pitstop.format.names import objects_file_name
+from pitstop.format.objects import parse_objects
 from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent, plan_extents
 from pitstop.storage.base import Storage
 
-__all__ = ["VerifyReport", "read_objects", "read_verified", "verify_checkpoint"]
+__all__ = [
+    "VerifyReport",
+    "check_sizes",
+    "raise_problems",
+    "read_objects",
+    "read_verified",
+    "verify_checkpoint",
+]
 
 
 @dataclass
@@ -39,19 +49,33 @@ class VerifyReport:
         return not self.problems
 
 
+def check_sizes(storage: Storage, directory: str, manifest: Manifest, problems: list[str]) -> None:
+    """Every file of the manifest exists as a regular file of the recorded size."""
+    for f in manifest.files:
+        try:
+            size = storage.file_size(directory, f.name)
+        except CorruptCheckpointError as e:
+            problems.append(f"{f.name}: {e.message}")
+            continue
+        if size != f.nbytes:
+            problems.append(
+                f"{f.name}: {size} bytes on storage, manifest says {f.nbytes} (truncated or overwritten)"
+            )
+
+
 def read_objects(
     storage: Storage, directory: str, manifest: Manifest, rank: int, problems: list[str]
 ) -> Any:
-    """The tree of ``rank``'s objects file, checked against its size and checksum; None on a problem."""
-    name = f"objects-{rank:05d}.json"
+    """The validated tree of ``rank``'s objects file; None (and a line in ``problems``) if it
+    is missing, of the wrong size or checksum, or not a valid objects file."""
+    name = objects_file_name(rank)
     try:
         entry = manifest.file(name)
+        data = storage.read_object(directory, name)
     except KeyError:
         problems.append(f"manifest lists no {name}")
         return None
-    try:
-        data = storage.read_object(directory, name)
-    except CheckpointError as e:
+    except CorruptCheckpointError as e:
         problems.append(f"{name}: {e.message}")
         return None
     if len(data) != entry.nbytes:
@@ -61,24 +85,12 @@ def read_objects(
     if digest != entry.checksum:
         problems.append(f"{name}: checksum {digest} != {entry.checksum} in the manifest")
         return None
+    keys = {t.key for t in manifest.tensors if t.rank == rank}
     try:
-        doc = json.loads(data)
-    except ValueError as e:
-        problems.append(f"{name}: not valid JSON ({e})")
+        return parse_objects(data, name=name, tensor_keys=keys, path=f"{storage.url}/{directory}")
+    except CorruptCheckpointError as e:
+        problems.append(e.message)
         return None
-    if not isinstance(doc, dict) or doc.get("format") != "pitstop-objects" or "tree" not in doc:
-        problems.append(f"{name}: not a pitstop objects file")
-        return None
-    return doc["tree"]
-
-
-def _tensors_by_file(manifest: Manifest) -> dict[str, list[TensorEntry]]:
-    out: dict[str, list[TensorEntry]] = {
-        f.name: [] for f in manifest.files if f.name.endswith(".bin")
-    }
-    for t in manifest.tensors:
-        out.setdefault(t.file, []).append(t)
-    return out
 
 
 def read_verified(
@@ -94,55 +106,49 @@ def read_verified(
 ) -> int:
     """Read data ``file`` into ``view`` (at the file's own offsets) and check every segment.
 
-    Appends a line per problem to ``problems``; returns the bytes read. ``on_bytes(n)`` is
-    called from the reader threads as each extent is checked (for progress reports).
+    The caller has checked the file's real size (:func:`check_sizes`). Appends a line per
+    problem to ``problems``; returns the bytes read. ``on_bytes(n)`` is called from the
+    reader threads as each extent is checked (for progress reports).
     """
     entry = manifest.file(file)
-    try:
-        size = storage.file_size(directory, file)
-    except CheckpointError as e:
-        problems.append(f"{file}: {e.message}")
-        return 0
-    if size != entry.nbytes:
-        problems.append(
-            f"{file}: {size} bytes on storage, manifest says {entry.nbytes} (truncated or overwritten)"
-        )
-        return 0
     if entry.nbytes == 0:
         return 0
-    tensors = _tensors_by_file(manifest).get(file, [])
+    tensors = [t for t in manifest.tensors if t.file == file]
     hasher = get_checksum(manifest.checksum_algorithm)
     segs: list[tuple[int, int, object]] = []
     for t in tensors:
         for j, (start, length) in enumerate(segments(t.offset, t.nbytes, manifest.segment_bytes)):
             if length:
                 segs.append((start, length, (t, j)))
-    bad: list[str] = []
+    results: dict[tuple[str, int], str | None] = {}  # a retried read overwrites its results
     lock = threading.Lock()
 
     def on_extent(extent: Extent) -> None:
         for start, length, tag in extent.segments:
-            t, j = typing.cast("tuple[TensorEntry, int]", tag)
+            t, j = tag  # type: ignore[misc]
             digest = hasher(view[start : start + length])
+            bad = None
             if digest != t.checksum[j]:
-                with lock:
-                    bad.append(
-                        f"{file}: tensor {t.key!r} segment {j} (bytes {start}-{start + length}) checksum mismatch"
-                    )
+                bad = f"{file}: tensor {t.key!r} segment {j} (bytes {start}-{start + length}) checksum mismatch"
+            with lock:
+                results[(t.key, j)] = bad
         if on_bytes is not None:
             on_bytes(extent.nbytes)
 
     extents = plan_extents(segs, entry.nbytes, storage.io.read_chunk_bytes)
     try:
         storage.read_data(directory, file, view, extents, pool=pool, on_extent=on_extent)
-    except CheckpointError as e:
+    except CorruptCheckpointError as e:
         problems.append(f"{file}: {e.message}")
         return 0
     empty = hasher(b"")
-    for t in tensors:
-        if t.nbytes == 0 and t.checksum != (empty,):
-            bad.append(f"{file}: empty tensor {t.key!r} has a wrong checksum")
-    problems.extend(sorted(bad))
+    bad = sorted(b for b in results.values() if b)
+    bad += [
+        f"{file}: empty tensor {t.key!r} has a wrong checksum"
+        for t in tensors
+        if t.nbytes == 0 and t.checksum != (empty,)
+    ]
+    problems.extend(bad)
     return entry.nbytes
 
 
@@ -163,13 +169,15 @@ def verify_checkpoint(
     threads: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    """Check every file and every checksum of one checkpoint, reading it in full."""
-    import time
-
+    """Check every file and every checksum of one checkpoint, reading it in full. Sizes are
+    checked before a buffer is allocated, so a manifest's claims allocate nothing."""
     t0 = time.perf_counter()
     report = VerifyReport(step=manifest.step)
-    ranks = sorted({f.rank for f in manifest.files})
-    for rank in ranks:
+    check_sizes(storage, directory, manifest, report.problems)
+    if report.problems:
+        report.secs = time.perf_counter() - t0
+        return report
+    for rank in sorted({f.rank for f in manifest.files}):
         read_objects(storage, directory, manifest, rank, report.problems)
     data_files = [f for f in manifest.files if f.name.endswith(".bin")]
     largest = max((f.nbytes for f in data_files), default=0)
@@ -186,3 +194,9 @@ def verify_checkpoint(
             )  # fmt: skip
     report.secs = time.perf_counter() - t0
     return report
+
+
+def raise_problems(problems: list[str], *, step: int, path: str) -> None:
+    """Raise CorruptCheckpointError listing ``problems``, if any."""
+    if problems:
+        raise CorruptCheckpointError("; ".join(problems), step=step, path=path, phase="verify")

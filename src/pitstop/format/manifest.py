@@ -1,21 +1,30 @@
-"""manifest.json of format v1: versioned JSON, strict parse. Importable without torch.
+"""manifest.json: versioned JSON, integrity-checked, strict and bounded parse. No torch.
 
-A checkpoint exists if and only if its manifest parses. The manifest lists every
-file of the checkpoint and every stored tensor: key path, dtype, shape, file,
-4 KiB-aligned offset, length and the checksums of its segments. It is written
-last, and is readable with ``cat`` and ``jq``::
+A checkpoint exists if and only if its manifest parses and validates. The manifest
+lists every file of the checkpoint with its size and checksum, every stored tensor
+(key path, dtype, shape, file, 4 KiB-aligned offset, length, segment checksums), the
+lineage (run, timeline, parent step) and optional metrics. Format v2 adds
+``integrity``: the checksum of the manifest's own canonical body, so that a flipped
+bit anywhere in the metadata (a swapped key, a changed world size) is damage, found
+before anything is loaded, and never a wrong value::
 
     {
-      "format": "pitstop-checkpoint", "format_version": 1,
+      "format": "pitstop-checkpoint", "format_version": 2,
       "step": 1200, "created_unix_secs": 1763790000.5, "world_size": 1,
-      "library": {"pitstop": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
+      "library": {"pitstop": "0.2.0", "torch": "2.13.0", "python": "3.11.7"},
       "topology": {"world_size": 1, "hosts": ["node-a"]},
+      "lineage": {"run": "9c1e..", "timeline": "9c1e..", "parent": 1100},
+      "metrics": {"loss": 0.31},
       "checksum": {"algorithm": "xxh3_64", "segment_bytes": 67108864},
       "files": [{"name": "rank-00000.bin", "rank": 0, "nbytes": 8192, "checksum": null},
                 {"name": "objects-00000.json", "rank": 0, "nbytes": 310, "checksum": "9f.."}],
       "tensors": [{"key": "model/fc.weight", "rank": 0, "dtype": "float32", "shape": [4, 4],
-                   "file": "rank-00000.bin", "offset": 0, "nbytes": 64, "checksum": ["a1.."]}]
+                   "file": "rank-00000.bin", "offset": 0, "nbytes": 64, "checksum": ["a1.."]}],
+      "integrity": {"algorithm": "xxh3_64", "manifest": "5be0.."}
     }
+
+Parsing is linear in the manifest's size: no loop runs on a claimed number.
+Version 1 manifests (no integrity, no lineage) still load.
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pitstop.errors import FormatVersionError, ManifestError
-from pitstop.format.checksum import ALGORITHMS, segments
-from pitstop.format.names import data_file_name, validate_file_name
+from pitstop.format.checksum import ALGORITHMS, get_checksum
+from pitstop.format.jsonsafe import load_json
+from pitstop.format.names import data_file_name, objects_file_name, validate_file_name
 from pitstop.options import ALIGN_BYTES
 
 __all__ = [
@@ -36,12 +46,19 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "FileEntry",
+    "Lineage",
     "Manifest",
     "TensorEntry",
+    "segment_count",
 ]
 
 FORMAT_NAME = "pitstop-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+MAX_BYTES = 1 << 62
+"""No size, offset or dimension in a manifest may exceed this (a claimed 2**70 is damage)."""
+MAX_NDIM = 64
+MAX_WORLD_SIZE = 1 << 24
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -52,7 +69,12 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
     "float8_e8m0fnu": 1,
 }  # fmt: skip
-"""Every dtype format v1 stores, with its size in bytes (torch's names without ``torch.``)."""
+"""Every dtype the format stores, with its size in bytes (torch's names without ``torch.``)."""
+
+
+def segment_count(nbytes: int, segment_bytes: int) -> int:
+    """Checksum segments of a tensor of ``nbytes`` (an empty tensor has one: the digest of b'')."""
+    return max(1, -(-nbytes // segment_bytes))
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,19 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class Lineage:
+    """Where a checkpoint comes from: the run (stable across restarts), the timeline (new
+    after each rollback) and the step it continues (None for the first of a run)."""
+
+    run: str
+    timeline: str
+    parent: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "timeline": self.timeline, "parent": self.parent}
+
+
+@dataclass(frozen=True)
 class Manifest:
     step: int
     created_unix_secs: float
@@ -106,6 +141,8 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     library: dict[str, str] = field(default_factory=dict)
     topology: dict[str, Any] = field(default_factory=dict)
+    lineage: Lineage | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -120,7 +157,7 @@ class Manifest:
         raise KeyError(name)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
             "step": self.step,
@@ -128,26 +165,63 @@ class Manifest:
             "world_size": self.world_size,
             "library": dict(self.library),
             "topology": dict(self.topology),
-            "checksum": {"algorithm": self.checksum_algorithm, "segment_bytes": self.segment_bytes},
-            "files": [f.to_json() for f in self.files],
-            "tensors": [t.to_json() for t in self.tensors],
         }
+        if self.lineage is not None:
+            body["lineage"] = self.lineage.to_json()
+        if self.metrics:
+            body["metrics"] = dict(self.metrics)
+        body["checksum"] = {
+            "algorithm": self.checksum_algorithm,
+            "segment_bytes": self.segment_bytes,
+        }
+        body["files"] = [f.to_json() for f in self.files]
+        body["tensors"] = [t.to_json() for t in self.tensors]
+        return body
 
     def dumps(self) -> bytes:
-        return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
+        """The manifest file's bytes, sealed with the checksum of its canonical body."""
+        body = self.to_json()
+        body["integrity"] = {
+            "algorithm": self.checksum_algorithm,
+            "manifest": get_checksum(self.checksum_algorithm)(_canonical(body)),
+        }
+        return (json.dumps(body, indent=1, allow_nan=False) + "\n").encode()
 
     @classmethod
     def loads(cls, data: bytes | str, *, path: str | None = None) -> Manifest:
-        """Parse and validate; every problem is a ManifestError naming the field."""
-        try:
-            raw = json.loads(data, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}", path=path) from None
+        """Parse and validate; every problem is a ManifestError naming the field, a manifest
+        of a newer format a FormatVersionError."""
+        raw = load_json(data, what="manifest.json", path=path, max_depth=8)
         return _parse(raw, path)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
+def _canonical(body: dict[str, Any]) -> bytes:
+    """The bytes the integrity checksum covers: the body without ``integrity``, keys sorted."""
+    plain = {k: v for k, v in body.items() if k != "integrity"}
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _check_integrity(top: dict[str, Any], path: str | None) -> bool:
+    """True if the body's checksum verifies, False if the manifest carries none we can check;
+    raises ManifestError if it carries one and it does not match (damage)."""
+    seal = top.get("integrity")
+    if seal is None:
+        return False
+    if not isinstance(seal, dict) or not isinstance(seal.get("manifest"), str):
+        raise ManifestError("manifest.integrity is malformed", path=path)
+    algorithm = seal.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        return False
+    try:
+        digest = get_checksum(algorithm)(_canonical(top))
+    except (ValueError, TypeError) as e:
+        raise ManifestError(f"manifest body cannot be checked: {e}", path=path) from None
+    if digest != seal["manifest"]:
+        raise ManifestError(
+            f"manifest checksum {digest} != {seal['manifest']} recorded in it: the manifest is damaged",
+            path=path,
+        )
+    return True
 
 
 class _Fields:
@@ -175,44 +249,56 @@ class _Fields:
             )
         return value
 
-    def nonneg(self, name: str) -> int:
+    def count(self, name: str, limit: int = MAX_BYTES) -> int:
+        """A non-negative int no larger than ``limit``."""
         value = self.get(name, int)
-        if value < 0:
-            raise ManifestError(f"{self.where}.{name} is negative", path=self.path)
+        if value < 0 or value > limit:
+            raise ManifestError(f"{self.where}.{name} = {value} is out of range", path=self.path)
         return int(value)
 
 
 def _parse(raw: object, path: str | None) -> Manifest:
     top = _Fields(raw, "manifest", path)
-    if top.get("format", str) != FORMAT_NAME:
+    if top.obj.get("format") != FORMAT_NAME:
         raise ManifestError(
-            f"not a pitstop manifest (format is {top.obj.get('format')!r})", path=path
+            f"not a pitstop manifest (format is {str(top.obj.get('format'))[:40]!r})", path=path
         )
+    sealed = _check_integrity(top.obj, path)
     version = top.get("format_version", int)
     if version > FORMAT_VERSION:
+        library = top.obj.get("library")
+        writer = library.get("pitstop") if isinstance(library, dict) else None
+        from pitstop._version import __version__
+
         raise FormatVersionError(
-            f"checkpoint has format version {version}; this pitstop reads up to "
+            f"checkpoint written by pitstop {str(writer)[:20] if writer else '?'} in format "
+            f"{version}; this is pitstop {__version__}, which reads formats up to "
             f"{FORMAT_VERSION}: upgrade pitstop",
             path=path,
         )
     if version < 1:
         raise ManifestError(f"format_version {version} is not valid", path=path)
-    step = top.nonneg("step")
+    if version >= 2 and not sealed:
+        raise ManifestError(
+            "manifest has no integrity checksum (required since format 2)", path=path
+        )
+    step = top.count("step")
     checksum = _Fields(top.get("checksum", dict), "manifest.checksum", path)
     algorithm = checksum.get("algorithm", str)
     if algorithm not in ALGORITHMS:
-        raise ManifestError(f"unknown checksum algorithm {algorithm!r}", path=path, step=step)
-    segment_bytes = checksum.nonneg("segment_bytes")
+        raise ManifestError(f"unknown checksum algorithm {algorithm[:40]!r}", path=path, step=step)
+    segment_bytes = checksum.count("segment_bytes")
     if segment_bytes <= 0 or segment_bytes % ALIGN_BYTES:
         raise ManifestError(
             f"manifest.checksum.segment_bytes must be a positive multiple of {ALIGN_BYTES}",
-            path=path,
-            step=step,
-        )
-    files = tuple(_parse_file(f, i, path) for i, f in enumerate(top.get("files", list)))
+            path=path, step=step,
+        )  # fmt: skip
+    world_size = top.count("world_size", MAX_WORLD_SIZE)
+    if world_size < 1:
+        raise ManifestError("manifest.world_size must be >= 1", path=path, step=step)
+    files = tuple(_parse_file(f, i, world_size, path) for i, f in enumerate(top.get("files", list)))
+    _check_files(files, world_size, path, step)
     sizes = {f.name: f.nbytes for f in files}
-    if len(sizes) != len(files):
-        raise ManifestError("manifest.files names a file twice", path=path, step=step)
     tensors = tuple(
         _parse_tensor(t, i, sizes, segment_bytes, path)
         for i, t in enumerate(top.get("tensors", list))
@@ -221,11 +307,8 @@ def _parse(raw: object, path: str | None) -> Manifest:
         raise ManifestError("manifest.tensors names a key twice", path=path, step=step)
     _check_layout(tensors, path, step)
     created = top.get("created_unix_secs", (int, float))
-    if not math.isfinite(created):
-        raise ManifestError("manifest.created_unix_secs is not finite", path=path, step=step)
-    world_size = top.nonneg("world_size")
-    if world_size < 1:
-        raise ManifestError("manifest.world_size must be >= 1", path=path, step=step)
+    if not math.isfinite(created) or created < 0:
+        raise ManifestError("manifest.created_unix_secs is not a valid time", path=path, step=step)
     return Manifest(
         step=step,
         created_unix_secs=float(created),
@@ -236,8 +319,50 @@ def _parse(raw: object, path: str | None) -> Manifest:
         tensors=tensors,
         library={str(k): str(v) for k, v in top.get("library", dict).items()},
         topology=top.get("topology", dict),
+        lineage=_parse_lineage(top.get("lineage", dict, optional=True), path),
+        metrics=_parse_metrics(top.get("metrics", dict, optional=True), path),
         format_version=version,
     )
+
+
+def _parse_lineage(raw: dict[str, Any] | None, path: str | None) -> Lineage | None:
+    if raw is None:
+        return None
+    f = _Fields(raw, "manifest.lineage", path)
+    parent = f.get("parent", int, optional=True)
+    if parent is not None and not 0 <= parent <= MAX_BYTES:
+        raise ManifestError("manifest.lineage.parent is out of range", path=path)
+    return Lineage(run=f.get("run", str), timeline=f.get("timeline", str), parent=parent)
+
+
+def _parse_metrics(raw: dict[str, Any] | None, path: str | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in (raw or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ManifestError(f"manifest.metrics.{k[:40]} is not a finite number", path=path)
+        out[k] = float(v)
+    return out
+
+
+def _check_files(
+    files: tuple[FileEntry, ...], world_size: int, path: str | None, step: int
+) -> None:
+    """Each rank has exactly its data file and its objects file, under its own names."""
+    names = {f.name for f in files}
+    if len(names) != len(files):
+        raise ManifestError("manifest.files names a file twice", path=path, step=step)
+    for f in files:
+        if f.name not in (data_file_name(f.rank), objects_file_name(f.rank)):
+            raise ManifestError(
+                f"file {f.name} is listed under rank {f.rank}", path=path, step=step
+            )
+        if f.name.endswith(".json") and f.checksum is None:
+            raise ManifestError(f"objects file {f.name} has no checksum", path=path, step=step)
+    for rank in {f.rank for f in files}:
+        if {data_file_name(rank), objects_file_name(rank)} - names:
+            raise ManifestError(f"rank {rank} lacks its data or objects file", path=path, step=step)
+    if objects_file_name(0) not in names:
+        raise ManifestError("manifest lists no file of rank 0", path=path, step=step)
 
 
 def _check_layout(tensors: tuple[TensorEntry, ...], path: str | None, step: int) -> None:
@@ -254,48 +379,51 @@ def _check_layout(tensors: tuple[TensorEntry, ...], path: str | None, step: int)
             raise ManifestError(f"tensors {a.key!r} and {b.key!r} overlap", path=path, step=step)
 
 
-def _parse_file(raw: object, i: int, path: str | None) -> FileEntry:
+def _parse_file(raw: object, i: int, world_size: int, path: str | None) -> FileEntry:
     f = _Fields(raw, f"manifest.files[{i}]", path)
     return FileEntry(
         name=validate_file_name(f.get("name", str), path=path),
-        rank=f.nonneg("rank"),
-        nbytes=f.nonneg("nbytes"),
+        rank=f.count("rank", world_size - 1),
+        nbytes=f.count("nbytes"),
         checksum=f.get("checksum", str, optional=True),
     )
+
+
+def _parse_shape(raw: list[Any], where: str, path: str | None) -> tuple[int, ...]:
+    if len(raw) > MAX_NDIM or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_BYTES for d in raw
+    ):
+        raise ManifestError(f"{where} has an invalid shape {str(raw)[:80]}", path=path)
+    return tuple(int(d) for d in raw)
 
 
 def _parse_tensor(
     raw: object, i: int, sizes: dict[str, int], segment_bytes: int, path: str | None
 ) -> TensorEntry:
     t = _Fields(raw, f"manifest.tensors[{i}]", path)
-    where = f"manifest.tensors[{i}]"
     key = t.get("key", str)
+    where = f"manifest.tensors[{i}] ({key[:80]})"
     dtype = t.get("dtype", str)
     if dtype not in DTYPE_ITEMSIZE:
-        raise ManifestError(f"{where} ({key}) has unknown dtype {dtype!r}", path=path)
-    shape_raw = t.get("shape", list)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape_raw):
-        raise ManifestError(f"{where} ({key}) has an invalid shape {shape_raw!r}", path=path)
-    shape = tuple(int(d) for d in shape_raw)
+        raise ManifestError(f"{where} has unknown dtype {dtype[:40]!r}", path=path)
+    shape = _parse_shape(t.get("shape", list), where, path)
     file = validate_file_name(t.get("file", str), path=path)
-    offset, nbytes = t.nonneg("offset"), t.nonneg("nbytes")
+    offset, nbytes = t.count("offset"), t.count("nbytes")
     if nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype]:
-        raise ManifestError(f"{where} ({key}): nbytes does not match dtype and shape", path=path)
+        raise ManifestError(f"{where}: nbytes does not match dtype and shape", path=path)
     if offset % ALIGN_BYTES:
-        raise ManifestError(f"{where} ({key}): offset {offset} is not 4 KiB-aligned", path=path)
+        raise ManifestError(f"{where}: offset {offset} is not 4 KiB-aligned", path=path)
     if file not in sizes:
-        raise ManifestError(
-            f"{where} ({key}) names file {file!r}, not in manifest.files", path=path
-        )
+        raise ManifestError(f"{where} names file {file!r}, not in manifest.files", path=path)
     if offset + nbytes > sizes[file]:
-        raise ManifestError(f"{where} ({key}) lies beyond the end of {file}", path=path)
+        raise ManifestError(f"{where} lies beyond the end of {file}", path=path)
     checksum = t.get("checksum", list)
-    expected = sum(1 for _ in segments(offset, nbytes, segment_bytes))
+    expected = segment_count(nbytes, segment_bytes)
     if len(checksum) != expected or not all(isinstance(c, str) for c in checksum):
         raise ManifestError(
-            f"{where} ({key}) has {len(checksum)} checksums, expected {expected}", path=path
+            f"{where} has {len(checksum)} checksums, expected {expected}", path=path
         )
     return TensorEntry(
         key=key, dtype=dtype, shape=shape, file=file, offset=offset, nbytes=nbytes,
-        checksum=tuple(checksum), rank=t.nonneg("rank"),
+        checksum=tuple(checksum), rank=t.count("rank", MAX_WORLD_SIZE),
     )  # fmt: skip

@@ -1,13 +1,19 @@
-"""File and directory names of format v1, and the checks that keep them inside a checkpoint.
+"""File and directory names of the format, and the checks that keep them inside a checkpoint.
 
 ::
 
     <root>/
-      step-0000001200/          one directory per committed step
-        manifest.json           written last: the commit marker
-        rank-00000.bin          tensors of rank 0, each at a 4 KiB-aligned offset
-        objects-00000.json      the state's structure and non-tensor values of rank 0
-      .corrupt-step-0000001100-<id>/   a checkpoint that failed verification, set aside
+      step-0000001200/              one directory per committed step
+        manifest.json               written last: the commit marker
+        rank-00000.bin              tensors of rank 0, each at a 4 KiB-aligned offset
+        objects-00000.json          the state's structure and non-tensor values of rank 0
+        DAMAGED                     only after it failed verification: why (JSON)
+      .writing-step-0000001300-<id>/  a save being created; renamed to step-* before any data
+      .abandoned-step-0000001250-<id>/  a newer step that a rollback left (timeline ended)
+      .damaged-step-0000001100-<id>/    a damaged checkpoint moved out of a new save's way
+      .corrupt-step-0000001100-<id>/    format v1's name for a damaged one (still recognised)
+
+Every name pitstop writes is spelled here and nowhere else.
 """
 
 from __future__ import annotations
@@ -17,20 +23,31 @@ import re
 from pitstop.errors import UnsafePathError
 
 __all__ = [
+    "ASIDE_KINDS",
+    "DAMAGED_MARKER",
     "MANIFEST",
     "MANIFEST_TMP",
+    "OWNER_FILE",
+    "aside_dir_name",
     "data_file_name",
     "objects_file_name",
+    "parse_aside_dir",
     "parse_step_dir",
-    "quarantine_dir_name",
     "step_dir_name",
     "validate_file_name",
+    "writing_dir_name",
 ]
 
 MANIFEST = "manifest.json"
 MANIFEST_TMP = "manifest.json.tmp"
+DAMAGED_MARKER = "DAMAGED"
+OWNER_FILE = ".owner"
+
+ASIDE_KINDS = ("abandoned", "damaged", "corrupt", "writing")
+"""Prefixes of directories set aside (``.KIND-step-N-ID``); ``writing`` is a save in creation."""
 
 _STEP_DIR = re.compile(r"^step-(\d{10,})$")
+_ASIDE_DIR = re.compile(r"^\.(abandoned|damaged|corrupt|writing)-step-(\d{10,})-([0-9a-f]+)$")
 _FILE_NAME = re.compile(r"^(rank-\d{5,}\.bin|objects-\d{5,}\.json)$")
 
 
@@ -46,6 +63,23 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def aside_dir_name(kind: str, step: int, nonce: str) -> str:
+    """``.abandoned-step-N-ID`` and its kin (see ASIDE_KINDS)."""
+    if kind not in ASIDE_KINDS:
+        raise ValueError(f"unknown set-aside kind {kind!r}")
+    return f".{kind}-{step_dir_name(step)}-{nonce}"
+
+
+def writing_dir_name(step: int, nonce: str) -> str:
+    return aside_dir_name("writing", step, nonce)
+
+
+def parse_aside_dir(name: str) -> tuple[str, int] | None:
+    """(kind, step) of a set-aside directory name; None for anything else."""
+    m = _ASIDE_DIR.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 def data_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.bin"
 
@@ -54,12 +88,8 @@ def objects_file_name(rank: int) -> str:
     return f"objects-{rank:05d}.json"
 
 
-def quarantine_dir_name(step: int, nonce: str) -> str:
-    return f".corrupt-{step_dir_name(step)}-{nonce}"
-
-
 def validate_file_name(name: object, *, path: str | None = None) -> str:
-    """Return ``name`` if it is a data or objects file name of format v1, else raise.
+    """Return ``name`` if it is a data or objects file name of the format, else raise.
 
     Manifests are input: a name like ``../../etc/passwd`` or ``/abs`` must never be
     opened, so only the exact shapes above are accepted.

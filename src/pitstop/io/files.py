@@ -1,10 +1,34 @@
-"""Small durable file operations: fsync'd writes, atomic rename, directory fsync."""
+"""Small durable file operations: fsync'd writes, no-replace commit, bounded safe reads.
+
+Reads of checkpoint files open only regular files (``O_NOFOLLOW``, ``O_NONBLOCK`` and an
+``fstat`` check), so a symlink out of the root, a FIFO or a device where a file should be
+is refused instead of followed, blocked on or read forever; metadata reads are bounded.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
-__all__ = ["fsync_dir", "read_bytes", "rename_durable", "write_bytes_durable"]
+from pitstop.errors import CorruptCheckpointError, UnsafePathError
+
+__all__ = [
+    "READ_FLAGS",
+    "check_regular",
+    "fsync_dir",
+    "link_no_replace",
+    "open_regular",
+    "read_regular",
+    "regular_size",
+    "rename_durable",
+    "write_bytes_durable",
+]
+
+READ_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+)
+"""Flags for opening a checkpoint file to read: never through a symlink, never blocking on a FIFO."""
 
 
 def fsync_dir(path: str) -> None:
@@ -18,7 +42,7 @@ def fsync_dir(path: str) -> None:
 
 def write_bytes_durable(path: str, data: bytes, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` (replacing it) and fsync the file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -37,6 +61,83 @@ def rename_durable(src: str, dst: str, *, fsync: bool = True) -> None:
         fsync_dir(os.path.dirname(dst) or ".")
 
 
-def read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def link_no_replace(src: str, dst: str, *, fsync: bool = True) -> None:
+    """Give the file ``src`` the name ``dst`` atomically, failing with FileExistsError if ``dst``
+    exists (a hard link, then ``src`` is unlinked); never replaces what another writer committed.
+    Where hard links are not supported, falls back to an existence check and rename."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "exists", dst) from None
+        os.rename(src, dst)
+    else:
+        os.unlink(src)
+    if fsync:
+        fsync_dir(os.path.dirname(dst) or ".")
+
+
+def check_regular(st: os.stat_result, path: str) -> None:
+    """Raise unless ``st`` (of ``path``) is a regular file."""
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(
+            f"{os.path.basename(path)} is a symbolic link: not followed", path=path
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(
+            f"{os.path.basename(path)} is not a regular file (a FIFO, device or directory)",
+            path=path,
+        )
+
+
+def regular_size(path: str) -> int:
+    """Size of the regular file ``path`` (not followed if a symlink)."""
+    st = os.lstat(path)
+    check_regular(st, path)
+    return st.st_size
+
+
+def open_regular(path: str) -> int:
+    """Open a regular file to read; a symlink, FIFO or device is refused."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(
+                f"{os.path.basename(path)} is a symbolic link: not followed", path=path
+            ) from None
+        raise
+    try:
+        check_regular(os.fstat(fd), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The whole regular file ``path``, refusing one larger than ``limit`` bytes before reading."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{os.path.basename(path)} is {size} bytes, more than the limit of {limit} "
+                "(IOOptions.max_metadata_bytes)",
+                path=path,
+            )
+        chunks = []
+        remaining = size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

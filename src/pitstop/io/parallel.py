@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
-from pitstop.errors import CheckpointIOError
+from pitstop.errors import CheckpointIOError, CorruptCheckpointError, UnsafePathError
 from pitstop.faults import killpoint
+from pitstop.io.files import READ_FLAGS, check_regular
 from pitstop.log import get_logger
 from pitstop.options import ALIGN_BYTES, DirectMode
 
@@ -216,6 +217,8 @@ def _with_fd(
         try:
             fd = _open(path, flags, use_direct)
             try:
+                if flags == READ_FLAGS:
+                    check_regular(os.fstat(fd), path)  # never read a FIFO or device
                 body(fd)
             finally:
                 os.close(fd)
@@ -223,6 +226,10 @@ def _with_fd(
         except CheckpointIOError:
             raise
         except OSError as e:
+            if e.errno == errno.ELOOP and flags == READ_FLAGS:
+                raise UnsafePathError(
+                    f"{os.path.basename(path)} is a symbolic link: not followed", path=path
+                ) from None
             if use_direct and e.errno == errno.EINVAL and direct == "auto":
                 if on_fallback is not None:
                     on_fallback(path, e)
@@ -259,7 +266,7 @@ def read_file(
 
         _run_extents(pool, extents, job, midpoint=None)
 
-    used_direct = _with_fd(path, os.O_RDONLY, direct, "restore", read_all)
+    used_direct = _with_fd(path, READ_FLAGS, direct, "restore", read_all)
     total = sum(e.nbytes for e in extents)
     return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=used_direct)
 
@@ -268,5 +275,8 @@ def _pread_all(fd: int, out: memoryview, offset: int, path: str) -> None:
     while out:
         n = os.preadv(fd, [out], offset)
         if n == 0:
-            raise OSError(errno.EIO, f"unexpected end of file at byte {offset}")
+            raise CorruptCheckpointError(
+                f"{os.path.basename(path)} ends at byte {offset}, before its recorded size",
+                path=path,
+            )
         out, offset = out[n:], offset + n

@@ -13,11 +13,22 @@ measurements and drive the very same objects.
 ``ValueAware(mtbf)``  dense early, sparse late, from the fitted loss curve (COCI)
 ``Any(a, b, ...)``    when any of them says so
 ====================  ==========================================================
+
+What to keep is a policy too (:mod:`pitstop.policy.retention`): ``KeepLast``,
+``KeepEvery``, ``KeepBest``, combined with ``|``.
 """
 
 from pitstop.policy.base import CheckpointPolicy, PolicyContext
 from pitstop.policy.checkfreq import CheckFreq
 from pitstop.policy.fixed import Any, Every, EveryEpoch, EveryN
+from pitstop.policy.retention import (
+    CheckpointInfo,
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    RetentionPolicy,
+)
 from pitstop.policy.theory import daly_higher_order, daly_optimum, lambert_w0, young_interval
 from pitstop.policy.value import LossCurve, ValueAware
 from pitstop.policy.youngdaly import YoungDaly
@@ -25,12 +36,18 @@ from pitstop.policy.youngdaly import YoungDaly
 __all__ = [
     "Any",
     "CheckFreq",
+    "CheckpointInfo",
     "CheckpointPolicy",
     "Every",
     "EveryEpoch",
     "EveryN",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
     "LossCurve",
     "PolicyContext",
+    "RetentionPolicy",
     "ValueAware",
     "YoungDaly",
     "daly_higher_order",

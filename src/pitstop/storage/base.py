@@ -3,19 +3,25 @@
 Names are relative: a *checkpoint directory* (``step-0000001200``) and a *file*
 in it (``rank-00000.bin``). Implementations: :class:`LocalStorage` (a directory
 on a local or shared file system), :class:`RamStorage` (/dev/shm), and later an
-object store; test doubles (``pitstop.testing.FaultyStorage``) wrap any of them.
+object store; :class:`RetryingStorage` retries transient errors of any of them;
+test doubles (``pitstop.testing.FaultyStorage``, ``GateStorage``) wrap any of them.
 
 Call sequence of a save, on the persist thread of each writing rank::
 
-    prepare(d)                         # coordinator: create d; clear debris; refuse a committed d
+    prepare(d)                         # coordinator: create d exclusively and hold it;
+                                       #   CheckpointExistsError if committed or being written
     write_data(d, f, view, extents)    # every writing rank, its own files
     write_object(d, f, data)           # every rank, its objects file
-    commit(d, manifest)                # coordinator, after every rank's data is durable
+    commit(d, manifest)                # coordinator, after every rank's data is durable;
+                                       #   never replaces a manifest; lets go of d
+    abort(d)                           # instead of commit, after a failure
 
-and of a restore, on the calling thread: ``entries()``, ``read_manifest(d)``,
-``file_size``, ``read_object``, ``read_data``. Retention and gc call
-``uncommit(d)`` (the manifest goes first, so a crash leaves debris, never a
-half-deleted checkpoint that looks committed) and then ``remove(d)``.
+of a restore, on the calling thread: ``entries()``, ``entry_kind(n)``,
+``read_manifest(d)``, ``lock(d, exclusive=False)`` (a pin, held while reading),
+``file_size``, ``read_object``, ``read_data``; ``mark_damaged(d, why)`` when
+verification fails. Retention and gc take ``lock(d, exclusive=True)`` (None:
+pinned, skip it), then ``uncommit(d)`` (the manifest goes first, so a crash leaves
+debris, never a half-deleted checkpoint that looks committed) and ``remove(d)``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Protocol, runtime_checkable
 
+from pitstop.io.locks import DirLock
 from pitstop.io.parallel import Extent, IOResult
 from pitstop.options import IOOptions
 
@@ -39,10 +46,18 @@ class Storage(Protocol):
         """Names directly under the root (checkpoint directories and debris)."""
         ...
 
+    def entry_kind(self, name: str) -> str:
+        """``dir``, ``link`` (foreign: never followed), ``file``, ``other`` or ``missing``."""
+        ...
+
     def has_manifest(self, directory: str) -> bool: ...
 
+    def mtime(self, directory: str) -> float:
+        """Newest modification time in ``directory`` (gc keeps recently written debris)."""
+        ...
+
     def prepare(self, directory: str) -> None:
-        """Create ``directory`` for a new checkpoint; raise CheckpointExistsError if committed."""
+        """Create ``directory`` for a new checkpoint and hold it until commit or abort."""
         ...
 
     def write_data(
@@ -62,6 +77,10 @@ class Storage(Protocol):
         """Make the checkpoint exist: durable manifest under its final name, atomically."""
         ...
 
+    def abort(self, directory: str) -> None:
+        """Remove an uncommitted ``directory`` this storage prepared, and let go of it."""
+        ...
+
     def read_manifest(self, directory: str) -> bytes: ...
 
     def read_object(self, directory: str, name: str) -> bytes: ...
@@ -78,6 +97,16 @@ class Storage(Protocol):
         pool: Executor,
         on_extent: Callable[[Extent], None] | None = None,
     ) -> IOResult: ...
+
+    def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:
+        """Pin (shared) or hold (exclusive) ``directory`` without waiting; None if held."""
+        ...
+
+    def mark_damaged(self, directory: str, reason: str) -> None: ...
+
+    def read_marker(self, directory: str) -> str | None:
+        """Why ``directory`` was marked damaged; None if it was not."""
+        ...
 
     def uncommit(self, directory: str) -> None:
         """Remove the manifest durably: from here on ``directory`` is debris."""

@@ -1,25 +1,67 @@
-"""Checkpoints in a directory of a POSIX file system (local disk, /dev/shm, or shared)."""
+"""Checkpoints in a directory of a POSIX file system (local disk, /dev/shm, or shared).
+
+The root is a boundary: nothing outside it is read, written, renamed or removed.
+A step directory that is a symlink is foreign (never followed, never removed); files
+are opened only if they are regular files (see :mod:`pitstop.io.files`).
+
+Concurrent writers: a save creates its directory under a private name
+(``.writing-step-N-ID``, holding an ``flock`` and an owner file) and renames it into
+place, which fails if the step exists and is not empty; it keeps the lock until it
+commits, so another writer's save in progress is never mistaken for debris. The
+manifest is committed with a hard link, which never replaces an existing one.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import json
 import os
 import shutil
+import socket
+import stat
+import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from pitstop.errors import (
+    CheckpointError,
     CheckpointExistsError,
     CheckpointIOError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafePathError,
 )
 from pitstop.faults import killpoint
-from pitstop.format.names import MANIFEST, MANIFEST_TMP
-from pitstop.io.files import fsync_dir, read_bytes, rename_durable, write_bytes_durable
+from pitstop.format.names import (
+    DAMAGED_MARKER,
+    MANIFEST,
+    MANIFEST_TMP,
+    OWNER_FILE,
+    parse_step_dir,
+    writing_dir_name,
+)
+from pitstop.io.files import (
+    fsync_dir,
+    link_no_replace,
+    read_regular,
+    regular_size,
+    rename_durable,
+    write_bytes_durable,
+)
+from pitstop.io.locks import DirLock, try_lock
 from pitstop.io.parallel import Extent, IOResult, read_file, write_file
 from pitstop.options import IOOptions
 
 __all__ = ["LocalStorage", "RamStorage"]
+
+
+def _io_error(e: OSError, what: str, path: str, phase: str) -> CheckpointIOError:
+    return CheckpointIOError(
+        f"cannot {what}: {e.strerror or e}", errno=e.errno, path=path, phase=phase
+    )
 
 
 class LocalStorage:
@@ -29,15 +71,39 @@ class LocalStorage:
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.io = io if io is not None else IOOptions.from_env()
+        self._writing: dict[str, DirLock] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r})"
 
     def _path(self, directory: str, name: str | None = None) -> str:
+        if not directory or "/" in directory or directory in (".", ".."):
+            raise UnsafePathError(
+                f"{directory!r} is not a name directly under the root", path=self.root
+            )
         return (
             os.path.join(self.root, directory, name) if name else os.path.join(self.root, directory)
         )
 
+    def _dir(self, directory: str, phase: str = "restore") -> str:
+        """The path of ``directory``, which must be a real directory (not a symlink)."""
+        path = self._path(directory)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{directory} does not exist", path=path) from None
+        except OSError as e:
+            raise _io_error(e, f"stat {directory}", path, phase) from e
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafePathError(
+                f"{directory} is a symbolic link: pitstop does not follow links out of the root",
+                path=path,
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise CorruptCheckpointError(f"{directory} is not a directory", path=path)
+        return path
+
+    # ------------------------------------------------------------------ listing
     def entries(self) -> list[str]:
         try:
             return sorted(os.listdir(self.root))
@@ -47,31 +113,105 @@ class LocalStorage:
             raise CheckpointNotFoundError(
                 f"{self.root} is not a directory", path=self.root
             ) from None
+        except OSError as e:
+            raise _io_error(e, f"list {self.root}", self.root, "restore") from e
+
+    def entry_kind(self, name: str) -> str:
+        """``dir``, ``link`` (a symlink: foreign), ``file``, ``other`` or ``missing``."""
+        try:
+            mode = os.lstat(self._path(name)).st_mode
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:
+            raise _io_error(e, f"stat {name}", self._path(name), "restore") from e
+        if stat.S_ISLNK(mode):
+            return "link"
+        return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
     def has_manifest(self, directory: str) -> bool:
-        return os.path.isfile(self._path(directory, MANIFEST))
+        try:
+            return os.path.lexists(os.path.join(self._dir(directory), MANIFEST))
+        except CheckpointNotFoundError:
+            return False
 
+    def mtime(self, directory: str) -> float:
+        """The newest modification time of ``directory`` and the files in it."""
+        path = self._dir(directory, "gc")
+        times = [os.lstat(path).st_mtime]
+        for name in os.listdir(path):
+            with contextlib.suppress(FileNotFoundError):
+                times.append(os.lstat(os.path.join(path, name)).st_mtime)
+        return max(times)
+
+    # ------------------------------------------------------------------ save
     def prepare(self, directory: str) -> None:
-        path = self._path(directory)
+        """Create ``directory`` exclusively and hold it until ``commit`` or ``abort``."""
+        final = self._path(directory)
+        step = parse_step_dir(directory)
         try:
             os.makedirs(self.root, exist_ok=True)
-            if os.path.isdir(path):
-                if self.has_manifest(directory):
+            if os.path.lexists(final):
+                self._clear_debris(directory)
+            tmp = self._path(
+                writing_dir_name(step if step is not None else 0, uuid.uuid4().hex[:12])
+            )
+            os.mkdir(tmp)
+            lock = try_lock(tmp, exclusive=True)
+            assert lock is not None  # nobody else knows the name yet
+            owner = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+            write_bytes_durable(
+                os.path.join(tmp, OWNER_FILE), json.dumps(owner).encode(), fsync=False
+            )
+            try:
+                os.rename(tmp, final)  # refused if another writer's (non-empty) directory is there
+            except OSError as e:
+                lock.release()
+                shutil.rmtree(tmp, ignore_errors=True)
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                     raise CheckpointExistsError(
-                        f"{directory} is already committed; committed checkpoints are never rewritten",
-                        path=path,
-                        phase="plan",
-                    )
-                shutil.rmtree(path)  # debris of an interrupted save of the same step
-            os.mkdir(path)
+                        f"{directory} was created by another writer at the same time",
+                        path=final, phase="plan",
+                    ) from None  # fmt: skip
+                raise
+            self._writing[directory] = lock
             if self.io.fsync:
                 fsync_dir(self.root)
+        except CheckpointError:
+            raise
         except OSError as e:
-            if isinstance(e, CheckpointExistsError):
-                raise
-            raise CheckpointIOError(
-                f"cannot create {path}: {e.strerror}", errno=e.errno, path=path, phase="plan"
-            ) from e
+            raise _io_error(e, f"create {directory}", final, "plan") from e
+
+    def _clear_debris(self, directory: str) -> None:
+        """Remove an earlier, dead writer's uncommitted ``directory``; refuse anything else."""
+        final = self._path(directory)
+        kind = self.entry_kind(directory)
+        if kind != "dir":
+            raise CheckpointExistsError(
+                f"{directory} exists and is a {kind}, not a directory pitstop wrote: not touched",
+                path=final, phase="plan",
+            )  # fmt: skip
+        if self.has_manifest(directory):
+            raise CheckpointExistsError(
+                f"{directory} is already committed; committed checkpoints are never rewritten",
+                path=final, phase="plan",
+            )  # fmt: skip
+        lock = try_lock(final, exclusive=True)
+        if lock is None:
+            raise CheckpointExistsError(
+                f"{directory} is being written by another process ({self._owner(directory)})",
+                path=final, phase="plan",
+            )  # fmt: skip
+        with lock:
+            if not self.has_manifest(directory):
+                shutil.rmtree(final)
+
+    def _owner(self, directory: str) -> str:
+        try:
+            raw = read_regular(self._path(directory, OWNER_FILE), 4096)
+            owner = json.loads(raw)
+            return f"pid {owner['pid']} on {owner['host']}"
+        except (OSError, CheckpointError, ValueError, KeyError, TypeError):
+            return "owner unknown"
 
     def write_data(
         self,
@@ -93,55 +233,69 @@ class LocalStorage:
         try:
             write_bytes_durable(path, data, fsync=self.io.fsync)
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot write {name}: {e.strerror}", errno=e.errno, path=path, phase="persist"
-            ) from e
+            raise _io_error(e, f"write {name}", path, "persist") from e
 
     def commit(self, directory: str, manifest: bytes) -> None:
+        """Make the checkpoint exist: durable manifest under its final name; never replaces one."""
         tmp, final = self._path(directory, MANIFEST_TMP), self._path(directory, MANIFEST)
         try:
             write_bytes_durable(tmp, manifest, fsync=self.io.fsync)
             killpoint("commit.before_rename")
-            rename_durable(tmp, final, fsync=self.io.fsync)
+            link_no_replace(tmp, final, fsync=self.io.fsync)
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"{directory} was committed by another writer", path=final, phase="commit"
+            ) from None
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot commit {directory}: {e.strerror}",
-                errno=e.errno,
-                path=final,
-                phase="commit",
-            ) from e
+            raise _io_error(e, f"commit {directory}", final, "commit") from e
+        lock = self._writing.pop(directory, None)
+        if lock is not None:
+            lock.release()
         killpoint("commit.after_rename")
 
+    def abort(self, directory: str) -> None:
+        """A save of ``directory`` failed: remove what it wrote (if uncommitted) and let go."""
+        lock = self._writing.pop(directory, None)
+        if lock is None:
+            return
+        try:
+            if not self.has_manifest(directory):
+                shutil.rmtree(self._path(directory), ignore_errors=True)
+        finally:
+            lock.release()
+
+    # ------------------------------------------------------------------ read
     def read_manifest(self, directory: str) -> bytes:
         path = self._path(directory, MANIFEST)
+        self._dir(directory)
         try:
-            return read_bytes(path)
+            return read_regular(path, self.io.max_metadata_bytes)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"{directory} has no {MANIFEST}: not a committed checkpoint", path=path
             ) from None
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot read {path}: {e.strerror}", errno=e.errno, path=path, phase="restore"
-            ) from e
+            raise _io_error(e, f"read {path}", path, "restore") from e
 
     def read_object(self, directory: str, name: str) -> bytes:
         path = self._path(directory, name)
+        self._dir(directory)
         try:
-            return read_bytes(path)
+            return read_regular(path, self.io.max_metadata_bytes)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{name} is missing", path=path) from None
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot read {name}: {e.strerror}", errno=e.errno, path=path, phase="restore"
-            ) from e
+            raise _io_error(e, f"read {name}", path, "restore") from e
 
     def file_size(self, directory: str, name: str) -> int:
         path = self._path(directory, name)
+        self._dir(directory)
         try:
-            return os.stat(path).st_size
+            return regular_size(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{name} is missing", path=path) from None
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot stat {name}: {e.strerror}", errno=e.errno, path=path, phase="verify"
-            ) from e
+            raise _io_error(e, f"stat {name}", path, "verify") from e
 
     def read_data(
         self,
@@ -153,17 +307,50 @@ class LocalStorage:
         pool: Executor,
         on_extent: Callable[[Extent], None] | None = None,
     ) -> IOResult:
+        self._dir(directory)
         return read_file(
-            self._path(directory, name),
-            view,
-            extents,
-            pool=pool,
-            direct=self.io.direct,
-            on_extent=on_extent,
-        )
+            self._path(directory, name), view, extents,
+            pool=pool, direct=self.io.direct, on_extent=on_extent,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ lifecycle
+    def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:
+        """Hold ``directory`` (shared: a pin; exclusive: to remove or move it) or None if held."""
+        path = self._dir(directory)
+        try:
+            return try_lock(path, exclusive=exclusive)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{directory} does not exist", path=path) from None
+        except OSError as e:
+            raise _io_error(e, f"lock {directory}", path, "restore") from e
+
+    def mark_damaged(self, directory: str, reason: str) -> None:
+        """Record in ``directory`` why it failed verification (nothing is moved)."""
+        path = self._path(directory, DAMAGED_MARKER)
+        self._dir(directory)
+        doc = {"reason": reason[:4000], "time": time.time(), "host": socket.gethostname()}
+        try:
+            write_bytes_durable(path, json.dumps(doc).encode(), fsync=self.io.fsync)
+        except OSError as e:
+            raise _io_error(e, f"mark {directory} damaged", path, "verify") from e
+
+    def read_marker(self, directory: str) -> str | None:
+        """Why ``directory`` was marked damaged, or None if it was not."""
+        path = self._path(directory, DAMAGED_MARKER)
+        if not os.path.lexists(path):
+            return None
+        try:
+            doc = json.loads(read_regular(path, 65536))
+            return (
+                str(doc["reason"])
+                if isinstance(doc, dict) and "reason" in doc
+                else "marked damaged"
+            )
+        except (OSError, CheckpointError, ValueError):
+            return "marked damaged"
 
     def uncommit(self, directory: str) -> None:
-        path = self._path(directory)
+        path = self._dir(directory, "gc")
         try:
             os.unlink(os.path.join(path, MANIFEST))
             if self.io.fsync:
@@ -171,32 +358,37 @@ class LocalStorage:
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot uncommit {directory}: {e.strerror}", errno=e.errno, path=path, phase="gc"
-            ) from e
+            raise _io_error(e, f"uncommit {directory}", path, "gc") from e
 
     def remove(self, directory: str) -> None:
+        """Remove ``directory`` (a real directory or a regular file under the root); a symlink
+        is refused: it is foreign."""
         path = self._path(directory)
+        kind = self.entry_kind(directory)
+        if kind == "missing":
+            return
+        if kind == "link":
+            raise UnsafePathError(
+                f"{directory} is a symbolic link: pitstop does not remove it", path=path
+            )
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
+            if kind == "dir":
                 shutil.rmtree(path)
-            elif os.path.lexists(path):
+            else:
                 os.unlink(path)
+        except FileNotFoundError:
+            pass
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot remove {directory}: {e.strerror}", errno=e.errno, path=path, phase="gc"
-            ) from e
+            raise _io_error(e, f"remove {directory}", path, "gc") from e
 
     def rename(self, src: str, dst: str) -> None:
+        self._dir(src, "gc")
+        if os.path.lexists(self._path(dst)):
+            raise CheckpointExistsError(f"cannot rename {src}: {dst} exists", path=self._path(dst))
         try:
             rename_durable(self._path(src), self._path(dst), fsync=self.io.fsync)
         except OSError as e:
-            raise CheckpointIOError(
-                f"cannot rename {src}: {e.strerror}",
-                errno=e.errno,
-                path=self._path(src),
-                phase="gc",
-            ) from e
+            raise _io_error(e, f"rename {src}", self._path(src), "gc") from e
 
 
 class RamStorage(LocalStorage):

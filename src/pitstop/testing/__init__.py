@@ -12,6 +12,6 @@ Kill points are named in :data:`pitstop.faults.KILL_POINTS`; a child process
 started with ``PITSTOP_KILL_AT=NAME[:N]`` SIGKILLs itself there.
 """
 
-from pitstop.testing.faulty import PHASES, FaultyStorage
+from pitstop.testing.faulty import CALLS, PHASES, FaultyStorage, GateStorage
 
-__all__ = ["PHASES", "FaultyStorage"]
+__all__ = ["CALLS", "PHASES", "FaultyStorage", "GateStorage"]

@@ -4,6 +4,7 @@ usage: python -m pitstop.testing.crash ROOT MODE STEPS [KEEP_LAST]
   MODE sync:  ckpt.save every step
   MODE async: a training step between async_saves; before each save it appends
               "<step> <digest>" to ROOT.digests (fsynced), so the parent knows what was saved.
+  MODE gc:    ckpt.save every step, then leave debris of an interrupted save and run gc.
 PITSTOP_KILL_AT in the environment makes it SIGKILL itself at a named point.
 """
 
@@ -53,9 +54,15 @@ def main() -> None:
     root, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     keep_last = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     with pitstop.CheckpointManager(root, keep_last=keep_last) as ckpt:
-        if mode == "sync":
+        if mode in ("sync", "gc"):
             for step in range(1, steps + 1):
                 ckpt.save(step, state_for(step))
+            if mode == "gc":
+                debris = os.path.join(root, f"step-{steps + 1:010d}")
+                os.mkdir(debris)
+                with open(os.path.join(debris, "rank-00000.bin"), "wb") as f:
+                    f.write(b"\0" * 4096)
+                ckpt.gc()
         else:
             with open(root + ".digests", "a") as log:
                 for step in range(1, steps + 1):

@@ -1,133 +1,166 @@
-"""FaultyStorage: wraps any Storage and fails chosen calls, by phase and count."""
+"""FaultyStorage and GateStorage: wrap any Storage to fail or hold chosen calls.
+
+``FaultyStorage(inner, fail={"restore": [1, 2]})`` fails the 1st and 2nd storage calls
+of the restore phase; ``fail={"read_object": [1]}`` the first ``read_object`` call.
+Every call of the Storage protocol can fail, reads included. Faults are
+CheckpointIOError with ``errno`` (default EIO), raised without touching ``inner``.
+
+``GateStorage(inner, hold={"uncommit"})`` stops the calling thread at the first call
+of each held method until the test opens it: tests force interleavings (restore while
+retention runs) with events, not sleeps::
+
+    gate = GateStorage(LocalStorage(tmp), hold={"uncommit"})
+    ...                          # a background save commits, retention calls uncommit
+    gate.arrived["uncommit"].wait(5)     # retention is parked inside uncommit
+    ...                          # do the concurrent thing
+    gate.open("uncommit")        # let it go on
+"""
 
 from __future__ import annotations
 
 import errno as errno_mod
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pitstop.errors import CheckpointIOError
-from pitstop.io.parallel import Extent, IOResult
-from pitstop.storage.base import Storage
 
-__all__ = ["PHASES", "FaultyStorage"]
+__all__ = ["CALLS", "PHASES", "FaultyStorage", "GateStorage"]
 
-PHASES = ("plan", "persist", "commit", "restore", "gc")
-"""Phases whose storage calls FaultyStorage can fail: ``prepare`` is plan; data and
-objects writes are persist; ``commit``; reads are restore; uncommit/remove/rename are gc."""
+CALLS: dict[str, str] = {
+    "prepare": "plan",
+    "write_data": "persist",
+    "write_object": "persist",
+    "commit": "commit",
+    "abort": "commit",
+    "entries": "scan",
+    "entry_kind": "scan",
+    "has_manifest": "scan",
+    "read_marker": "scan",
+    "read_manifest": "scan",
+    "lock": "restore",
+    "file_size": "restore",
+    "read_object": "restore",
+    "read_data": "restore",
+    "mark_damaged": "verify",
+    "mtime": "gc",
+    "uncommit": "gc",
+    "remove": "gc",
+    "rename": "gc",
+}
+"""Every storage call and the phase it belongs to."""
+
+PHASES = ("plan", "persist", "commit", "scan", "restore", "verify", "gc")
+"""Phases whose storage calls FaultyStorage can fail: ``prepare`` is plan; data and objects
+writes are persist; ``commit``/``abort``; listing and reading manifests is scan; reading a
+checkpoint's files is restore; ``mark_damaged`` is verify; uncommit/remove/rename are gc."""
 
 
-class FaultyStorage:
-    """Forwards to ``inner``; the N-th call (1-based) of a phase listed in ``fail`` raises
-    ``CheckpointIOError`` with ``errno`` (default EIO) instead, without touching ``inner``.
+class _Wrapper:
+    """Forwards every Storage call to ``inner`` through ``self._call``."""
 
-    ``calls`` counts every call by phase, so tests can check what happened.
-    """
-
-    def __init__(
-        self,
-        inner: Storage,
-        fail: Mapping[str, Iterable[int]] | None = None,
-        *,
-        errno: int = errno_mod.EIO,
-    ) -> None:
-        unknown = set(fail or {}) - set(PHASES)
-        if unknown:
-            raise ValueError(
-                f"FaultyStorage: unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}"
-            )
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.fail = {phase: set(counts) for phase, counts in (fail or {}).items()}
-        self.errno = errno
-        self.calls: dict[str, int] = dict.fromkeys(PHASES, 0)
-        self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
-        return self.inner.url
+        return str(self.inner.url)
 
     @property
     def io(self) -> Any:
         return self.inner.io
 
-    def _enter(self, phase: str, what: str) -> None:
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if name not in CALLS:
+            return target
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._before(name, args)
+            return target(*args, **kwargs)
+
+        return call
+
+    def _before(self, name: str, args: tuple[Any, ...]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class FaultyStorage(_Wrapper):
+    """Forwards to ``inner``; the N-th call (1-based) of a phase or method named in ``fail``
+    raises ``CheckpointIOError`` with ``errno`` instead. ``calls`` counts calls by phase
+    and by method, so tests can check what happened."""
+
+    def __init__(
+        self,
+        inner: Any,
+        fail: Mapping[str, Iterable[int]] | None = None,
+        *,
+        errno: int = errno_mod.EIO,
+    ) -> None:
+        unknown = set(fail or {}) - set(PHASES) - set(CALLS)
+        if unknown:
+            raise ValueError(
+                f"FaultyStorage: unknown phases or calls {sorted(unknown)}; "
+                f"phases: {', '.join(PHASES)}; calls: {', '.join(CALLS)}"
+            )
+        super().__init__(inner)
+        self.fail = {key: set(counts) for key, counts in (fail or {}).items()}
+        self.errno = errno
+        self.calls: dict[str, int] = dict.fromkeys([*PHASES, *CALLS], 0)
+        self._lock = threading.Lock()
+
+    def _before(self, name: str, args: tuple[Any, ...]) -> None:
+        phase = CALLS[name]
         with self._lock:
             self.calls[phase] += 1
-            n = self.calls[phase]
-        if n in self.fail.get(phase, ()):
+            self.calls[name] += 1
+            hit = self.calls[phase] in self.fail.get(phase, ()) or self.calls[
+                name
+            ] in self.fail.get(name, ())
+        if hit:
+            what = "/".join(str(a) for a in args[:2] if isinstance(a, str))
             raise CheckpointIOError(
-                f"injected {errno_mod.errorcode.get(self.errno, self.errno)} in {what} "
+                f"injected {errno_mod.errorcode.get(self.errno, self.errno)} in {name} {what} "
                 f"({os.strerror(self.errno)})",
                 errno=self.errno,
                 path=f"{self.url}/{what}",
                 phase=phase,
             )
 
-    def entries(self) -> list[str]:
-        return self.inner.entries()
 
-    def has_manifest(self, directory: str) -> bool:
-        return self.inner.has_manifest(directory)
+class GateStorage(_Wrapper):
+    """Forwards to ``inner``; the first call of each method in ``hold`` (optionally only
+    those whose arguments pass ``when``) sets ``arrived[name]`` and waits until
+    ``open(name)``. Later calls pass."""
 
-    def prepare(self, directory: str) -> None:
-        self._enter("plan", directory)
-        self.inner.prepare(directory)
-
-    def write_data(
+    def __init__(
         self,
-        directory: str,
-        name: str,
-        view: memoryview,
-        extents: Sequence[Extent],
+        inner: Any,
+        hold: Iterable[str],
         *,
-        pool: Executor,
-        on_extent: Callable[[Extent], None] | None = None,
-    ) -> IOResult:
-        self._enter("persist", f"{directory}/{name}")
-        return self.inner.write_data(directory, name, view, extents, pool=pool, on_extent=on_extent)
+        when: Callable[[str, tuple[Any, ...]], bool] | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        super().__init__(inner)
+        self.hold = set(hold)
+        unknown = self.hold - set(CALLS)
+        if unknown:
+            raise ValueError(f"GateStorage: unknown calls {sorted(unknown)}")
+        self.when = when
+        self.timeout = timeout
+        self.arrived = {name: threading.Event() for name in self.hold}
+        self._open = {name: threading.Event() for name in self.hold}
+        self._lock = threading.Lock()
 
-    def write_object(self, directory: str, name: str, data: bytes) -> None:
-        self._enter("persist", f"{directory}/{name}")
-        self.inner.write_object(directory, name, data)
+    def open(self, name: str) -> None:
+        self._open[name].set()
 
-    def commit(self, directory: str, manifest: bytes) -> None:
-        self._enter("commit", directory)
-        self.inner.commit(directory, manifest)
-
-    def read_manifest(self, directory: str) -> bytes:
-        return self.inner.read_manifest(directory)
-
-    def read_object(self, directory: str, name: str) -> bytes:
-        self._enter("restore", f"{directory}/{name}")
-        return self.inner.read_object(directory, name)
-
-    def file_size(self, directory: str, name: str) -> int:
-        return self.inner.file_size(directory, name)
-
-    def read_data(
-        self,
-        directory: str,
-        name: str,
-        view: memoryview,
-        extents: Sequence[Extent],
-        *,
-        pool: Executor,
-        on_extent: Callable[[Extent], None] | None = None,
-    ) -> IOResult:
-        self._enter("restore", f"{directory}/{name}")
-        return self.inner.read_data(directory, name, view, extents, pool=pool, on_extent=on_extent)
-
-    def uncommit(self, directory: str) -> None:
-        self._enter("gc", directory)
-        self.inner.uncommit(directory)
-
-    def remove(self, directory: str) -> None:
-        self._enter("gc", directory)
-        self.inner.remove(directory)
-
-    def rename(self, src: str, dst: str) -> None:
-        self._enter("gc", src)
-        self.inner.rename(src, dst)
+    def _before(self, name: str, args: tuple[Any, ...]) -> None:
+        if name not in self.hold or (self.when is not None and not self.when(name, args)):
+            return
+        with self._lock:
+            first = not self.arrived[name].is_set()
+            self.arrived[name].set()
+        if first and not self._open[name].wait(self.timeout):
+            raise TimeoutError(f"GateStorage: {name} was never opened")

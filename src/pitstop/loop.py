@@ -1,0 +1,192 @@
+"""The loop driver behind ``ckpt.step``: measures the loop, asks the policy, starts saves.
+
+Call sequence (training thread only)::
+
+    driver = LoopDriver(manager, saver, policy)
+    result = driver.step(step, state, loss=...)   # once per iteration, after optimizer.step()
+    driver.pause()                                # before other work (evaluation)
+    driver.stats()
+
+A save the policy asks for that cannot be taken (its step is already committed, or
+another writer holds it) is never skipped silently: ``step`` returns
+``StepResult.REFUSED``, logs a warning, and ``stats().refused_saves`` counts it.
+Signals from ``save_on_signal`` make the next ``step`` save synchronously and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import signal
+import time
+from collections.abc import Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from pitstop.engine.handle import SaveHandle
+from pitstop.errors import CheckpointExistsError
+from pitstop.log import get_logger
+from pitstop.policy import CheckpointPolicy, PolicyContext
+from pitstop.profiler import Profiler, ProfileStats
+
+if TYPE_CHECKING:
+    from pitstop.engine.saver import Saver
+    from pitstop.manager import CheckpointManager
+
+__all__ = ["LoopDriver", "StepResult"]
+
+_log = get_logger("pitstop")
+
+
+class StepResult(enum.IntEnum):
+    """What ``ckpt.step`` did. Truthy only for SAVED (so ``if ckpt.step(...)`` still reads
+    "a save started"); REFUSED means the policy asked for a save that could not be taken."""
+
+    SKIPPED = 0
+    SAVED = 1
+    REFUSED = 2
+
+    def __bool__(self) -> bool:
+        return self is StepResult.SAVED
+
+
+class LoopDriver:
+    """Timing state and decisions of ``CheckpointManager.step`` (training thread only)."""
+
+    def __init__(self, manager: CheckpointManager, saver: Saver, policy: CheckpointPolicy) -> None:
+        self.manager = manager
+        self.saver = saver
+        self.policy = policy
+        self.profiler = Profiler()
+        self.start = 0.0
+        self.started = False
+        self.hook_wait_seen = 0.0
+        self.last: float | None = None
+        self.persisting = False
+        self.ckpt_step: int | None = None
+        self.ckpt_time: float | None = None
+        self.pending: list[SaveHandle] = []
+        self.preempted: int | None = None
+        self.exit_code: int | None = 0
+        self._signals: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ per iteration
+    def step(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        loss: float | None = None,
+        epoch: int | None = None,
+        epoch_end: bool = False,
+    ) -> StepResult:
+        now = time.perf_counter()
+        self._measure(now)
+        self.collect()
+        if self.preempted is not None:
+            self._save_and_exit(step, state)
+        ctx = self._context(step, now, loss=loss, epoch=epoch, epoch_end=epoch_end)
+        result = StepResult.SKIPPED
+        if self.policy.decide(ctx):
+            t0 = time.perf_counter()
+            metrics = {"loss": float(loss)} if loss is not None else None
+            try:
+                self.pending.append(self.manager.async_save(step, state, metrics=metrics))
+                result = StepResult.SAVED
+            except CheckpointExistsError as e:
+                self._refused(step, e)
+                result = StepResult.REFUSED
+            self.profiler.stall(time.perf_counter() - t0)
+            if result is StepResult.SAVED:
+                self.ckpt_step, self.ckpt_time = step, time.perf_counter()
+        self.persisting = bool(self.pending)
+        self.last = time.perf_counter()
+        return result
+
+    def _measure(self, now: float) -> None:
+        waited = self.saver.hook_wait_secs - self.hook_wait_seen  # optimizer.step() waited
+        self.hook_wait_seen += waited
+        if self.last is not None:
+            self.profiler.iteration(now - self.last - waited, persisting=self.persisting)
+            if waited > 0:
+                self.profiler.stall(waited, add_to_last=True)
+        elif not self.started:
+            self.start, self.started = now, True
+
+    def _context(self, step: int, now: float, **extra: Any) -> PolicyContext:
+        measured = self.profiler.snapshot()
+        since = self.ckpt_time if self.ckpt_time is not None else self.start
+        return PolicyContext(
+            step=step,
+            elapsed_secs=now - self.start,
+            steps_since_checkpoint=step - self.ckpt_step if self.ckpt_step is not None else step,
+            secs_since_checkpoint=now - since,
+            iter_secs=measured.iter_secs,
+            stall_secs=measured.stall_secs,
+            persist_secs=measured.persist_secs,
+            slowdown_secs=measured.slowdown_secs,
+            observed_overhead=measured.recent_overhead,
+            in_flight=len(self.pending),
+            max_in_flight=self.manager.options.max_in_flight,
+            checkpoints=self.profiler.checkpoints + len(self.pending),
+            **extra,
+        )
+
+    def _refused(self, step: int, error: Exception) -> None:
+        self.profiler.refused_saves += 1
+        _log.warning(
+            "checkpoint of step %d refused: %s (refused so far: %d)",
+            step, error, self.profiler.refused_saves, phase="plan",
+        )  # fmt: skip
+
+    def collect(self) -> None:
+        """Feed finished saves to the profiler; a refused background save is counted and
+        warned about, any other background error is raised."""
+        done = [h for h in self.pending if h.done()]
+        self.pending = [h for h in self.pending if not h.done()]
+        for h in done:
+            if h.committed:
+                self.profiler.checkpoint(h.stats)
+                continue
+            err = h.take_error()
+            if isinstance(err, CheckpointExistsError):
+                self._refused(h.step, err)
+            elif err is not None:
+                raise err
+        self.saver.raise_pending()
+
+    def pause(self) -> None:
+        self.last = None
+
+    def stats(self) -> ProfileStats:
+        self.collect()
+        interval = getattr(self.policy, "interval", None) or getattr(
+            self.policy, "interval_secs", None
+        )
+        return self.profiler.snapshot(interval=interval)
+
+    # ------------------------------------------------------------------ signals
+    def save_on_signal(self, signals: tuple[int, ...], exit_code: int | None) -> None:
+        self.exit_code = exit_code
+        for sig in signals or (signal.SIGTERM, signal.SIGUSR1):
+            self._signals[sig] = signal.signal(sig, self._on_signal)
+
+    def restore_signals(self) -> None:
+        for sig, previous in self._signals.items():
+            signal.signal(sig, previous)
+        self._signals.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.preempted = signum
+
+    def _save_and_exit(self, step: int, state: Mapping[str, Any]) -> None:
+        _log.warning(
+            "signal %s: saving a final checkpoint at step %d", self.preempted, step, phase="persist"
+        )
+        self.manager.wait()
+        with contextlib.suppress(CheckpointExistsError):  # already saved at this step
+            self.manager.save(step, state)
+        code = self.exit_code
+        self.preempted = None
+        if code is not None:
+            raise SystemExit(code)

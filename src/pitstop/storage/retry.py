@@ -1,0 +1,89 @@
+"""RetryingStorage: transient storage errors are retried with backoff, then raised.
+
+An I/O error is an error of the storage, not evidence that a checkpoint is damaged:
+it is retried ``io.retries`` times in all (backoff ``io.retry_backoff_secs`` doubling)
+and then raised as the CheckpointIOError it is. It never marks anything damaged and
+never makes restore fall back to an older checkpoint.
+
+Reads and small metadata operations are retried on any CheckpointIOError; a data
+write (``write_data``, ``prepare``) only on errors that can pass (EIO, EAGAIN,
+ETIMEDOUT, ...), since rewriting a large file for ENOSPC only wastes time.
+
+Call sequence: as :class:`Storage`; the engine wraps the user's storage once.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pitstop.errors import CheckpointIOError
+from pitstop.log import get_logger
+
+__all__ = ["TRANSIENT_ERRNOS", "RetryingStorage"]
+
+_log = get_logger("pitstop.storage")
+
+TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR, errno.EBUSY, errno.ESTALE,
+     errno.ECONNRESET, errno.ECONNABORTED, errno.ENOLCK, errno.EREMOTEIO}
+)  # fmt: skip
+_RETRY_ANY = frozenset(
+    {"entries", "entry_kind", "has_manifest", "mtime", "read_manifest", "read_object",
+     "file_size", "read_data", "write_object", "commit", "mark_damaged", "read_marker",
+     "uncommit", "remove"}
+)  # fmt: skip
+_RETRY_TRANSIENT = frozenset({"prepare", "write_data"})
+
+
+class RetryingStorage:
+    """Wraps any Storage; see the module docstring."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        return f"RetryingStorage({self.inner!r})"
+
+    @property
+    def url(self) -> str:
+        return str(self.inner.url)
+
+    @property
+    def io(self) -> Any:
+        return self.inner.io
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name in _RETRY_ANY:
+            return self._wrap(attr, name, transient_only=False)
+        if name in _RETRY_TRANSIENT:
+            return self._wrap(attr, name, transient_only=True)
+        return attr
+
+    def _wrap(
+        self, fn: Callable[..., Any], name: str, *, transient_only: bool
+    ) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            attempts = max(1, int(self.io.retries))
+            delay = float(self.io.retry_backoff_secs)
+            for attempt in range(1, attempts + 1):
+                try:
+                    return fn(*args, **kwargs)
+                except CheckpointIOError as e:
+                    retry = not transient_only or e.errno in TRANSIENT_ERRNOS
+                    if not retry or attempt == attempts:
+                        if attempt > 1:
+                            e.message = f"{e.message} (after {attempt} attempts)"
+                        raise
+                    _log.warning(
+                        "%s failed (%s); retrying in %.2f s (attempt %d of %d)",
+                        name, e.message, delay, attempt + 1, attempts, phase=e.phase or "restore",
+                    )  # fmt: skip
+                    time.sleep(delay)
+                    delay *= 2
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return call

@@ -1,0 +1,283 @@
+"""One checkpoint lifecycle: I/O errors are not damage, pins, rollback timelines, retention
+as part of the save, refused saves reported, several ranks refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import pitstop
+from conftest import assert_same_tensors, make_state, tensors_of
+from pitstop.errors import CheckpointIOError, UnsupportedSetupError
+from pitstop.format.names import DAMAGED_MARKER
+from pitstop.loop import StepResult
+from pitstop.policy import EveryN, KeepBest, KeepEvery, KeepLast
+from pitstop.storage.local import LocalStorage
+from pitstop.testing import FaultyStorage, GateStorage
+
+READ_CALLS = ["entries", "has_manifest", "read_manifest", "file_size", "read_object", "read_data"]
+
+
+def _until(pred: Any, secs: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + secs
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _saved(root: str, steps: range, **kw: Any) -> pitstop.CheckpointManager:
+    ckpt = pitstop.CheckpointManager(root, **kw)
+    for s in steps:
+        ckpt.save(s, make_state(seed=s))
+    return ckpt
+
+
+# ---------------------------------------------------------------- 1. I/O errors are not damage
+@pytest.mark.parametrize("call", READ_CALLS)
+def test_one_transient_read_error_is_retried(root: str, call: str) -> None:
+    _saved(root, range(1, 3)).close()
+    storage = FaultyStorage(LocalStorage(root), fail={call: [1]})
+    fresh = make_state(seed=99)
+    with pitstop.CheckpointManager(storage) as ckpt:
+        assert ckpt.restore(fresh) == 2
+    assert storage.calls[call] >= 2  # the failed call was made again
+    assert_same_tensors(tensors_of(make_state(seed=2)), tensors_of(fresh))
+
+
+@pytest.mark.parametrize("call", [*READ_CALLS, "lock"])
+def test_persistent_read_error_raises_and_marks_nothing(root: str, call: str) -> None:
+    _saved(root, range(1, 3)).close()
+    storage = FaultyStorage(LocalStorage(root), fail={call: range(1, 100)})
+    with pitstop.CheckpointManager(storage) as ckpt, pytest.raises(CheckpointIOError) as info:
+        ckpt.restore(make_state(seed=99))
+    assert info.value.errno is not None
+    # nothing was set aside or marked: the next restart resumes the newest step
+    assert sorted(os.listdir(root)) == ["step-0000000001", "step-0000000002"]
+    assert not os.path.exists(os.path.join(root, "step-0000000002", DAMAGED_MARKER))
+    fresh = make_state(seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(fresh) == 2
+    assert_same_tensors(tensors_of(make_state(seed=2)), tensors_of(fresh))
+
+
+def test_damage_is_marked_not_moved_and_shown(root: str, capsys: Any) -> None:
+    _saved(root, range(1, 3)).close()
+    data = os.path.join(root, "step-0000000002", "rank-00000.bin")
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert pitstop.load(root, make_state(seed=99)) == 1  # read-only load: falls back, moves nothing
+    assert os.path.isdir(os.path.join(root, "step-0000000002"))
+    assert os.path.exists(os.path.join(root, "step-0000000002", DAMAGED_MARKER))
+    from pitstop.cli.main import main
+
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "damaged" in out and "checksum mismatch" in out
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(make_state(seed=99)) == 1
+        assert ckpt.last_restore is not None
+        assert any("step-0000000002" in name for name, _ in ckpt.last_restore.skipped)
+        ckpt.save(2, make_state(seed=2))  # the damaged one was moved out of the new save's way
+        assert ckpt.steps() == [1, 2]
+
+
+# ---------------------------------------------------------------- 2. pins: restore vs retention
+def test_restore_concurrent_with_retention_keeps_the_pinned_checkpoint(root: str) -> None:
+    saver = _saved(root, range(1, 2), keep_last=1)
+    gate = GateStorage(LocalStorage(root), hold={"read_data"})
+    reader = pitstop.CheckpointManager(gate)
+    fresh = make_state(seed=99)
+    out: dict[str, Any] = {}
+
+    def restore() -> None:
+        try:
+            out["step"] = reader.restore(fresh, rollback=False)
+        except BaseException as e:  # reported below
+            out["error"] = e
+
+    t = threading.Thread(target=restore)
+    t.start()
+    assert gate.arrived["read_data"].wait(20)  # restore is reading step 1, pinned
+    saver.save(2, make_state(seed=2))  # its retention wants step 1 gone: it is pinned, kept
+    assert saver.steps() == [1, 2]
+    gate.open("read_data")
+    t.join(30)
+    assert "error" not in out, out.get("error")
+    assert out["step"] == 1
+    assert_same_tensors(tensors_of(make_state(seed=1)), tensors_of(fresh))
+    saver.save(3, make_state(seed=3))  # unpinned now: retention catches up
+    assert saver.steps() == [3]
+    saver.close()
+    reader.close()
+
+
+# ---------------------------------------------------------------- 3. rollback and timelines
+def test_rollback_starts_a_timeline_and_a_restart_resumes_it(root: str) -> None:
+    _saved(root, range(1, 6)).close()
+    state = make_state(seed=99)
+    with pitstop.CheckpointManager(root, policy=EveryN(1)) as ckpt:
+        assert ckpt.restore(state, step=2) == 2
+        assert ckpt.steps() == [1, 2]
+        abandoned = sorted(e.step for e in ckpt.entries() if e.status == "abandoned")
+        assert abandoned == [3, 4, 5]
+        assert ckpt.step(3, make_state(seed=33)) is StepResult.SAVED
+        assert ckpt.step(4, make_state(seed=44)) is StepResult.SAVED
+        ckpt.wait()
+        assert ckpt.stats().refused_saves == 0
+        first = json.load(open(os.path.join(root, "step-0000000001", "manifest.json")))
+    fresh = make_state(seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(fresh) == 4
+    assert_same_tensors(tensors_of(make_state(seed=44)), tensors_of(fresh))
+    three = json.load(open(os.path.join(root, "step-0000000003", "manifest.json")))
+    assert three["lineage"]["parent"] == 2
+    assert three["lineage"]["run"] == first["lineage"]["run"]
+    assert three["lineage"]["timeline"] != first["lineage"]["timeline"]
+    # the abandoned ones are kept until asked for
+    from pitstop.cli.main import main
+
+    assert main(["gc", root]) == 0
+    assert len([n for n in os.listdir(root) if n.startswith(".abandoned-")]) == 3
+    assert main(["gc", root, "--abandoned"]) == 0
+    assert not [n for n in os.listdir(root) if n.startswith(".abandoned-")]
+
+
+def test_refused_save_is_reported(root: str, caplog: Any) -> None:
+    _saved(root, range(1, 3)).close()
+    with pitstop.CheckpointManager(root, policy=EveryN(1)) as ckpt:
+        # no restore: step 2 is already committed, the policy's save of it is refused
+        result = ckpt.step(2, make_state(seed=2))
+        assert result is StepResult.REFUSED and not result
+        assert ckpt.stats().refused_saves == 1
+    assert "refused" in caplog.text
+
+
+def test_background_refusal_does_not_escape_step(root: str) -> None:
+    gate = GateStorage(LocalStorage(root), hold={"write_data"})
+    writer = pitstop.CheckpointManager(gate)
+    handle = writer.async_save(5, make_state(seed=5))
+    assert gate.arrived["write_data"].wait(20)  # the writer holds step 5, uncommitted
+    with pitstop.CheckpointManager(root, policy=EveryN(1)) as other:
+        assert other.step(5, make_state(seed=55)) is StepResult.SAVED  # refused in the background
+        _until(lambda: all(h.done() for h in other.history))
+        other.step(6, make_state(seed=6))  # does not raise the background refusal
+        assert other.stats().refused_saves == 1
+    gate.open("write_data")
+    handle.wait()
+    writer.close()
+    fresh = make_state(seed=99)
+    assert pitstop.load(root, fresh, step=5) == 5
+    assert_same_tensors(tensors_of(make_state(seed=5)), tensors_of(fresh))
+
+
+# ---------------------------------------------------------------- 4. retention is part of the save
+def test_keep_last_holds_when_save_returns(root: str) -> None:
+    with pitstop.CheckpointManager(root, keep_last=2) as ckpt:
+        for s in range(1, 6):
+            ckpt.save(s, make_state(seed=s))
+            assert ckpt.steps() == list(range(max(1, s - 1), s + 1))
+        h = ckpt.async_save(6, make_state(seed=6))
+        h.wait()
+        assert ckpt.steps() == [5, 6]
+
+
+def test_retention_policies_combine(root: str) -> None:
+    policy = KeepLast(2) | KeepEvery(steps=4) | KeepBest("loss")
+    with pitstop.CheckpointManager(root, retention=policy) as ckpt:
+        for s in range(1, 11):
+            ckpt.save(s, {"x": torch.full((4,), float(s))}, metrics={"loss": abs(s - 3) + 0.5})
+        # newest two; the first of each window of 4 steps (1, 4, 8); the best loss (3)
+        assert ckpt.steps() == [1, 3, 4, 8, 9, 10]
+
+
+def test_retention_never_touches_another_runs_checkpoints(root: str) -> None:
+    a = pitstop.CheckpointManager(root, keep_last=1)
+    b = pitstop.CheckpointManager(root, keep_last=1)
+    for s in (1, 2, 3):
+        a.save(s, {"x": torch.zeros(2)})
+        b.save(100 + s, {"x": torch.ones(2)})
+    assert a.steps() == [3, 103]
+    a.close()
+    b.close()
+
+
+def test_io_knobs_with_a_storage_object_are_refused(tmp_path: Any) -> None:
+    from pitstop.storage.local import RamStorage
+
+    with pytest.raises(ValueError, match="IOOptions"):
+        pitstop.CheckpointManager(RamStorage(str(tmp_path / "ram")), direct_io="on")
+
+
+# ---------------------------------------------------------------- 5. partial and remapped restore
+def test_partial_restore_of_the_model_only(root: str) -> None:
+    state = make_state(seed=1)
+    state["rng"] = pitstop.RNGState()
+    _saved(root, range(0)).close()
+    pitstop.save(root, state, step=1)
+    fresh = make_state(seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore({"model": fresh["model"]}, strict=False) == 1
+        report = ckpt.last_restore
+    assert report is not None and report.keys is not None
+    assert {"optimizer", "scheduler", "rng", "extra"} <= set(report.keys.skipped)
+    assert_same_tensors(tensors_of({"m": state["model"]}), tensors_of({"m": fresh["model"]}))
+
+
+def test_ddp_and_compile_prefixes_load_into_a_bare_model(root: str) -> None:
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module, attr: str) -> None:
+            super().__init__()
+            setattr(self, attr, inner)
+
+    bare = make_state(seed=1)["model"]
+    wrapped = Wrap(Wrap(bare, "module"), "_orig_mod")  # compile(DDP(model))
+    assert next(iter(wrapped.state_dict())).startswith("_orig_mod.module.")
+    pitstop.save(root, {"model": wrapped}, step=1)
+    fresh = make_state(seed=99)["model"]
+    assert pitstop.load(root, {"model": fresh}) == 1
+    assert_same_tensors(tensors_of({"m": bare}), tensors_of({"m": fresh}))
+    # and the reverse: a bare checkpoint into a DDP-wrapped model
+    other = os.path.join(root, "other")
+    pitstop.save(other, {"model": bare}, step=1)
+    target = Wrap(make_state(seed=98)["model"], "module")
+    assert pitstop.load(other, {"model": target}) == 1
+    assert_same_tensors(tensors_of({"m": bare}), tensors_of({"m": target.module}))
+
+
+# ---------------------------------------------------------------- 6. several ranks are refused
+def _rank_main(rank: int, init: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        pitstop.CheckpointManager(root)
+        result = "constructed"
+    except UnsupportedSetupError as e:
+        result = f"refused: {e}"
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(result)
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_world_size_two_is_refused_and_nothing_written(tmp_path: Any) -> None:
+    import torch.multiprocessing as mp
+
+    root = str(tmp_path / "ck")
+    init = f"file://{tmp_path / 'store'}"
+    out = str(tmp_path / "result")
+    mp.start_processes(_rank_main, args=(init, root, out), nprocs=2, start_method="spawn", join=True)
+    for rank in (0, 1):
+        text = open(f"{out}.{rank}").read()
+        assert text.startswith("refused:") and "world size 2" in text, text
+    assert not os.path.exists(root)
