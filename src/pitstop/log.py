@@ -16,20 +16,13 @@ from typing import Any
 
 from pitstop.options import env_log_level, env_rank
 
-__all__ = ["PhaseLogger", "get_logger", "set_rank"]
+__all__ = ["PhaseLogger", "get_logger"]
 
 _configured = False
-_rank: int | None = None
-
-
-def set_rank(rank: int) -> None:
-    """The rank shown in records (the distributed layer sets it; default: $RANK or 0)."""
-    global _rank
-    _rank = rank
 
 
 def _current_rank() -> int:
-    return _rank if _rank is not None else env_rank()
+    return env_rank()
 
 
 class PhaseLogger(logging.LoggerAdapter):

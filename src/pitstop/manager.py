@@ -25,18 +25,15 @@ persist thread right after each commit, before ``save()`` or ``wait()`` returns.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pitstop.engine.catalog import Catalog, Entry
+from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.recovery import RestoreResult, recover
-from pitstop.engine.restore import load_checkpoint
+from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
-from pitstop.errors import CorruptCheckpointError, UnsupportedSetupError
-from pitstop.format.manifest import Lineage, Manifest
-from pitstop.format.names import data_file_name
+from pitstop.errors import CheckpointNotFoundError, UnsupportedSetupError
 from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
 from pitstop.options import IOOptions, SaveOptions
@@ -97,11 +94,7 @@ class CheckpointManager:
         self.catalog = Catalog(self.storage)
         self._saver = Saver(self.storage, self.options, on_commit=self._retain)
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
-        self.run_id = uuid.uuid4().hex[:16]
-        self.timeline = self.run_id
-        self._parent: int | None = None
-        self._owns_unlabelled = False  # checkpoints of format 1 carry no run: ours once resumed
-        self._warned_others = False
+        self.identity = RunIdentity()
         self.last_restore: RestoreResult | None = None
 
     def __repr__(self) -> str:
@@ -119,10 +112,8 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Stage ``state`` and return; it is persisted and committed in the background.
         ``metrics`` (e.g. ``{"val_loss": 0.3}``) are saved in the manifest for ``KeepBest``."""
-        lineage = Lineage(self.run_id, self.timeline, self._parent)
-        handle = self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
-        self._parent = step
-        return handle
+        lineage = self.identity.lineage_for(step)
+        return self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
 
     def save(
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None
@@ -248,32 +239,17 @@ class CheckpointManager:
     def _adopt(self, result: RestoreResult) -> None:
         """Continue the restored checkpoint's run (its retention is ours now) and timeline."""
         entry = next(e for e in self.catalog.scan() if e.name == result.name)
-        lineage = entry.manifest.lineage if entry.manifest is not None else None
-        self._owns_unlabelled = lineage is None
-        if lineage is not None:
-            self.run_id = lineage.run
-            self.timeline = lineage.timeline if not result.set_aside else uuid.uuid4().hex[:16]
-        self._parent = result.step
+        assert result.step is not None
+        self.identity.adopt(entry.manifest, result.step, new_timeline=bool(result.set_aside))
         self._loop.ckpt_step = result.step  # the policy counts from the restored checkpoint
 
     def _load(
         self, entry: Entry, state: Mapping[str, Any] | None, strict: bool, key_map: KeyMap | None
     ) -> Any:
-        assert entry.manifest is not None
-        manifest, name = entry.manifest, data_file_name(0)
-        claimed = manifest.file(name).nbytes if name in {f.name for f in manifest.files} else 0
-        actual = self.storage.file_size(entry.name, name) if claimed else 0
-        if actual != claimed:  # checked before a buffer of that size is allocated
-            raise CorruptCheckpointError(
-                f"{name}: {actual} bytes on storage, manifest says {claimed}",
-                step=entry.step, path=f"{self.storage.url}/{entry.name}",
-            )  # fmt: skip
-        with self._saver.borrow_buffer(claimed) as (view, buffer):
-            return load_checkpoint(
-                self.storage, entry.name, manifest, state, view, buffer,
-                pool=self._saver.io_pool, allow_pickle=self.options.allow_pickle,
-                strict=strict, key_map=key_map,
-            )  # fmt: skip
+        return load_entry(
+            self.storage, entry, state, saver=self._saver, allow_pickle=self.options.allow_pickle,
+            strict=strict, key_map=key_map,
+        )  # fmt: skip
 
     def load(self, step: int | None = None) -> Any:
         """The saved state as fresh objects (tensors on CPU; Statefuls as their state dicts);
@@ -281,8 +257,6 @@ class CheckpointManager:
         self._saver.wait_staged()
         result = recover(self.catalog, lambda e: self._load(e, None, True, None), step=step)
         if result.step is None:
-            from pitstop.errors import CheckpointNotFoundError
-
             raise CheckpointNotFoundError("no committed checkpoint", path=self.storage.url)
         self.last_restore = result
         value, _ = result.value
@@ -290,23 +264,10 @@ class CheckpointManager:
         return value
 
     # ------------------------------------------------------------------ retention and gc
-    def _owned(self, manifest: Manifest) -> bool:
-        if manifest.lineage is None:
-            return self._owns_unlabelled
-        return manifest.lineage.run == self.run_id
-
     def _retain(self, newest: int) -> None:
         """Persist thread, after ``newest`` committed: apply the retention policy to this run."""
-        if self.retention is None:
-            return
-        _, others = self.catalog.retire(self.retention, newest=newest, owned=self._owned)
-        if others and not self._warned_others:
-            self._warned_others = True
-            _log.warning(
-                "%d committed checkpoints under %s belong to another run (steps %s); retention "
-                "leaves them alone (restore() continues the run it resumes)",
-                len(others), self.storage.url, ", ".join(map(str, others[:5])), phase="gc",
-            )  # fmt: skip
+        if self.retention is not None:
+            self.catalog.retire(self.retention, newest=newest, identity=self.identity)
 
     def gc(
         self, *, abandoned: bool = False, damaged: bool = False, dry_run: bool = False

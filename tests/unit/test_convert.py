@@ -92,11 +92,17 @@ class Thing:
     pass
 
 
-def test_import_refuses_pickled_objects_by_default(tmp_path: Any) -> None:
+def test_import_refuses_pickled_objects_by_default(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     src = os.path.join(str(tmp_path), "evil.pt")
     torch.save({"x": torch.ones(1), "t": Thing()}, src)
-    with pytest.raises(Exception, match="[Ww]eights only"):
-        main(["import", src, "--to", os.path.join(str(tmp_path), "ck")])
+    dest = os.path.join(str(tmp_path), "ck")
+    assert main(["import", src, "--to", dest]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "test_convert.Thing" in err and "evil.pt" in err and "--allow-pickle" in err
+    assert main(["import", src, "--to", dest, "--allow-pickle"]) == 0
 
 
 def test_diff(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

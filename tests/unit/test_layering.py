@@ -14,7 +14,8 @@ import pitstop
 
 SRC = os.path.dirname(pitstop.__file__)
 
-# module prefix -> layer; "side" modules (policy) sit beside the stack
+SIDE = -1
+# module prefix -> layer; the "side" package (policy) sits beside the stack
 LAYERS: dict[str, int] = {
     "pitstop._version": 0, "pitstop.errors": 0, "pitstop.options": 0, "pitstop.types": 0,
     "pitstop.faults": 0, "pitstop.log": 0,
@@ -23,24 +24,30 @@ LAYERS: dict[str, int] = {
     "pitstop.storage": 3,
     "pitstop.dist": 4, "pitstop.state": 4,
     "pitstop.engine": 5, "pitstop.multilevel": 5,
-    "pitstop.policy": 0,
-    "pitstop.manager": 6, "pitstop.oneshot": 6, "pitstop.profiler": 6,
+    "pitstop.policy": SIDE,
+    "pitstop.manager": 6, "pitstop.oneshot": 6, "pitstop.profiler": 6, "pitstop.loop": 6,
     "pitstop.cli": 7, "pitstop.sim": 7, "pitstop.bench": 7, "pitstop.testing": 7,
 }  # fmt: skip
-# which lower layers each may import (DESIGN.md's table)
+# which layers each may import (DESIGN.md's table); the side package only what applies its
+# decisions: the engine (retention), the manager and loop (schedules), the tools and simulator
 ALLOWED: dict[str, set[int]] = {
     "pitstop.format": {0}, "pitstop.io": {0}, "pitstop.storage": {0, 1, 2},
     "pitstop.dist": {0, 1, 2, 3}, "pitstop.state": {0},
-    "pitstop.engine": {0, 1, 2, 3, 4}, "pitstop.multilevel": {0, 1, 2, 3, 4},
+    "pitstop.engine": {0, 1, 2, 3, 4, SIDE}, "pitstop.multilevel": {0, 1, 2, 3, 4, SIDE},
     "pitstop.policy": {0},
 }  # fmt: skip
+# modules that may import torch (DESIGN: policy, sim, format.manifest/checksum and the
+# torch-free CLI commands must not)
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.dist", "pitstop.engine", "pitstop.manager",
-            "pitstop.oneshot", "pitstop.cli.demo", "pitstop.sim", "pitstop.bench",
-            "pitstop.testing.crash", "pitstop.cli.convert", "pitstop.bench")  # fmt: skip
+            "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
+            "pitstop.testing.crash", "pitstop.testing.fuzz", "pitstop.cli.convert",
+            "pitstop.cli.dcp_safe")  # fmt: skip
 TORCH_FREE = [
     "pitstop", "pitstop.errors", "pitstop.options", "pitstop.faults", "pitstop.format.manifest",
     "pitstop.format.checksum", "pitstop.format.names", "pitstop.io.parallel", "pitstop.io.arena",
     "pitstop.storage", "pitstop.engine.catalog", "pitstop.engine.verify", "pitstop.cli.main",
+    "pitstop.format.objects", "pitstop.format.jsonsafe", "pitstop.engine.recovery",
+    "pitstop.storage.retry", "pitstop.io.locks",
     "pitstop.testing", "pitstop.policy", "pitstop.sim", "pitstop.cli.simulate", "pitstop.profiler",
 ]  # fmt: skip
 
@@ -60,14 +67,21 @@ def _layer_key(module: str) -> str | None:
     return best
 
 
-def _imports(path: str) -> list[tuple[str, int]]:
+def _imports(path: str, module: str = "") -> list[tuple[str, int]]:
+    """Every module ``path`` imports; relative imports are resolved against ``module``."""
     tree = ast.parse(open(path).read())
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.module, node.lineno))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            out.append((target, node.lineno))
     return out
 
 
@@ -95,7 +109,7 @@ def test_imports_point_down_only() -> None:
         if src_key is None:
             continue
         src_layer = LAYERS[src_key]
-        for target, line in _imports(path):
+        for target, line in _imports(path, module):
             if target == "torch" or target.startswith("torch."):
                 if not module.startswith(TORCH_OK):
                     bad.append(f"{module}:{line} imports torch")
@@ -116,6 +130,8 @@ def test_imports_point_down_only() -> None:
             allowed = ALLOWED.get(src_key, set(range(src_layer)))
             if src_layer in (0, 6, 7) and src_key not in ALLOWED:
                 allowed = allowed | {src_layer}
+            if src_layer >= 6:
+                allowed = allowed | {SIDE}
             if dst_layer not in allowed:
                 bad.append(
                     f"{module}:{line} imports {target} (layer {dst_layer}) from layer {src_layer}"
@@ -126,9 +142,17 @@ def test_imports_point_down_only() -> None:
 def test_the_checker_catches_an_upward_edge(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "x.py")
     with open(path, "w") as f:
-        f.write("from pitstop.manager import CheckpointManager\nimport torch\n")
-    assert _imports(path) == [("pitstop.manager", 1), ("torch", 2)]
+        f.write(
+            "from pitstop.manager import CheckpointManager\nimport torch\nfrom ..engine import x\n"
+        )
+    assert _imports(path, "pitstop.io.x") == [
+        ("pitstop.manager", 1),
+        ("torch", 2),
+        ("pitstop.engine", 3),
+    ]
     assert LAYERS[_layer_key("pitstop.manager") or ""] > max(ALLOWED["pitstop.io"])
+    assert SIDE not in ALLOWED["pitstop.state"]  # the side package is no free-for-all
+    assert not any(m.startswith(("pitstop.sim", "pitstop.policy")) for m in TORCH_OK)
 
 
 def test_torch_free_modules_import_and_run_without_torch(tmp_path: object) -> None:

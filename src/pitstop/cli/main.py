@@ -54,9 +54,7 @@ def _open_root(path: str) -> tuple[Catalog, str | None]:
     """The catalog of a root and, when ``path`` is itself a checkpoint directory, its name."""
     norm = os.path.normpath(path)
     if os.path.lexists(os.path.join(path, MANIFEST)) and parse_step_dir(os.path.basename(norm)):
-        return Catalog(
-            RetryingStorage(LocalStorage(os.path.dirname(norm) or "."))
-        ), os.path.basename(norm)  # type: ignore[arg-type]
+        return _catalog(os.path.dirname(norm) or "."), os.path.basename(norm)
     if not os.path.isdir(path):
         raise _UsageError(f"{path}: no such directory")
     names = os.listdir(path)
@@ -66,7 +64,12 @@ def _open_root(path: str) -> tuple[Catalog, str | None]:
         raise _UsageError(
             f"{path} is not a pitstop checkpoint directory (no manifest.json, no step-* directories)"
         )
-    return Catalog(RetryingStorage(LocalStorage(path))), None  # type: ignore[arg-type]
+    return _catalog(path), None
+
+
+def _catalog(root: str) -> Catalog:
+    storage: Any = RetryingStorage(LocalStorage(root))
+    return Catalog(storage)
 
 
 class _UsageError(Exception):

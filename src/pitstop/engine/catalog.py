@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pitstop.errors import (
     CheckpointError,
@@ -38,13 +38,13 @@ from pitstop.errors import (
     FormatVersionError,
 )
 from pitstop.faults import killpoint
-from pitstop.format.manifest import Manifest
+from pitstop.format.manifest import Lineage, Manifest
 from pitstop.format.names import MANIFEST, aside_dir_name, parse_aside_dir, parse_step_dir
 from pitstop.log import get_logger
 from pitstop.policy.retention import CheckpointInfo, RetentionPolicy
 from pitstop.storage.base import Storage
 
-__all__ = ["STATUSES", "Catalog", "Entry", "read_manifest"]
+__all__ = ["STATUSES", "Catalog", "Entry", "RunIdentity", "read_manifest"]
 
 _log = get_logger("pitstop.catalog")
 
@@ -71,6 +71,42 @@ class Entry:
     @property
     def is_step_dir(self) -> bool:
         return parse_step_dir(self.name) is not None
+
+
+@dataclass
+class RunIdentity:
+    """Which checkpoints are this manager's: its run (stable across restarts: a restore adopts
+    the run it resumes), its timeline (new after a rollback) and the step its next save
+    continues. Retention only ever removes checkpoints of its own run."""
+
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    timeline: str = ""
+    parent: int | None = None
+    owns_unlabelled: bool = False  # format 1 wrote no lineage: ours once we resumed one
+    warned_others: bool = False
+
+    def __post_init__(self) -> None:
+        self.timeline = self.timeline or self.run
+
+    def lineage_for(self, step: int) -> Lineage:
+        lineage = Lineage(self.run, self.timeline, self.parent)
+        self.parent = step
+        return lineage
+
+    def owns(self, manifest: Manifest) -> bool:
+        if manifest.lineage is None:
+            return self.owns_unlabelled
+        return manifest.lineage.run == self.run
+
+    def adopt(self, manifest: Manifest | None, step: int, *, new_timeline: bool) -> None:
+        lineage = manifest.lineage if manifest is not None else None
+        self.owns_unlabelled = lineage is None
+        if lineage is not None:
+            self.run = lineage.run
+            self.timeline = uuid.uuid4().hex[:16] if new_timeline else lineage.timeline
+        elif new_timeline:
+            self.timeline = uuid.uuid4().hex[:16]
+        self.parent = step
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
@@ -175,15 +211,20 @@ class Catalog:
         return target
 
     # ------------------------------------------------------------------ retention and gc
-    def retire(
-        self, policy: RetentionPolicy, *, newest: int, owned: Callable[[Manifest], bool]
-    ) -> tuple[list[int], list[int]]:
+    def retire(self, policy: RetentionPolicy, *, newest: int, identity: RunIdentity) -> list[int]:
         """Persist thread, right after ``newest`` committed: delete the committed checkpoints of
-        this run up to ``newest`` that ``policy`` does not keep, unless pinned. Returns the
-        steps removed and the steps of other runs left alone."""
+        this run up to ``newest`` that ``policy`` does not keep, unless pinned. Checkpoints of
+        other runs are left alone (with one warning). Returns the steps removed."""
         entries = [e for e in self.committed() if e.step is not None and e.step <= newest]
-        mine = [e for e in entries if e.manifest is not None and owned(e.manifest)]
-        others = [e.step for e in entries if e not in mine and e.step is not None]
+        mine = [e for e in entries if e.manifest is not None and identity.owns(e.manifest)]
+        others = [str(e.step) for e in entries if e not in mine]
+        if others and not identity.warned_others:
+            identity.warned_others = True
+            _log.warning(
+                "%d committed checkpoints under %s belong to another run (steps %s); retention "
+                "leaves them alone (restore() continues the run it resumes)",
+                len(others), self.storage.url, ", ".join(others[:5]), phase="gc",
+            )  # fmt: skip
         infos = [
             CheckpointInfo(e.step, e.manifest.created_unix_secs, dict(e.manifest.metrics))
             for e in mine
@@ -196,7 +237,7 @@ class Catalog:
                 continue
             if self._remove_held(e.name, uncommit=True, point="retention.mid"):
                 removed.append(e.step)
-        return removed, others
+        return removed
 
     def _remove_held(self, name: str, *, uncommit: bool, point: str) -> bool:
         """Remove ``name`` if nobody holds it; False if pinned or being written."""

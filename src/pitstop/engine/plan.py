@@ -93,7 +93,6 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._plan: SavePlan | None = None
-        self.hits = 0
         self.misses = 0
 
     def get(
@@ -102,7 +101,6 @@ class PlanCache:
         if self._plan is not None and self._plan.signature == _signature(
             tensors, deferrable, chunk_bytes
         ):
-            self.hits += 1
             return self._plan
         self.misses += 1
         self._plan = make_plan(tensors, deferrable, chunk_bytes)

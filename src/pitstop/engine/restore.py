@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,10 +24,14 @@ from pitstop.errors import CheckpointError, CorruptCheckpointError, UnsupportedS
 from pitstop.format.codec import dtype_from_name, tensor_view
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import data_file_name
+
+if TYPE_CHECKING:
+    from pitstop.engine.catalog import Entry
+    from pitstop.engine.saver import Saver
 from pitstop.state.restore import RestoreReport, materialize, restore_into
 from pitstop.storage.base import Storage
 
-__all__ = ["load_checkpoint", "read_checkpoint"]
+__all__ = ["load_checkpoint", "load_entry", "read_checkpoint"]
 
 KeyMap = Callable[[str], "str | None"]
 
@@ -102,3 +106,31 @@ def load_checkpoint(
             f"cannot load: {e!r}", step=manifest.step, path=path, phase="restore"
         ) from e
     return state, report
+
+
+def load_entry(
+    storage: Storage,
+    entry: Entry,
+    state: Mapping[str, Any] | None,
+    *,
+    saver: Saver,
+    allow_pickle: bool,
+    strict: bool = True,
+    key_map: KeyMap | None = None,
+) -> tuple[Any, RestoreReport | None]:
+    """:func:`load_checkpoint` of a catalog entry into an arena the saver lends (kept for
+    later saves); the data file's real size is checked before the arena is allocated."""
+    assert entry.manifest is not None
+    manifest, name = entry.manifest, data_file_name(0)
+    claimed = manifest.file(name).nbytes if name in {f.name for f in manifest.files} else 0
+    actual = storage.file_size(entry.name, name) if claimed else 0
+    if actual != claimed:
+        raise CorruptCheckpointError(
+            f"{name}: {actual} bytes on storage, manifest says {claimed}",
+            step=entry.step, path=f"{storage.url}/{entry.name}",
+        )  # fmt: skip
+    with saver.borrow_buffer(claimed) as (view, buffer):
+        return load_checkpoint(
+            storage, entry.name, manifest, state, view, buffer, pool=saver.io_pool,
+            allow_pickle=allow_pickle, strict=strict, key_map=key_map,
+        )  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from typing import Any
 
 from pitstop.errors import CorruptCheckpointError
 from pitstop.format.checksum import get_checksum, segments
-from pitstop.format.manifest import Manifest
+from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import objects_file_name
 from pitstop.format.objects import parse_objects
 from pitstop.io.arena import Arena
@@ -125,7 +126,7 @@ def read_verified(
 
     def on_extent(extent: Extent) -> None:
         for start, length, tag in extent.segments:
-            t, j = tag  # type: ignore[misc]
+            t, j = typing.cast("tuple[TensorEntry, int]", tag)
             digest = hasher(view[start : start + length])
             bad = None
             if digest != t.checksum[j]:

@@ -62,8 +62,6 @@ class FailureClass:
     name: str
     share: float
     extra_restart_secs: float = 0.0
-    loses_level: int = 0
-    """Checkpoints on levels below this one are lost (0: none; 1: node-local copies; ...)."""
 
 
 @dataclass(frozen=True)
