@@ -197,11 +197,12 @@ def test_background_error_is_raised_once_and_older_checkpoints_survive(root: str
 
 
 def test_unwaited_background_error_surfaces_on_the_next_call(root: str) -> None:
-    storage = FaultyStorage(LocalStorage(root), fail={"commit": [1]}, errno=errno.EIO)
+    # EIO is retried (IOOptions.retries = 3 attempts): fail all three
+    storage = FaultyStorage(LocalStorage(root), fail={"commit": [1, 2, 3]}, errno=errno.EIO)
     with pitstop.CheckpointManager(storage) as ckpt:
         handle = ckpt.async_save(1, {"x": torch.ones(3)})
         handle._finished.wait()
-        with pytest.raises(CheckpointIOError, match="injected EIO"):
+        with pytest.raises(CheckpointIOError, match=r"injected EIO.*after 3 attempts"):
             ckpt.async_save(2, {"x": torch.ones(3)})
         ckpt.save(2, {"x": torch.ones(3)})
         assert ckpt.steps() == [2]

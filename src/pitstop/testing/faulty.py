@@ -88,8 +88,8 @@ class _Wrapper:
 
 class FaultyStorage(_Wrapper):
     """Forwards to ``inner``; the N-th call (1-based) of a phase or method named in ``fail``
-    raises ``CheckpointIOError`` with ``errno`` instead. ``calls`` counts calls by phase
-    and by method, so tests can check what happened."""
+    raises ``CheckpointIOError`` with ``errno`` instead (a name that is both, ``commit``, is
+    the phase). ``calls`` counts calls by phase, ``by_call`` by method."""
 
     def __init__(
         self,
@@ -107,17 +107,18 @@ class FaultyStorage(_Wrapper):
         super().__init__(inner)
         self.fail = {key: set(counts) for key, counts in (fail or {}).items()}
         self.errno = errno
-        self.calls: dict[str, int] = dict.fromkeys([*PHASES, *CALLS], 0)
+        self.calls: dict[str, int] = dict.fromkeys(PHASES, 0)
+        self.by_call: dict[str, int] = dict.fromkeys(CALLS, 0)
         self._lock = threading.Lock()
 
     def _before(self, name: str, args: tuple[Any, ...]) -> None:
         phase = CALLS[name]
         with self._lock:
             self.calls[phase] += 1
-            self.calls[name] += 1
-            hit = self.calls[phase] in self.fail.get(phase, ()) or self.calls[
-                name
-            ] in self.fail.get(name, ())
+            self.by_call[name] += 1
+            hit = self.calls[phase] in self.fail.get(phase, ())
+            if name not in PHASES:
+                hit = hit or self.by_call[name] in self.fail.get(name, ())
         if hit:
             what = "/".join(str(a) for a in args[:2] if isinstance(a, str))
             raise CheckpointIOError(
