@@ -29,12 +29,15 @@ from pitstop.errors import (
     ManifestError,
     MissingExtraError,
     NotACheckpointError,
+    PartialRestoreError,
     PickleRefusedError,
     StateMismatchError,
     UnsafePathError,
+    UnsupportedSetupError,
     UnsupportedValueError,
 )
 from pitstop.options import IOOptions, SaveOptions
+from pitstop.policy.retention import KeepAny, KeepBest, KeepEvery, KeepLast
 
 __all__ = [
     "CheckpointError",
@@ -45,9 +48,14 @@ __all__ = [
     "CorruptCheckpointError",
     "FormatVersionError",
     "IOOptions",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
     "ManifestError",
     "MissingExtraError",
     "NotACheckpointError",
+    "PartialRestoreError",
     "PickleRefusedError",
     "RNGState",
     "ResumableLoader",
@@ -55,11 +63,15 @@ __all__ = [
     "SaveHandle",
     "SaveOptions",
     "StateMismatchError",
+    "StepResult",
     "UnsafePathError",
+    "UnsupportedSetupError",
     "UnsupportedValueError",
     "__version__",
+    "add_prefix",
     "load",
     "save",
+    "strip_prefix",
 ]
 
 _LAZY = {
@@ -68,12 +80,17 @@ _LAZY = {
     "ResumableLoader": "pitstop.state.data",
     "ResumableSampler": "pitstop.state.data",
     "SaveHandle": "pitstop.engine.handle",
+    "StepResult": "pitstop.loop",
+    "add_prefix": "pitstop.state.keys",
+    "strip_prefix": "pitstop.state.keys",
     "load": "pitstop.oneshot",
     "save": "pitstop.oneshot",
 }
 
 if TYPE_CHECKING:
     from pitstop.engine.handle import SaveHandle
+    from pitstop.loop import StepResult
+    from pitstop.state.keys import add_prefix, strip_prefix
     from pitstop.manager import CheckpointManager
     from pitstop.oneshot import load, save
     from pitstop.state.data import ResumableLoader, ResumableSampler

@@ -9,12 +9,7 @@ Call sequence (training thread)::
         ckpt.async_save(step, state)       # or ckpt.save(step, state): durable on return
     ckpt.close()                           # waits for saves in flight
 
-or let a policy choose when, from what it measures::
-
-    for step in ...:
-        ...
-        ckpt.step(step, state, loss=loss.item())   # StepResult.SAVED when it started a save
-
+or let a policy choose when: ``ckpt.step(step, state, loss=...)`` each iteration.
 Behind it: :class:`~pitstop.engine.saver.Saver` (plan, stage, persist, commit),
 :class:`~pitstop.engine.catalog.Catalog` (statuses, pins, retention, gc),
 :func:`~pitstop.engine.recovery.recover` (restore with fallback and timelines) and
@@ -25,28 +20,26 @@ persist thread right after each commit, before ``save()`` or ``wait()`` returns.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from pitstop.dist import check_single_process
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.recovery import RestoreResult, recover
 from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
-from pitstop.errors import CheckpointNotFoundError, UnsupportedSetupError
-from pitstop.log import get_logger
+from pitstop.errors import CheckpointNotFoundError
 from pitstop.loop import LoopDriver, StepResult
 from pitstop.options import IOOptions, SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
 from pitstop.profiler import ProfileStats
+from pitstop.state.keys import KeyMap
 from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage
 from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["CheckpointManager"]
-
-_log = get_logger("pitstop")
-KeyMap = Callable[[str], "str | None"]
 
 
 class CheckpointManager:
@@ -74,7 +67,7 @@ class CheckpointManager:
         direct_io: str | None = None,
         policy: CheckpointPolicy | None = None,
     ) -> None:
-        _refuse_several_ranks()
+        check_single_process()
         if keep_last is not None and retention is not None:
             raise ValueError("give keep_last= or retention=, not both")
         self.retention = KeepLast(keep_last) if keep_last is not None else retention
@@ -238,9 +231,8 @@ class CheckpointManager:
 
     def _adopt(self, result: RestoreResult) -> None:
         """Continue the restored checkpoint's run (its retention is ours now) and timeline."""
-        entry = next(e for e in self.catalog.scan() if e.name == result.name)
         assert result.step is not None
-        self.identity.adopt(entry.manifest, result.step, new_timeline=bool(result.set_aside))
+        self.identity.adopt(result.manifest, result.step, new_timeline=bool(result.set_aside))
         self._loop.ckpt_step = result.step  # the policy counts from the restored checkpoint
 
     def _load(
@@ -278,16 +270,3 @@ class CheckpointManager:
             abandoned=abandoned, damaged=damaged, busy=self._saver.busy_directories, dry_run=dry_run
         )
         return [e.name for e, what in done if what in ("removed", "would remove")]
-
-
-def _refuse_several_ranks() -> None:
-    """Until distributed checkpointing lands, several ranks would write the same directories."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise UnsupportedSetupError(
-            f"CheckpointManager under torch.distributed with world size {dist.get_world_size()}: "
-            "this pitstop saves from a single process only (every rank would write the same "
-            "step directories); run one process per job, or wait for distributed checkpointing",
-            rank=dist.get_rank(), phase="plan",
-        )  # fmt: skip

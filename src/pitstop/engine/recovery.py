@@ -33,6 +33,7 @@ from pitstop.errors import (
     FormatVersionError,
     PartialRestoreError,
 )
+from pitstop.format.manifest import Manifest
 from pitstop.log import get_logger
 
 __all__ = ["RestoreResult", "recover"]
@@ -49,6 +50,7 @@ class RestoreResult:
 
     step: int | None = None
     name: str | None = None
+    manifest: Manifest | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)
     keys: Any = None
@@ -117,7 +119,7 @@ def recover(
                         phase="verify",
                     )
                     continue
-            result.step, result.name = entry.step, entry.name
+            result.step, result.name, result.manifest = entry.step, entry.name, entry.manifest
             if rollback:
                 damaged = {name for name, why in result.skipped if why.startswith("damaged")}
                 result.set_aside = _set_aside_newer(catalog, entries, entry, damaged)
