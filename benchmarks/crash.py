@@ -7,7 +7,8 @@ restore, and check that the newest committed step comes back with the bytes that
 Each trial starts ``python -m pitstop.testing.crash ROOT async 400 3``: a child that
 builds a state that is a pure function of the step, appends "<step> <sha256>" to a side
 file (fsynced) and calls ``async_save`` every step (keep_last=3). Every fourth trial
-sets PITSTOP_KILL_AT to one of the named kill points (cycling, N in 2..4); the others are
+sets PITSTOP_KILL_AT to one of the named kill points (cycling, N in 2..4; ``gc.mid`` is
+reached by a child in ``gc`` mode: five saves, debris, ``gc``); the others are
 SIGKILLed by the parent after a random delay once the child has recorded a few saves.
 Then this process (not the killed one) restores and checks:
 
@@ -35,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import pitstop
-from pitstop.engine.catalog import scan
+from pitstop.engine.catalog import Catalog
 from pitstop.engine.verify import verify_checkpoint
 from pitstop.faults import KILL_POINTS
 from pitstop.testing.crash import digest, state_for
@@ -68,13 +69,16 @@ def run_trial(index: int, workdir: str, seed: int) -> Trial:
     root = os.path.join(workdir, f"t{index:04d}")
     env = dict(os.environ)
     env.pop("PITSTOP_KILL_AT", None)
+    mode, steps = "async", "400"
     if index % 4 == 3:
         point = KILL_POINTS[(index // 4) % len(KILL_POINTS)]
-        env["PITSTOP_KILL_AT"] = f"{point}:{rng.randint(2, 4)}"
+        env["PITSTOP_KILL_AT"] = f"{point}:{rng.randint(2, 4) if point != 'gc.mid' else 1}"
         how = env["PITSTOP_KILL_AT"]
+        if point == "gc.mid":
+            mode, steps = "gc", "5"
     else:
         how = "random time"
-    cmd = [sys.executable, "-m", "pitstop.testing.crash", root, "async", "400", "3"]
+    cmd = [sys.executable, "-m", "pitstop.testing.crash", root, mode, steps, "3"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     if how == "random time":
         _wait_for_saves(root + ".digests", 3, time.time() + 60)
@@ -86,8 +90,12 @@ def run_trial(index: int, workdir: str, seed: int) -> Trial:
         trial.error = f"child exited with {code}, not killed"
         return trial
     try:
-        with open(root + ".digests") as f:
-            recorded = dict(line.split() for line in f.read().splitlines() if " " in line)
+        recorded: dict[str, str] = {}
+        if mode == "gc":  # sync saves of a state that is a pure function of the step
+            recorded = {str(s): digest(state_for(s)) for s in range(1, 6)}
+        else:
+            with open(root + ".digests") as f:
+                recorded = dict(line.split() for line in f.read().splitlines() if " " in line)
         ckpt = pitstop.CheckpointManager(root)
         storage = ckpt.storage
         steps = ckpt.steps()
@@ -106,8 +114,8 @@ def run_trial(index: int, workdir: str, seed: int) -> Trial:
         trial.verify_ok = (
             all(  # what `pitstop verify` checks, without printing (trials run in threads)
                 verify_checkpoint(storage, e.name, e.manifest).ok if e.manifest else False
-                for e in scan(storage)
-                if e.status in ("committed", "corrupt")
+                for e in Catalog(storage).scan()
+                if e.status in ("committed", "damaged")
             )
         )
     except Exception as e:  # a failed restore is a result, not a crash of the benchmark
