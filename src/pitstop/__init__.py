@@ -90,10 +90,10 @@ _LAZY = {
 if TYPE_CHECKING:
     from pitstop.engine.handle import SaveHandle
     from pitstop.loop import StepResult
-    from pitstop.state.keys import add_prefix, strip_prefix
     from pitstop.manager import CheckpointManager
     from pitstop.oneshot import load, save
     from pitstop.state.data import ResumableLoader, ResumableSampler
+    from pitstop.state.keys import add_prefix, strip_prefix
     from pitstop.state.rng import RNGState
 
 

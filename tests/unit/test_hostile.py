@@ -67,7 +67,10 @@ def test_swapped_keys_of_same_shape_tensors_are_damage(root: str) -> None:
     _two_steps(root)
     doc = _manifest(root)
     keys = {t["key"]: t for t in doc["tensors"]}
-    keys["model/bn.weight"]["key"], keys["model/bn.bias"]["key"] = "model/bn.bias", "model/bn.weight"
+    keys["model/bn.weight"]["key"], keys["model/bn.bias"]["key"] = (
+        "model/bn.bias",
+        "model/bn.weight",
+    )
     _write_manifest(root, doc, reseal=False)
     assert main(["verify", root]) == 1
     _restores_step_1(root)
@@ -263,7 +266,9 @@ WRITER = textwrap.dedent(
 
 def test_two_processes_saving_the_same_steps_lose_nothing(root: str) -> None:
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, root, str(who)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, root, str(who)], stdout=subprocess.PIPE, text=True
+        )
         for who in (1, 2)
     ]
     told = {}

@@ -276,7 +276,9 @@ def test_world_size_two_is_refused_and_nothing_written(tmp_path: Any) -> None:
     root = str(tmp_path / "ck")
     init = f"file://{tmp_path / 'store'}"
     out = str(tmp_path / "result")
-    mp.start_processes(_rank_main, args=(init, root, out), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        _rank_main, args=(init, root, out), nprocs=2, start_method="spawn", join=True
+    )
     for rank in (0, 1):
         text = open(f"{out}.{rank}").read()
         assert text.startswith("refused:") and "world size 2" in text, text

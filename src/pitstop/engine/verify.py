@@ -23,7 +23,7 @@ from pitstop.errors import CorruptCheckpointError
 from pitstop.format.checksum import get_checksum, segments
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import objects_file_name
-from pitstop.format.objects import parse_objects
+from pitstop.format.objects import check_state_tree, parse_objects
 from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent, plan_extents
 from pitstop.storage.base import Storage
@@ -88,7 +88,9 @@ def read_objects(
         return None
     keys = {t.key for t in manifest.tensors if t.rank == rank}
     try:
-        return parse_objects(data, name=name, tensor_keys=keys, path=f"{storage.url}/{directory}")
+        tree = parse_objects(data, name=name, tensor_keys=keys, path=f"{storage.url}/{directory}")
+        check_state_tree(tree, name=name)
+        return tree
     except CorruptCheckpointError as e:
         problems.append(e.message)
         return None

@@ -196,7 +196,10 @@ def seal(body: dict[str, Any], algorithm: str = "xxh3_64") -> dict[str, Any]:
     """``body`` with its ``integrity`` field (re)computed. The checksum guards against damage,
     not forgery: whoever can rewrite a manifest can reseal it (tools and tests do)."""
     out = {k: v for k, v in body.items() if k != "integrity"}
-    out["integrity"] = {"algorithm": algorithm, "manifest": get_checksum(algorithm)(_canonical(out))}
+    out["integrity"] = {
+        "algorithm": algorithm,
+        "manifest": get_checksum(algorithm)(_canonical(out)),
+    }
     return out
 
 
@@ -215,7 +218,7 @@ def _check_integrity(top: dict[str, Any], path: str | None) -> bool:
     if not isinstance(seal, dict) or not isinstance(seal.get("manifest"), str):
         raise ManifestError("manifest.integrity is malformed", path=path)
     algorithm = seal.get("algorithm")
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         return False
     try:
         digest = get_checksum(algorithm)(_canonical(top))
@@ -363,11 +366,14 @@ def _check_files(
             )
         if f.name.endswith(".json") and f.checksum is None:
             raise ManifestError(f"objects file {f.name} has no checksum", path=path, step=step)
+    if len(files) != 2 * world_size:
+        raise ManifestError(
+            f"manifest lists {len(files)} files for {world_size} ranks (a data and an objects "
+            "file each)", path=path, step=step,
+        )  # fmt: skip
     for rank in {f.rank for f in files}:
         if {data_file_name(rank), objects_file_name(rank)} - names:
             raise ManifestError(f"rank {rank} lacks its data or objects file", path=path, step=step)
-    if objects_file_name(0) not in names:
-        raise ManifestError("manifest lists no file of rank 0", path=path, step=step)
 
 
 def _check_layout(tensors: tuple[TensorEntry, ...], path: str | None, step: int) -> None:

@@ -1,11 +1,29 @@
 """Putting a saved tree back: into the live state in place, or as fresh objects.
 
-:func:`restore_into` walks the live state beside a saved tree in two passes:
-first it checks everything (missing and unexpected keys, shapes, dtypes) and
-raises a :class:`StateMismatchError` naming every problem before anything is
-touched; then it copies tensors in place and calls ``load_state_dict``.
-Objects marked ``restore_last`` (RNG state) are restored after the rest. A live
-Stateful may be restored from a saved plain dict (an imported state dict).
+The tree (see ``state.tree``; validated by ``format.objects.parse_objects``) is
+decoded in one place: ``tree.node_kind`` and ``tree.walk`` know the node grammar
+(the pickle and key-map scan walks with them), :class:`_Builder` turns nodes into
+values, and the restorer pairs the live state with the tree.
+
+:func:`restore_into` works in two passes over the live state beside the tree:
+
+1. **check**: pair every live dict (and nn.Module state dict) with its saved
+   dict, applying the key map and the automatic wrapper prefixes; compare
+   shapes and dtypes (tensors, module entries, optimizer state, parameter
+   groups). Every problem is gathered and raised as one StateMismatchError
+   before anything is touched. A pickle without ``allow_pickle`` and a key map
+   that leaves its dict are refused here too.
+2. **apply**: copy tensors in place and call ``load_state_dict``; objects marked
+   ``restore_last`` (RNG state) go after the rest of their dict. A failure
+   after something was overwritten is a PartialRestoreError.
+
+With ``strict=True`` keys must match both ways at every level. With
+``strict=False`` the keys both sides have are restored, live keys the
+checkpoint lacks are left as they are (``missing``) and saved keys the state
+lacks are ignored (``skipped``), at every level, nn.Modules included.
+
+Call sequence: the engine's restore (training thread) calls ``restore_into``
+or ``materialize`` once per load.
 """
 
 from __future__ import annotations
@@ -19,40 +37,144 @@ from typing import Any
 
 import torch
 
-from pitstop.errors import PickleRefusedError, StateMismatchError, UnsupportedValueError
-from pitstop.state.tree import is_stateful, join_key, numpy_module
+from pitstop.errors import (
+    CorruptCheckpointError,
+    MissingExtraError,
+    PartialRestoreError,
+    PickleRefusedError,
+    StateMismatchError,
+)
+from pitstop.state.keys import KeyMap, KeyMapper, wrapper_renames
+from pitstop.state.tree import children, is_stateful, join_key, node_kind, numpy_module, walk
 
-__all__ = ["TensorSource", "materialize", "restore_into"]
+__all__ = [
+    "RestoreReport",
+    "TensorMeta",
+    "TensorSource",
+    "materialize",
+    "restore_into",
+]
 
 Node = Any
 
-
 TensorSource = Callable[[str], torch.Tensor]
 """Returns the saved tensor of a stored key (a view of the read buffer: copy it before keeping it)."""
+TensorMeta = Callable[[str], tuple[torch.dtype, tuple[int, ...]]]
+"""Returns the dtype and shape of a stored key, without reading it."""
 
 
-def materialize(
-    node: Node, source: TensorSource, *, allow_pickle: bool, key: str = "", clone: bool = True
-) -> Any:
-    """Build Python objects from a saved tree; tensors are cloned unless ``clone=False``."""
-    return _Materializer(source, allow_pickle, clone, live={}).build(node, key)
+@dataclass
+class RestoreReport:
+    """What a restore did. Key paths are built as in ``state.tree.join_key``.
+
+    ``loaded``: top-level keys restored. ``skipped``: saved key paths not restored
+    (the state lacks them, or the key map dropped them). ``missing``: live key
+    paths the checkpoint lacks, left untouched. ``renamed``: saved -> live key
+    path of each entry restored under another name.
+    """
+
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    renamed: dict[str, str] = field(default_factory=dict)
 
 
-class _Materializer:
+# ---------------------------------------------------------------- decoding the tree
+def _scan(tree: Node, key: str, allow_pickle: bool, keys: KeyMapper) -> None:
+    """Refuse a pickle the caller did not allow and a bad key map, before anything is built."""
+    for path, kind, node in walk(tree, key):
+        if kind == "pickle" and not allow_pickle:
+            raise PickleRefusedError(
+                f"value at {path!r} ({node['type']}) is stored as a pickle; "
+                "pass allow_pickle=True to load it (only for checkpoints you trust)"
+            )
+        if kind == "dict":
+            keys.check_dict(path, [k for k, _ in node["dict"]])
+
+
+class _Meta:
+    """A slot that sets a built dict's ``_metadata``."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __setitem__(self, slot: object, value: Any) -> None:
+        self.target._metadata = value
+
+
+_TUPLE = object()  # a stack marker: the tuple's items are built
+
+
+class _Builder:
+    """Builds Python values from tree nodes, iteratively.
+
+    A saved tensor goes into the live tensor at the same (live) key path when
+    ``live`` has one of its shape and dtype (then ``on_copy`` is called), else it
+    is cloned (or returned as a view with ``clone=False``); a tensor stored once
+    is built once, so shared tensors stay shared.
+    """
+
     def __init__(
-        self,
-        source: TensorSource,
-        allow_pickle: bool,
-        clone: bool,
-        live: dict[str, torch.Tensor | None],
-    ) -> None:
-        self.source, self.allow_pickle, self.clone, self.live = source, allow_pickle, clone, live
-        self.built: dict[str, torch.Tensor] = {}  # stored key -> tensor, so shared stays shared
+        self, source: TensorSource, keys: KeyMapper, *, allow_pickle: bool, clone: bool = True,
+        live: dict[str, torch.Tensor | None] | None = None, on_copy: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.source, self.keys, self.allow_pickle, self.clone = source, keys, allow_pickle, clone
+        self.live, self.on_copy = live or {}, on_copy
+        self.built: dict[str, torch.Tensor] = {}
+
+    def build(self, node: Node, key: str, skey: str | None = None) -> Any:
+        """The value of ``node``; ``key`` is its live key path, ``skey`` its saved one."""
+        out: list[Any] = [None]
+        stack: list[tuple[Any, ...]] = [(node, key, key if skey is None else skey, out, 0)]
+        while stack:
+            task = stack.pop()
+            if task[0] is _TUPLE:
+                task[2][task[3]] = tuple(task[1])  # (_TUPLE, items, holder, slot)
+                continue
+            node, key, skey, holder, slot = task
+            kind = node_kind(node)
+            if kind == "dict":
+                holder[slot] = self._dict(node, key, skey, stack)
+            elif kind in ("list", "tuple"):
+                kids = children(node, kind, skey)
+                items = [None] * len(kids)
+                if kind == "list":
+                    holder[slot] = items
+                else:
+                    stack.append((_TUPLE, items, holder, slot))
+                for i, spath, child in reversed(kids):
+                    stack.append((child, join_key(key, i), spath, items, i))
+            elif kind == "stateful":
+                stack.append((node["state"], key, skey, holder, slot))
+            else:
+                holder[slot] = self.leaf(node, kind, key)
+        return out[0]
+
+    def _dict(self, node: Node, key: str, skey: str, stack: list[tuple[Any, ...]]) -> Any:
+        out: dict[Any, Any] = (
+            collections.OrderedDict() if node.get("ordered") or "meta" in node else {}
+        )
+        if "meta" in node:
+            meta = join_key(key, "_metadata")
+            stack.append((node["meta"], meta, join_key(skey, "_metadata"), _Meta(out), None))
+        tasks = []
+        escaped: dict[str, Any] = {}
+        for k, child in node["dict"]:
+            target = self.keys.target(skey, k)
+            if target is None:
+                continue
+            live_key = self.keys.live_key(target, k, escaped)
+            out[live_key] = None  # the entry's place, in the saved order
+            tasks.append((child, join_key(key, live_key), join_key(skey, k), out, live_key))
+        stack.extend(reversed(tasks))
+        return out
 
     def tensor(self, stored: str, key: str) -> torch.Tensor:
         saved = self.source(stored)
         target = self.live.get(key)
         if target is not None and target.shape == saved.shape and target.dtype == saved.dtype:
+            if self.on_copy is not None:
+                self.on_copy()
             target.copy_(saved)
             self.built.setdefault(stored, target)
             return target
@@ -60,75 +182,59 @@ class _Materializer:
             self.built[stored] = saved.clone() if self.clone else saved
         return self.built[stored]
 
-    def build(self, node: Node, key: str) -> Any:
-        if not isinstance(node, dict):
+    def leaf(self, node: Node, kind: str, key: str) -> Any:
+        if kind == "value":
             return node
-        if "tensor" in node:
+        if kind == "tensor":
             return self.tensor(node["tensor"], key)
-        if "dict" in node:
-            out: dict[Any, Any] = collections.OrderedDict() if node.get("ordered") else {}
-            for k, v in node["dict"]:
-                out[k] = self.build(v, join_key(key, k))
-            if "meta" in node:
-                out._metadata = self.build(node["meta"], join_key(key, "_metadata"))  # type: ignore[attr-defined]
-            return out
-        if "list" in node:
-            return [self.build(v, join_key(key, i)) for i, v in enumerate(node["list"])]
-        if "tuple" in node:
-            return tuple(self.build(v, join_key(key, i)) for i, v in enumerate(node["tuple"]))
-        if "stateful" in node:
-            return self.build(node["state"], key)
-        if "float" in node:
-            return float(node["float"])
-        if "bytes" in node:
+        if kind in ("float", "int"):
+            return _number(node)
+        if kind == "bytes":
             return base64.b64decode(node["bytes"])
-        if "ndarray" in node:
-            return self.source(node["ndarray"]).numpy().copy()
-        if "npscalar" in node:
-            np = numpy_module()
-            if np is None:
-                raise UnsupportedValueError(
-                    f"value at {key!r} is a NumPy scalar; install numpy to load it"
-                )
-            dtype, value = node["npscalar"]
-            return np.dtype(dtype).type(self.build(value, key))
-        if "pickle" in node:
-            if not self.allow_pickle:
-                raise PickleRefusedError(
-                    f"value at {key!r} ({node.get('type', '?')}) is stored as a pickle; "
-                    "pass allow_pickle=True to load it (only for checkpoints you trust)"
-                )
-            return pickle.loads(base64.b64decode(node["pickle"]))  # the caller opted in
-        raise UnsupportedValueError(f"unknown node at {key!r}: keys {sorted(node)}")
+        if kind == "ndarray":
+            try:
+                return self.source(node["ndarray"]).numpy().copy()
+            except TypeError as e:  # a dtype NumPy lacks: the objects file and manifest disagree
+                raise CorruptCheckpointError(f"array at {key!r} cannot be loaded: {e}") from None
+        if kind == "npscalar":
+            return _npscalar(node["npscalar"], key)
+        assert self.allow_pickle, "_scan refuses pickles first"
+        return pickle.loads(base64.b64decode(node["pickle"]))  # the caller opted in
 
 
-def _live_tensors(obj: Any, key: str, out: dict[str, torch.Tensor | None]) -> None:
-    """Every tensor of a live state_dict-like tree, by key path (None where two paths look alike:
-    such a tensor is not received in place, so nothing lands in the wrong one)."""
-    if isinstance(obj, torch.Tensor):
-        out[key] = None if key in out else obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _live_tensors(v, join_key(key, k), out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _live_tensors(v, join_key(key, i), out)
+def _number(node: Node) -> Any:
+    if isinstance(node, dict):
+        return int(node["int"]) if "int" in node else float(node["float"])
+    return node
 
 
-def _saved_tensors(node: Node, key: str, out: dict[str, str]) -> None:
-    """Key path -> stored key of every tensor in a saved tree."""
-    if not isinstance(node, dict):
-        return
-    if "tensor" in node:
-        out[key] = node["tensor"]
-    elif "dict" in node:
-        for k, v in node["dict"]:
-            _saved_tensors(v, join_key(key, k), out)
-    elif "list" in node or "tuple" in node:
-        for i, v in enumerate(node["list"] if "list" in node else node["tuple"]):
-            _saved_tensors(v, join_key(key, i), out)
-    elif "stateful" in node:
-        _saved_tensors(node["state"], key, out)
+def _npscalar(value: list[Any], key: str) -> Any:
+    np = numpy_module()
+    if np is None:
+        raise MissingExtraError(f"value at {key!r} is a NumPy scalar; install numpy to load it")
+    dtype, scalar = value
+    make = np.dtype(dtype).type
+    if isinstance(scalar, list):
+        return make(complex(_number(scalar[0]), _number(scalar[1])))
+    return make(_number(scalar))
+
+
+def materialize(
+    node: Node, source: TensorSource, *, allow_pickle: bool, key: str = "", clone: bool = True,
+    key_map: KeyMap | None = None,
+) -> Any:  # fmt: skip
+    """Build Python objects from a saved tree; tensors are cloned unless ``clone=False``.
+
+    ``key_map`` renames or drops dict entries as in :func:`restore_into`.
+    """
+    keys = KeyMapper(key_map)
+    _scan(node, key, allow_pickle, keys)
+    return _Builder(source, keys, allow_pickle=allow_pickle, clone=clone).build(node, key)
+
+
+# ---------------------------------------------------------------- restoring into live state
+
+_Pair = tuple[Any, str, str, Node]  # (live key, live key path, saved key path, saved node)
 
 
 @dataclass
@@ -155,232 +261,279 @@ class _Problems:
 
 
 class _Restorer:
+    """The two passes of :func:`restore_into`: ``check`` pairs and compares, ``apply`` writes.
+
+    Both walk the live state beside the tree with two key paths: ``key`` (live
+    names) and ``skey`` (saved names, what the key map sees). The check pass
+    records each dict's pairing, so the apply pass restores exactly what was checked.
+    """
+
     def __init__(
-        self,
-        source: TensorSource,
-        meta: Callable[[str], tuple[torch.dtype, tuple[int, ...]]],
-        allow_pickle: bool,
+        self, source: TensorSource, meta: TensorMeta, keys: KeyMapper, allow_pickle: bool,
         strict: bool,
-    ) -> None:
-        self.source, self.meta, self.allow_pickle, self.strict = source, meta, allow_pickle, strict
-        self.problems = _Problems()
+    ) -> None:  # fmt: skip
+        self.source, self.meta, self.keys = source, meta, keys
+        self.allow_pickle, self.strict = allow_pickle, strict
+        self.report, self.problems = RestoreReport(), _Problems()
+        self.pairings: dict[int, list[_Pair]] = {}  # id(saved dict node) -> its pairs
+        self.touched = False  # something live was overwritten
+        self.where = "<state>"
+
+    def mismatch(self, key: str, what: str, node: Node) -> None:
+        self.problems.mismatched.append(
+            f"{key or '<state>'}: {what} in the state, {_describe(node)} in the checkpoint"
+        )
 
     # ---- pass 1: check
-    def check(self, live: Any, node: Node, key: str) -> None:
+    def check(self, live: Any, node: Node, key: str, skey: str) -> None:
+        kind = node_kind(node)
         if is_stateful(live):
-            state_node = _state_of(node)
-            if state_node is None:
-                self.problems.mismatched.append(
-                    f"{key}: a {type(live).__name__} in the state, {_describe(node)} in the checkpoint"
-                )
-                return
-            self._check_stateful(live, state_node, key)
+            self._check_stateful(live, node, kind, key, skey)
         elif isinstance(live, torch.Tensor):
-            if not (isinstance(node, dict) and "tensor" in node):
-                self.problems.mismatched.append(
-                    f"{key}: a tensor in the state, {_describe(node)} in the checkpoint"
-                )
-                return
-            self._check_tensor(live, node["tensor"], key)
+            if kind != "tensor":
+                self.mismatch(key, "a tensor", node)
+            else:
+                self._check_tensor(live, node["tensor"], key)
         elif isinstance(live, Mapping):
-            if not (isinstance(node, dict) and "dict" in node):
-                self.problems.mismatched.append(
-                    f"{key or '<state>'}: a dict in the state, {_describe(node)} in the checkpoint"
-                )
+            if kind != "dict":
+                self.mismatch(key, "a dict", node)
                 return
-            saved = {k: v for k, v in node["dict"]}
-            both_ways = self.strict or not key  # top-level keys always match both ways
-            for k in live:
-                if k in saved:
-                    self.check(live[k], saved[k], join_key(key, k))
-                elif both_ways:
-                    self.problems.missing.append(join_key(key, k) or "<state>")
-            for k in saved:
-                if k not in live and both_ways:
-                    self.problems.unexpected.append(join_key(key, k))
+            for live_key, path, spath, child in self._pair(list(live), node, key, skey):
+                self.check(live[live_key], child, path, spath)
         elif isinstance(live, (list, tuple)) and _holds_live(live):
-            kind = "list" if isinstance(live, list) else "tuple"
-            items = node.get(kind) if isinstance(node, dict) else None
-            if items is None or len(items) != len(live):
-                self.problems.mismatched.append(
-                    f"{key}: a {kind} of {len(live)} in the state, {_describe(node)} in the checkpoint"
-                )
+            want = "list" if isinstance(live, list) else "tuple"
+            if kind != want or len(node[want]) != len(live):
+                self.mismatch(key, f"a {want} of {len(live)}", node)
                 return
-            for i, (lv, sv) in enumerate(zip(live, items)):
-                self.check(lv, sv, join_key(key, i))
+            for i, (lv, sv) in enumerate(zip(live, node[want])):
+                self.check(lv, sv, join_key(key, i), join_key(skey, i))
+
+    def _pair(
+        self, live_keys: list[Any], node: Node, key: str, skey: str, *, wrappers: bool = False
+    ) -> list[_Pair]:
+        """Pair a live dict with a saved dict node; report (or, strict, count) the rest."""
+        saved = dict(node["dict"])
+        found = self.keys.pair(skey, list(saved), live_keys, wrappers=wrappers)
+        pairs = [(lk, join_key(key, lk), join_key(skey, k), saved[k]) for lk, k, _ in found.pairs]
+        self.report.renamed.update({p[2]: p[1] for p, (_, _, r) in zip(pairs, found.pairs) if r})
+        self.report.skipped.extend(join_key(skey, k) for k in found.dropped)
+        missing, unexpected = self.report.missing, self.report.skipped
+        if self.strict:
+            missing, unexpected = self.problems.missing, self.problems.unexpected
+        missing.extend(join_key(key, lk) for lk in found.missing)
+        unexpected.extend(join_key(skey, k) for k in found.unexpected)
+        self.pairings[id(node)] = pairs
+        return pairs
 
     def _check_tensor(self, live: torch.Tensor, stored: str, key: str) -> None:
         dtype, shape = self.meta(stored)
-        if tuple(live.shape) != shape or live.dtype != dtype:
+        if tuple(live.shape) != tuple(shape) or live.dtype != dtype:
             self.problems.mismatched.append(
                 f"{key}: state has {live.dtype} {list(live.shape)}, checkpoint has {dtype} {list(shape)}"
             )
 
+    def _check_stateful(self, live: Any, node: Node, kind: str, key: str, skey: str) -> None:
+        state = node["state"] if kind == "stateful" else node if kind == "dict" else None
+        if state is None:
+            self.mismatch(key, f"a {type(live).__name__}", node)
+        elif isinstance(live, torch.nn.Module):
+            if node_kind(state) != "dict":
+                self.mismatch(key, f"a {type(live).__name__}", state)
+                return
+            live_sd = live.state_dict()
+            for live_key, path, _, child in self._pair(
+                list(live_sd), state, key, skey, wrappers=True
+            ):
+                value = live_sd[live_key]
+                if isinstance(value, torch.Tensor) and node_kind(child) != "tensor":
+                    self.mismatch(path, "a tensor", child)
+                elif isinstance(value, torch.Tensor):
+                    self._check_tensor(value, child["tensor"], path)
+        elif isinstance(live, torch.optim.Optimizer):
+            self._check_optimizer(live, state, key)
+        # other Statefuls validate in their own load_state_dict
+
     def _check_optimizer(self, live: torch.optim.Optimizer, node: Node, key: str) -> None:
-        """What Optimizer.load_state_dict would refuse, found before anything is touched."""
-        saved = dict(node["dict"]) if isinstance(node, dict) and "dict" in node else {}
-        groups = saved.get("param_groups")
-        items = groups.get("list") if isinstance(groups, dict) else None
-        if items is None:
+        """What Optimizer.load_state_dict would refuse or take wrongly, found before anything is touched."""
+        saved: dict[Any, Any] = dict(node["dict"]) if node_kind(node) == "dict" else {}
+        groups: Any = saved.get("param_groups")
+        if node_kind(groups) != "list":
             self.problems.mismatched.append(f"{key}: the checkpoint holds no optimizer state dict")
             return
         sizes = []
-        for group in items:
-            params = dict(group.get("dict", [])).get("params") if isinstance(group, dict) else None
-            sizes.append(
-                len(params["list"]) if isinstance(params, dict) and "list" in params else -1
-            )
+        for group in groups["list"]:
+            params: Any = dict(group["dict"]).get("params") if node_kind(group) == "dict" else None
+            sizes.append(len(params["list"]) if node_kind(params) == "list" else -1)
         live_sizes = [len(g["params"]) for g in live.param_groups]
         if sizes != live_sizes:
             self.problems.mismatched.append(
                 f"{key}: parameter groups of sizes {live_sizes} in the state, {sizes} in the checkpoint"
             )
-
-    def _check_stateful(self, live: Any, node: Node, key: str) -> None:
-        if isinstance(live, torch.optim.Optimizer):
-            self._check_optimizer(live, node, key)
             return
-        if not isinstance(live, torch.nn.Module):
-            return  # other Statefuls validate in their own load_state_dict
-        live_sd = live.state_dict()
-        saved: dict[str, str] = {}
-        _saved_tensors(node, "", saved)
-        saved_keys = (
-            {k for k, _ in node["dict"]} if isinstance(node, dict) and "dict" in node else set()
-        )
-        for k in live_sd:
-            if k not in saved_keys:
-                self.problems.missing.append(join_key(key, k))
-        for k in saved_keys:
-            if k not in live_sd:
-                self.problems.unexpected.append(join_key(key, k))
-        for k, t in live_sd.items():
-            path = join_key("", k)
-            if k in saved_keys and isinstance(t, torch.Tensor) and path in saved:
-                self._check_tensor(t, saved[path], join_key(key, k))
+        live_state = live.state_dict()["state"]
+        per_param: Any = saved.get("state")
+        for index, state in per_param["dict"] if node_kind(per_param) == "dict" else ():
+            have = live_state.get(index)
+            if not isinstance(have, Mapping) or node_kind(state) != "dict":
+                continue
+            for name, value in state["dict"]:
+                if isinstance(have.get(name), torch.Tensor) and node_kind(value) == "tensor":
+                    path = join_key(join_key(join_key(key, "state"), index), name)
+                    self._check_tensor(have[name], value["tensor"], path)
 
     # ---- pass 2: apply
-    def apply(self, live: Any, node: Node, key: str) -> Any:
+    def _builder(self, live: dict[str, torch.Tensor | None] | None = None) -> _Builder:
+        return _Builder(
+            self.source, self.keys, allow_pickle=self.allow_pickle, live=live, on_copy=self._touch
+        )
+
+    def _touch(self) -> None:
+        self.touched = True
+
+    def apply(self, live: Any, node: Node, key: str, skey: str) -> Any:
         """Restore ``node`` into ``live``; returns the value the parent should hold."""
+        self.where = key or "<state>"
         if is_stateful(live):
-            live_tensors: dict[str, torch.Tensor | None] = {}
-            _live_tensors(live.state_dict(), key, live_tensors)
-            sd = _Materializer(self.source, self.allow_pickle, True, live_tensors).build(
-                _state_of(node), key
-            )
-            try:
-                live.load_state_dict(sd)
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
-                raise StateMismatchError(
-                    f"{key}: load_state_dict failed: {e}", phase="restore"
-                ) from e
+            self._apply_stateful(live, node, key, skey)
             return live
         if isinstance(live, torch.Tensor):
+            self.touched = True
             live.copy_(self.source(node["tensor"]))
             return live
         if isinstance(live, Mapping):
-            return self._apply_mapping(live, node, key)
-        if isinstance(live, (list, tuple)) and _holds_live(live):
-            kind = "list" if isinstance(live, list) else "tuple"
-            values = [
-                self.apply(lv, sv, join_key(key, i))
-                for i, (lv, sv) in enumerate(zip(live, node[kind]))
-            ]
-            if isinstance(live, list):
-                live[:] = values
-                return live
-            return tuple(values)
-        value = _Materializer(self.source, self.allow_pickle, True, {}).build(node, key)
-        if isinstance(live, list) and isinstance(value, list):
-            live[:] = value  # plain lists are updated in place, so references stay valid
+            pairs = self.pairings[id(node)]
+            last = [p for p in pairs if getattr(live[p[0]], "restore_last", False) is True]
+            first = [p for p in pairs if getattr(live[p[0]], "restore_last", False) is not True]
+            for live_key, path, spath, child in first + last:
+                old = live[live_key]
+                new = self.apply(old, child, path, spath)
+                if new is not old:
+                    self.touched = True
+                    live[live_key] = new  # type: ignore[index]
             return live
-        return value
+        if isinstance(live, (list, tuple)) and _holds_live(live):
+            items = node["list" if isinstance(live, list) else "tuple"]
+            values = []
+            for i, (lv, sv) in enumerate(zip(live, items)):
+                values.append(self.apply(lv, sv, join_key(key, i), join_key(skey, i)))
+            return _same_kind(live, values, self._touch)
+        value = self._builder().build(node, key, skey)
+        return _same_kind(live, value, self._touch) if isinstance(value, list) else value
 
-    def _apply_mapping(self, live: Any, node: Node, key: str) -> Any:
-        saved = {k: v for k, v in node["dict"]}
-        last = [k for k in saved if k in live and getattr(live[k], "restore_last", False) is True]
-        for k in [k for k in saved if k not in last] + last:
-            if k in live:
-                live[k] = self.apply(live[k], saved[k], join_key(key, k))
-            elif key:  # nested plain dicts take keys the checkpoint adds
-                live[k] = _Materializer(self.source, self.allow_pickle, True, {}).build(
-                    saved[k], join_key(key, k)
-                )
+    def _apply_stateful(self, live: Any, node: Node, key: str, skey: str) -> None:
+        state = node["state"] if node_kind(node) == "stateful" else node
+        live_sd = live.state_dict()
+        live_tensors: dict[str, torch.Tensor | None] = {}
+        _live_tensors(live_sd, key, live_tensors)
+        builder = self._builder(live_tensors)
+        if not isinstance(live, torch.nn.Module):
+            live.load_state_dict(builder.build(state, key, skey))
+            self.touched = True
+            return
+        sd: Any = collections.OrderedDict()
+        for live_key, path, spath, child in self.pairings[id(state)]:
+            sd[live_key] = builder.build(child, path, spath)
+        if "meta" in state:
+            meta = builder.build(
+                state["meta"], join_key(key, "_metadata"), join_key(skey, "_metadata")
+            )
+            live_meta = getattr(live_sd, "_metadata", None)
+            if isinstance(meta, dict) and isinstance(live_meta, Mapping):
+                renames = wrapper_renames(list(meta), list(live_meta))
+                meta = collections.OrderedDict((renames.get(k, k), v) for k, v in meta.items())
+            sd._metadata = meta
+        live.load_state_dict(sd, strict=self.strict)
+        self.touched = True
+
+    def failure(self, error: Exception) -> Exception:
+        """The error to raise for ``error`` in the apply pass."""
+        what = f"{type(error).__name__}: {error}"
+        if self.touched:
+            return PartialRestoreError(
+                f"restore failed at {self.where!r} ({what}); the live state is partly restored: "
+                "do not train from it",
+                phase="restore",
+            )
+        if isinstance(error, StateMismatchError | CorruptCheckpointError | MissingExtraError):
+            return error
+        return StateMismatchError(
+            f"restore failed at {self.where!r} ({what}) before anything else was overwritten",
+            phase="restore",
+        )
+
+
+def _same_kind(live: Any, values: list[Any], touch: Callable[[], None]) -> Any:
+    """Values for a live list (updated in place, so references stay valid) or tuple."""
+    if isinstance(live, list):
+        touch()
+        live[:] = values
         return live
-
-
-def _state_of(node: Node) -> Node | None:
-    """The saved state of a Stateful: its recorded state, or a plain dict (an imported state dict)."""
-    if isinstance(node, dict) and "stateful" in node:
-        return node["state"]
-    if isinstance(node, dict) and "dict" in node:
-        return node
-    return None
+    return tuple(values) if isinstance(live, tuple) else values
 
 
 def _describe(node: Node) -> str:
-    if isinstance(node, dict) and node:
-        return f"a {next(iter(node))}"
-    return f"the value {node!r}"
+    kind = node_kind(node)
+    return f"a {kind}" if kind != "value" else f"the value {str(node)[:60]!r}"
 
 
 def _holds_live(value: Any) -> bool:
     """Whether a live container holds tensors or Statefuls (then it is restored element-wise)."""
-    if isinstance(value, torch.Tensor) or is_stateful(value):
-        return True
-    if isinstance(value, Mapping):
-        return any(_holds_live(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_live(v) for v in value)
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor) or is_stateful(v):
+            return True
+        if isinstance(v, (Mapping, list, tuple)) and id(v) not in seen:
+            seen.add(id(v))
+            stack.extend(v.values() if isinstance(v, Mapping) else v)
     return False
 
 
-def _refuse_pickles(node: Node, key: str) -> None:
-    """Raise before anything is restored if the tree holds a pickle the caller did not allow."""
-    if isinstance(node, dict):
-        if "pickle" in node:
-            raise PickleRefusedError(
-                f"value at {key!r} ({node.get('type', '?')}) is stored as a pickle; "
-                "pass allow_pickle=True to load it (only for checkpoints you trust)"
-            )
-        if "dict" in node:
-            for k, v in node["dict"]:
-                _refuse_pickles(v, join_key(key, k))
-        for kind in ("list", "tuple"):
-            for i, v in enumerate(node.get(kind, ())):
-                _refuse_pickles(v, join_key(key, i))
-        if "stateful" in node:
-            _refuse_pickles(node["state"], key)
+def _live_tensors(obj: Any, key: str, out: dict[str, torch.Tensor | None]) -> None:
+    """Every tensor of a live state_dict-like tree, by key path (None where two paths look alike:
+    such a tensor is not received in place, so nothing lands in the wrong one)."""
+    if isinstance(obj, torch.Tensor):
+        out[key] = None if key in out else obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _live_tensors(v, join_key(key, k), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _live_tensors(v, join_key(key, i), out)
 
 
 def restore_into(
     state: Mapping[str, Any],
     tree: Node,
     source: TensorSource,
-    meta: Callable[[str], tuple[torch.dtype, tuple[int, ...]]],
+    meta: TensorMeta,
     *,
     allow_pickle: bool = False,
     strict: bool = True,
-) -> None:
+    key_map: KeyMap | None = None,
+) -> RestoreReport:
     """Restore a saved tree into the live ``state`` in place (see the module docstring).
 
     ``source(stored_key)`` returns the saved tensor (a view of the read buffer);
     ``meta(stored_key)`` its dtype and shape, so the check pass reads nothing.
-    Top-level keys must match both ways; with ``strict=False`` nested plain
-    dicts may have keys that the checkpoint lacks.
+    ``key_map`` (see ``state.keys``) renames or drops saved entries. Raises
+    StateMismatchError before anything is touched, PartialRestoreError after.
     """
-    restorer = _Restorer(source, meta, allow_pickle, strict)
-    if not allow_pickle:
-        _refuse_pickles(tree, "")
-    restorer.check(state, tree, "")
+    keys = KeyMapper(key_map)
+    _scan(tree, "", allow_pickle, keys)
+    restorer = _Restorer(source, meta, keys, allow_pickle, strict)
+    try:
+        restorer.check(state, tree, "", "")
+    except RecursionError:
+        raise StateMismatchError(
+            "the state nests too deeply to restore in place; load it with pitstop.load(path)",
+            phase="restore",
+        ) from None
     restorer.problems.raise_if_any()
+    restorer.report.loaded = [str(pair[0]) for pair in restorer.pairings.get(id(tree), [])]
     try:
         with torch.no_grad():
-            restorer.apply(state, tree, "")
-    except PickleRefusedError:
-        raise
-    except Exception as e:  # a Stateful's own load_state_dict refused, after others were loaded
-        raise StateMismatchError(
-            f"restore failed part way ({e}); the live state is partly restored: do not train from it",
-            phase="restore",
-        ) from e
+            restorer.apply(state, tree, "", "")
+    except Exception as e:
+        raise restorer.failure(e) from e
+    return restorer.report

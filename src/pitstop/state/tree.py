@@ -16,8 +16,20 @@ Tree nodes: a JSON scalar stands for itself; containers are one-key objects::
     {"list": [node, ...]}      {"tuple": [node, ...]}
     {"tensor": "model/fc.weight"}     {"ndarray": "rng/numpy/1"}
     {"stateful": "torch.optim.adam.Adam", "state": node}
-    {"float": "nan"}  {"bytes": "<base64>"}  {"npscalar": ["int64", 3]}
+    {"float": "nan"}  {"bytes": "<base64>"}  {"int": "<decimal>"}  (ints of 2**53 and more)
+    {"npscalar": ["int64", 3]}  {"npscalar": ["complex64", [re, im]]}
     {"pickle": "<base64>", "type": "mod.Class"}     (only with allow_pickle)
+
+``pitstop.format.objects`` writes and strictly parses this grammar. Every value
+the file cannot carry exactly is refused here, on the caller's thread, with
+its key path and the reason: reference cycles, nesting deeper than
+:data:`MAX_NESTING`, NumPy scalars other than plain bool/int/float/complex,
+integers of more than 4000 digits, dict keys that are not finite JSON scalars,
+and tensors that are not dense and strided (quantized, sparse, nested, meta).
+
+Call sequence: ``flatten(state)`` on the training thread, in ``async_save``.
+The restore side reads a tree back with :func:`node_kind`, :func:`children` and
+:func:`walk` (the one place, with this docstring, that knows the grammar).
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import base64
 import collections
 import math
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +46,33 @@ import torch
 
 from pitstop.errors import UnsupportedValueError
 
-__all__ = ["Flat", "flatten", "is_stateful", "join_key", "numpy_module"]
+__all__ = [
+    "MAX_INT_DIGITS",
+    "MAX_NESTING",
+    "Flat",
+    "children",
+    "flatten",
+    "is_stateful",
+    "join_key",
+    "node_kind",
+    "numpy_module",
+    "walk",
+]
 
 Node = Any
+
+MAX_NESTING = 500
+"""Containers (dict, list, tuple, Stateful) one inside another that a state may hold."""
+MAX_INT_DIGITS = 4000
+"""Decimal digits of the largest integer stored (as ``{"int": "..."}``)."""
+EXACT_INT = 1 << 53
+"""Integers this large or larger are stored as decimal strings, so every JSON tool keeps them."""
+NPSCALAR_DTYPES = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64", "complex64", "complex128"]
+)  # fmt: skip
+"""NumPy scalar dtypes stored as JSON values (the reader's allow-list)."""
+_SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 
 
 def _escape(part: object) -> str:
@@ -66,6 +102,12 @@ def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+def _shown(key: str) -> str:
+    """A key path for a message: long ones (deep nesting) keep their two ends."""
+    key = key or "<state>"
+    return repr(key if len(key) <= 200 else f"{key[:120]}...{key[-60:]}")
+
+
 @dataclass
 class Flat:
     """The state flattened for one save.
@@ -83,13 +125,27 @@ class Flat:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
 
+_EXIT = object()  # a stack marker: the container it carries is left (cycle tracking)
+
+
 class _Flattener:
+    """Encodes the state depth-first with an explicit stack (no recursion limit to hit).
+
+    A task ``(obj, key, level, holder, slot)`` stores ``obj``'s node in
+    ``holder[slot]``; a container's node is made with empty slots, and its
+    children are pushed as tasks, so tensors are met in the same order as a
+    recursive pre-order walk would meet them.
+    """
+
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
+        self.np = numpy_module()
         self.flat = Flat(tree=None)
         self.seen: dict[tuple[Any, ...], str] = {}
         self.owned_params: set[tuple[Any, ...]] = set()
         self.optimizer_state: set[tuple[Any, ...]] = set()
+        self.stack: list[tuple[Any, ...]] = []
+        self.active: set[int] = set()  # ids of the containers on the current path
 
     def run(self, state: Mapping[str, Any]) -> Flat:
         if not isinstance(state, Mapping):
@@ -101,7 +157,16 @@ class _Flattener:
                 raise UnsupportedValueError(f"state keys must be str, got {name!r}")
             if isinstance(value, torch.optim.Optimizer):
                 self._note_optimizer(value)
-        self.flat.tree = self.encode(state, "")
+        root: list[Node] = [None]
+        self.stack.append((state, "", 1, root, 0))
+        while self.stack:
+            task = self.stack.pop()
+            if task[0] is _EXIT:
+                self.active.discard(id(task[1]))
+                continue
+            obj, key, level, holder, slot = task
+            holder[slot] = self.encode(obj, key, level)
+        self.flat.tree = root[0]
         return self.flat
 
     def _note_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -114,41 +179,93 @@ class _Flattener:
                 if isinstance(v, torch.Tensor):
                     self.optimizer_state.add(_tensor_identity(v))
 
-    def encode(self, obj: Any, key: str) -> Node:
+    def encode(self, obj: Any, key: str, level: int) -> Node:
+        """The node of ``obj``; a container's children are pushed as tasks."""
+        kind = type(obj)
+        if obj is None or kind is bool or kind is str:
+            return obj
+        if kind is int:
+            return self._int(obj, key)
+        if kind is float:
+            return _real(obj)
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, key)
-        if obj is None or isinstance(obj, (bool, int, str)):
-            return obj
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"float": repr(obj)}
-        if isinstance(obj, Mapping):
-            return self._mapping(obj, key)
-        if type(obj) is list:
-            return {"list": [self.encode(v, join_key(key, i)) for i, v in enumerate(obj)]}
-        if type(obj) is tuple:
-            return {"tuple": [self.encode(v, join_key(key, i)) for i, v in enumerate(obj)]}
-        if isinstance(obj, bytes):
-            return {"bytes": base64.b64encode(obj).decode()}
-        if is_stateful(obj):
-            qualname = f"{type(obj).__module__}.{type(obj).__qualname__}"
-            return {"stateful": qualname, "state": self.encode(obj.state_dict(), key)}
-        numpy_node = self._numpy(obj, key)
+        if isinstance(obj, Mapping) or kind is list or kind is tuple or is_stateful(obj):
+            return self._container(obj, key, level)
+        numpy_node = self._numpy(obj, key)  # before str, bytes and float: NumPy subclasses them
         if numpy_node is not None:
             return numpy_node
-        return self._pickle(obj, key)
+        if isinstance(obj, (bool, str)):  # str and int enums: stored by value, as before
+            return obj
+        if isinstance(obj, int):
+            return self._int(obj, key)
+        if isinstance(obj, float):
+            return _real(float(obj))
+        if isinstance(obj, bytes):
+            return {"bytes": base64.b64encode(obj).decode()}
+        return self._pickle(obj, key, f"is a {_qualname(obj)}, which JSON cannot hold")
+
+    def _int(self, value: int, key: str) -> Node:
+        if -EXACT_INT < value < EXACT_INT:
+            return value
+        if _too_long(value):
+            return self._pickle(
+                value, key,
+                f"is an integer of more than {MAX_INT_DIGITS} digits, which cannot be carried "
+                "exactly; store it as a str",
+            )  # fmt: skip
+        return {"int": str(int(value))}
+
+    def _container(self, obj: Any, key: str, level: int) -> Node:
+        if id(obj) in self.active:
+            raise UnsupportedValueError(
+                f"value at {_shown(key)} contains itself (a reference cycle); pitstop stores trees"
+            )
+        if level > MAX_NESTING:
+            raise UnsupportedValueError(
+                f"value at {_shown(key)} nests containers more than {MAX_NESTING} levels deep, "
+                "deeper than a checkpoint may hold"
+            )
+        children: list[tuple[Any, str, Any, Any]]
+        if isinstance(obj, Mapping):
+            node, children = self._mapping(obj, key)
+        elif type(obj) in (list, tuple):
+            items: list[Node] = [None] * len(obj)
+            node = {"list" if type(obj) is list else "tuple": items}
+            children = [(v, join_key(key, i), items, i) for i, v in enumerate(obj)]
+        else:
+            node = {"stateful": _qualname(obj), "state": None}
+            children = [(obj.state_dict(), key, node, "state")]
+        if "pickle" not in node:
+            self.active.add(id(obj))
+            self.stack.append((_EXIT, obj))
+            for child, child_key, holder, slot in reversed(children):
+                self.stack.append((child, child_key, level + 1, holder, slot))
+        return node
+
+    def _mapping(self, obj: Mapping[Any, Any], key: str) -> tuple[Node, list[Any]]:
+        for k in obj:
+            reason = _bad_key(k)
+            if reason is not None:
+                return self._pickle(obj, key, f"is a dict with {reason}"), []
+        items: list[list[Any]] = []
+        children: list[Any] = []
+        for k, v in obj.items():
+            items.append([k, None])
+            children.append((v, join_key(key, k), items[-1], 1))
+        node: dict[str, Any] = {"dict": items}
+        if isinstance(obj, collections.OrderedDict):
+            node["ordered"] = True
+        meta = getattr(obj, "_metadata", None)
+        if isinstance(meta, Mapping):
+            node["ordered"] = True  # only an OrderedDict (or subclass) can carry it back
+            children.append((dict(meta), join_key(key, "_metadata"), node, "meta"))
+        return node, children
 
     def _tensor(self, t: torch.Tensor, key: str) -> Node:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(
-            t, torch.nn.Parameter
-        ):
-            raise UnsupportedValueError(
-                f"tensor {key!r} is a {type(t).__name__}; pitstop stores plain dense tensors "
-                "(sharded tensors arrive with distributed checkpointing)"
-            )
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            raise UnsupportedValueError(
-                f"tensor {key!r} has layout {t.layout} on {t.device}; pitstop stores dense strided tensors"
-            )
+        reason = _unsupported_tensor(t)
+        if reason is not None:
+            raise UnsupportedValueError(f"tensor {_shown(key)} {reason}")
         ident = _tensor_identity(t)
         if ident in self.seen:
             return {"tensor": self.seen[ident]}
@@ -168,54 +285,144 @@ class _Flattener:
             n += 1
         return f"{key}~{n}"
 
-    def _mapping(self, obj: Mapping[Any, Any], key: str) -> Node:
-        items = []
-        for k, v in obj.items():
-            if not (k is None or isinstance(k, (str, int, float, bool))):
-                if not self.allow_pickle:
-                    raise UnsupportedValueError(
-                        f"dict at {key or '<state>'!r} has key {k!r} of type {type(k).__name__}; "
-                        "keys must be str, int, float, bool or None (or pass allow_pickle=True)"
-                    )
-                return self._pickle(obj, key)
-            items.append([k, self.encode(v, join_key(key, k))])
-        node: dict[str, Any] = {"dict": items}
-        if isinstance(obj, collections.OrderedDict):
-            node["ordered"] = True
-        meta = getattr(obj, "_metadata", None)
-        if isinstance(meta, Mapping):
-            node["meta"] = self.encode(dict(meta), join_key(key, "_metadata"))
-        return node
-
     def _numpy(self, obj: Any, key: str) -> Node | None:
-        np = numpy_module()
+        np = self.np
         if np is None:
             return None
         if isinstance(obj, np.ndarray):
-            if obj.dtype == object:
-                return None
+            return self._ndarray(obj, key)
+        if not isinstance(obj, np.generic):
+            return None
+        name = obj.dtype.name
+        if name not in NPSCALAR_DTYPES:
+            return self._pickle(
+                obj, key,
+                f"is a NumPy {type(obj).__name__} scalar (dtype {obj.dtype}), which JSON cannot "
+                "carry exactly; only bool, int, uint, float16/32/64 and complex64/128 scalars are "
+                "stored",
+            )  # fmt: skip
+        value = obj.item()
+        if isinstance(value, complex):
+            return {"npscalar": [name, [_real(value.real), _real(value.imag)]]}
+        if isinstance(value, float):
+            return {"npscalar": [name, _real(value)]}
+        return {"npscalar": [name, self._int(value, key) if type(value) is int else value]}
+
+    def _ndarray(self, obj: Any, key: str) -> Node:
+        reason = f"is a NumPy array of dtype {obj.dtype}, which pitstop cannot store as a tensor"
+        if type(obj) is not self.np.ndarray:
+            reason = f"is a {_qualname(obj)} (an ndarray subclass whose extra state would be lost)"
+        elif obj.dtype != object:
             try:
                 t = torch.from_numpy(obj.copy() if not obj.flags.c_contiguous else obj)
             except (TypeError, ValueError):  # strings, datetimes, non-native byte order
-                return None  # stored as a pickle if allowed, else refused with the key named
-            key = self._unique(key)
-            self.flat.tensors[key] = t
-            return {"ndarray": key}
-        if isinstance(obj, np.generic) and obj.dtype != object:
-            return {"npscalar": [str(obj.dtype), self.encode(obj.item(), key)]}
-        return None
+                pass
+            else:
+                key = self._unique(key)
+                self.flat.tensors[key] = t
+                return {"ndarray": key}
+        return self._pickle(obj, key, reason)
 
-    def _pickle(self, obj: Any, key: str) -> Node:
-        qualname = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    def _pickle(self, obj: Any, key: str, reason: str) -> Node:
         if not self.allow_pickle:
             raise UnsupportedValueError(
-                f"value at {key!r} is a {qualname}, which JSON cannot hold; "
-                "pass allow_pickle=True to store it as a pickle"
+                f"value at {_shown(key)} {reason}; pass allow_pickle=True to store it as a pickle"
             )
         return {
             "pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode(),
-            "type": qualname,
+            "type": _qualname(obj),
         }
+
+
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _real(value: float) -> Node:
+    return value if math.isfinite(value) else {"float": repr(value)}
+
+
+def _too_long(value: int) -> bool:
+    """More than MAX_INT_DIGITS decimal digits (found without converting a huge int to str)."""
+    bits = value.bit_length()
+    if bits <= 13_000:  # 2**13000 has 3914 digits
+        return False
+    return bits > 14_000 or len(str(abs(int(value)))) > MAX_INT_DIGITS
+
+
+def _bad_key(k: object) -> str | None:
+    """Why dict key ``k`` cannot be a JSON key of the tree, or None."""
+    if k is None or isinstance(k, (str, bool)):
+        return None
+    if isinstance(k, int):
+        if _too_long(k):
+            return f"an integer key of more than {MAX_INT_DIGITS} digits"
+        return None
+    if isinstance(k, float):
+        return None if math.isfinite(k) else f"the non-finite key {k!r}, which JSON cannot carry"
+    return f"key {str(k)[:80]!r} of type {type(k).__name__}; keys must be str, int, float, bool or None"
+
+
+def _unsupported_tensor(t: torch.Tensor) -> str | None:
+    """Why tensor ``t`` cannot be stored as dense bytes, or None."""
+    if t.is_nested:
+        return "is a nested tensor; store t.unbind() (a list of tensors) or t.to_padded_tensor(0)"
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return (
+            f"is a {type(t).__name__}; pitstop stores plain dense tensors "
+            "(sharded tensors arrive with distributed checkpointing)"
+        )
+    if t.is_quantized:
+        return (
+            f"is quantized ({t.qscheme()}); store t.int_repr() with its scale and zero point, "
+            "or t.dequantize()"
+        )
+    if t.layout in _SPARSE:
+        return f"is sparse (layout {t.layout}); store t.to_dense() or its indices and values"
+    if t.device.type == "meta":
+        return "is on the meta device and holds no data to store; materialize it first"
+    if t.layout != torch.strided:
+        return f"has layout {t.layout}; pitstop stores dense strided tensors (t.to_dense())"
+    return None
+
+
+# ---------------------------------------------------------------- reading a tree back
+
+_KINDS = ("dict", "list", "tuple", "stateful", "tensor", "ndarray", "float", "int", "bytes",
+          "npscalar", "pickle")  # fmt: skip
+
+
+def node_kind(node: Node) -> str:
+    """The kind of a tree node (``"value"`` for a JSON scalar)."""
+    if isinstance(node, dict):
+        for kind in _KINDS:
+            if kind in node:
+                return kind
+    return "value"
+
+
+def children(node: Node, kind: str, key: str) -> list[tuple[Any, str, Node]]:
+    """(key or index, key path, child) of a container node, its ``_metadata`` last."""
+    if kind == "dict":
+        out = [(k, join_key(key, k), v) for k, v in node["dict"]]
+        if "meta" in node:
+            out.append(("_metadata", join_key(key, "_metadata"), node["meta"]))
+        return out
+    if kind in ("list", "tuple"):
+        return [(i, join_key(key, i), v) for i, v in enumerate(node[kind])]
+    if kind == "stateful":
+        return [(None, key, node["state"])]
+    return []
+
+
+def walk(node: Node, key: str = "") -> Iterator[tuple[str, str, Node]]:
+    """Every node of a tree in pre-order as (key path, kind, node); iterative, any depth."""
+    stack = [(key, node)]
+    while stack:
+        key, node = stack.pop()
+        kind = node_kind(node)
+        yield key, kind, node
+        stack.extend((path, child) for _, path, child in reversed(children(node, kind, key)))
 
 
 def numpy_module() -> Any:

@@ -1,0 +1,408 @@
+"""objects-NNNNN.json: one rank's structure tree and plain values, written and strictly parsed. No torch.
+
+The file wraps the tree that :mod:`pitstop.state.tree` builds::
+
+    {"format": "pitstop-objects", "format_version": 2, "rank": 0, "tree": <node>}
+
+A node is a JSON scalar (null, bool, int, str, finite float), or an object of
+exactly one kind (key paths of children are built as in ``state.tree.join_key``)::
+
+    {"dict": [[key, node], ...], "ordered": true, "meta": node}   key: str/int/float/bool/null
+    {"list": [node, ...]}        {"tuple": [node, ...]}
+    {"tensor": "model/fc.weight"}     {"ndarray": "rng/numpy/1"}   (a key of the manifest)
+    {"stateful": "torch.optim.adam.Adam", "state": node}
+    {"float": "nan" | "inf" | "-inf"}     {"bytes": "<base64>"}     {"int": "<decimal>"}
+    {"npscalar": ["int64", 3]}   {"npscalar": ["complex64", [re, im]]}
+    {"pickle": "<base64>", "type": "mod.Class"}
+
+Version 2 adds ``{"int": ...}`` (integers of 2**53 and more, so JSON tools keep
+them exact) and complex NumPy scalars; version 1 files still parse.
+
+:func:`parse_objects` checks every node against this grammar in one iterative
+pass, linear in the file's size, and raises :class:`~pitstop.errors.ManifestError`
+naming the file and the key path of the first bad node. Code that restores a
+parsed tree may rely on it: no node can make it raise ``TypeError``,
+``ValueError``, ``KeyError`` or ``IndexError``.
+
+Call sequence: ``encode_objects`` on the persist thread of the saver;
+``parse_objects`` wherever an objects file is read (restore on the training
+thread, ``pitstop verify``). Both are pure functions, safe in any thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+import re
+import sys
+import threading
+from collections.abc import Callable, Collection, Iterator
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+from pitstop.errors import FormatVersionError, ManifestError
+from pitstop.format.jsonsafe import load_json, nesting_depth
+
+__all__ = [
+    "MAX_INT_DIGITS",
+    "MAX_TREE_DEPTH",
+    "NPSCALAR_DTYPES",
+    "OBJECTS_FORMAT",
+    "OBJECTS_VERSION",
+    "check_state_tree",
+    "encode_objects",
+    "parse_objects",
+]
+
+OBJECTS_FORMAT = "pitstop-objects"
+OBJECTS_VERSION = 2
+
+MAX_TREE_DEPTH = 512
+"""Containers (dict, list, tuple, stateful) a reader accepts around any node; savers stop at 500."""
+MAX_INT_DIGITS = 4000
+"""Decimal digits of an ``{"int": ...}`` node (Python itself converts up to 4300)."""
+_V1_INT_DIGITS = 4300  # version 1 wrote big ints as JSON numbers, up to Python's own limit
+
+NPSCALAR_DTYPES: dict[str, tuple[str, int]] = {
+    "bool": ("b", 8),
+    **{f"int{b}": ("i", b) for b in (8, 16, 32, 64)},
+    **{f"uint{b}": ("u", b) for b in (8, 16, 32, 64)},
+    **{f"float{b}": ("f", b) for b in (16, 32, 64)},
+    **{f"complex{b}": ("c", b) for b in (64, 128)},
+}
+"""NumPy scalar dtypes that a JSON value holds exactly: name -> (kind, bits)."""
+
+_FLOAT_WORDS = frozenset({"nan", "inf", "-inf"})
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_DECIMAL = re.compile(r"-?[0-9]+")
+_JSON_LEVELS_PER_NODE = 3  # {"dict": [[key, node]]} nests three JSON levels per tree level
+
+# node kind -> (keys it must have, keys it may have)
+_SHAPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "dict": (frozenset({"dict"}), frozenset({"ordered", "meta"})),
+    "list": (frozenset({"list"}), frozenset()),
+    "tuple": (frozenset({"tuple"}), frozenset()),
+    "tensor": (frozenset({"tensor"}), frozenset()),
+    "ndarray": (frozenset({"ndarray"}), frozenset()),
+    "stateful": (frozenset({"stateful", "state"}), frozenset()),
+    "float": (frozenset({"float"}), frozenset()),
+    "bytes": (frozenset({"bytes"}), frozenset()),
+    "int": (frozenset({"int"}), frozenset()),
+    "npscalar": (frozenset({"npscalar"}), frozenset()),
+    "pickle": (frozenset({"pickle", "type"}), frozenset()),
+}
+
+_Path = tuple[Any, Any] | None  # (parent path, key part), built lazily: linear time
+
+
+def encode_objects(tree: object, rank: int) -> bytes:
+    """The objects file of ``rank`` for ``tree`` (compact JSON; non-finite floats refused)."""
+    doc = {"format": OBJECTS_FORMAT, "format_version": OBJECTS_VERSION, "rank": rank, "tree": tree}
+    try:
+        text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    except RecursionError:  # a deep tree: the C encoder recurses once per JSON level
+        with _recursion_room(_JSON_LEVELS_PER_NODE * MAX_TREE_DEPTH + 16):
+            text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    return text.encode()
+
+
+def parse_objects(
+    data: bytes,
+    *,
+    name: str,
+    tensor_keys: Collection[str],
+    path: str | None = None,
+    max_depth: int = MAX_TREE_DEPTH,
+) -> Any:
+    """The validated tree of objects file ``name``, or ManifestError naming the bad node.
+
+    ``tensor_keys`` are the manifest's keys of this rank: a node that refers to
+    another key is an error (keys the tree never uses are fine). ``max_depth``
+    bounds the containers around any node. A newer format version raises
+    FormatVersionError.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{name} is not UTF-8 (byte {e.start})", path=path) from None
+    json_depth = _JSON_LEVELS_PER_NODE * max_depth + 8
+    room = _recursion_room(json_depth) if nesting_depth(text) > 200 else contextlib.nullcontext()
+    with room:
+        doc = load_json(
+            text, what=name, path=path, max_depth=json_depth, max_int_digits=_V1_INT_DIGITS
+        )
+    tree = _check_wrapper(doc, name, path)
+    keys = tensor_keys if isinstance(tensor_keys, AbstractSet) else frozenset(tensor_keys)
+    _Validator(name, path, keys, max_depth).run(tree)
+    return tree
+
+
+def check_state_tree(tree: Any, *, name: str, path: str | None = None) -> None:
+    """A saved state is a dict of str keys (what ``flatten`` writes): anything else at the top
+    of a (validated) tree is damage."""
+    items = tree.get("dict") if isinstance(tree, dict) else None
+    if not isinstance(items, list) or not all(isinstance(item[0], str) for item in items):
+        raise ManifestError(
+            f"{name}: the tree is not a dict of named values, as a state is", path=path
+        )
+
+
+def _check_wrapper(doc: Any, name: str, path: str | None) -> Any:
+    if not isinstance(doc, dict) or doc.get("format") != OBJECTS_FORMAT:
+        raise ManifestError(f"{name}: not a pitstop objects file", path=path)
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ManifestError(
+            f"{name}: format_version {_short(version)} is not a positive int", path=path
+        )
+    if version > OBJECTS_VERSION:
+        raise FormatVersionError(
+            f"{name} is in objects format {version}; this pitstop reads formats up to "
+            f"{OBJECTS_VERSION}: upgrade pitstop",
+            path=path,
+        )
+    expected = {"format", "format_version", "rank", "tree"}
+    if set(doc) != expected:
+        extra, lacking = sorted(set(doc) - expected), sorted(expected - set(doc))
+        raise ManifestError(
+            f"{name}: the wrapper has unexpected keys {extra} or lacks {lacking}", path=path
+        )
+    if not _is_int(doc["rank"]) or doc["rank"] < 0:
+        raise ManifestError(
+            f"{name}: rank {_short(doc['rank'])} is not a non-negative int", path=path
+        )
+    return doc["tree"]
+
+
+def _short(value: object) -> str:
+    """A value for a message: ints and short strings as they are, anything else by type (a
+    crafted value may be nested too deep for repr)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**30:
+        return repr(value)
+    if isinstance(value, str) and len(value) < 40:
+        return repr(value)
+    return f"(a {type(value).__name__})"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _escape(part: object) -> str:
+    return str(part).replace("%", "%25").replace("/", "%2F")
+
+
+def _path_str(path: _Path) -> str:
+    parts: list[str] = []
+    while path is not None:
+        path, part = path
+        parts.append(_escape(part))
+    return "/".join(reversed(parts))
+
+
+class _Validator:
+    """One iterative pass over every node; each check function pushes the node's children."""
+
+    def __init__(
+        self, name: str, path: str | None, tensor_keys: AbstractSet[str], max_depth: int
+    ) -> None:
+        self.name, self.file_path, self.tensor_keys = name, path, tensor_keys
+        self.max_depth = max_depth
+        self.stack: list[tuple[Any, _Path, int]] = []
+        self.checks: dict[str, Callable[[dict[str, Any], _Path, int], None]] = {
+            "dict": self._dict,
+            "list": self._sequence,
+            "tuple": self._sequence,
+            "tensor": self._tensor,
+            "ndarray": self._tensor,
+            "stateful": self._stateful,
+            "float": self._float,
+            "bytes": self._bytes,
+            "int": self._int,
+            "npscalar": self._npscalar,
+            "pickle": self._pickle,
+        }
+
+    def fail(self, path: _Path, what: str) -> ManifestError:
+        shown = _path_str(path) or "<state>"
+        if len(shown) > 200:
+            shown = f"{shown[:120]}...{shown[-60:]}"
+        return ManifestError(f"{self.name}: node at {shown!r} {what}", path=self.file_path)
+
+    def run(self, tree: Any) -> None:
+        self.stack.append((tree, None, 0))
+        while self.stack:
+            node, path, depth = self.stack.pop()
+            if node is None or isinstance(node, (bool, int, str)):
+                continue
+            if isinstance(node, float):
+                if not math.isfinite(node):
+                    raise self.fail(path, f"is the non-finite number {node!r}")
+                continue
+            if not isinstance(node, dict):
+                raise self.fail(path, f"is a bare JSON {type(node).__name__}, not a node")
+            self.checks[self._kind(node, path)](node, path, depth)
+
+    def _kind(self, node: dict[str, Any], path: _Path) -> str:
+        kinds = [k for k in node if k in _SHAPES]
+        if len(kinds) != 1:
+            what = "names no node kind" if not kinds else f"names several node kinds {kinds}"
+            raise self.fail(path, f"{what} (keys {sorted(node)[:8]})")
+        kind = kinds[0]
+        required, optional = _SHAPES[kind]
+        keys = set(node)
+        if not required <= keys or not keys <= required | optional:
+            raise self.fail(
+                path, f"is a {kind} node with keys {sorted(keys)[:8]}, expected {sorted(required)}"
+            )
+        return kind
+
+    def push(self, node: Any, path: _Path, depth: int) -> None:
+        if depth > self.max_depth:
+            raise self.fail(path, f"lies more than {self.max_depth} containers deep")
+        self.stack.append((node, path, depth))
+
+    def _dict(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        items = node["dict"]
+        if not isinstance(items, list):
+            raise self.fail(path, "is a dict node whose entries are not a list")
+        if not isinstance(node.get("ordered", False), bool):
+            raise self.fail(path, "is a dict node whose 'ordered' is not a bool")
+        if "meta" in node:
+            self.push(node["meta"], (path, "_metadata"), depth + 1)
+        seen: set[Any] = set()
+        for i, entry in enumerate(items):
+            if not (isinstance(entry, list) and len(entry) == 2):
+                raise self.fail(path, f"is a dict node whose entry {i} is not a [key, node] pair")
+            key, child = entry
+            if not (key is None or isinstance(key, (str, int, bool, float))):
+                raise self.fail(
+                    path, f"is a dict node with a key of JSON type {type(key).__name__}"
+                )
+            if isinstance(key, float) and not math.isfinite(key):
+                raise self.fail(path, f"is a dict node with the non-finite key {key!r}")
+            if key in seen:
+                raise self.fail(path, f"is a dict node that names the key {key!r} twice")
+            seen.add(key)
+            self.push(child, (path, key), depth + 1)
+
+    def _sequence(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        kind = "list" if "list" in node else "tuple"
+        items = node[kind]
+        if not isinstance(items, list):
+            raise self.fail(path, f"is a {kind} node whose items are not a list")
+        for i, child in enumerate(items):
+            self.push(child, (path, i), depth + 1)
+
+    def _tensor(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        kind = "tensor" if "tensor" in node else "ndarray"
+        key = node[kind]
+        if not isinstance(key, str):
+            raise self.fail(path, f"is a {kind} node whose key is not a str")
+        if key not in self.tensor_keys:
+            raise self.fail(path, f"refers to tensor {key[:200]!r}, which the manifest lacks")
+
+    def _stateful(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        if not isinstance(node["stateful"], str):
+            raise self.fail(path, "is a stateful node whose type name is not a str")
+        self.push(node["state"], path, depth + 1)
+
+    def _float(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        if node["float"] not in _FLOAT_WORDS:
+            raise self.fail(
+                path, f"is a float node of {str(node['float'])[:40]!r}, not nan/inf/-inf"
+            )
+
+    def _bytes(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        if not _is_base64(node["bytes"]):
+            raise self.fail(path, "is a bytes node that is not valid base64")
+
+    def _int(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        if not _is_decimal(node["int"]):
+            raise self.fail(
+                path, f"is an int node that is not a decimal of at most {MAX_INT_DIGITS} digits"
+            )
+
+    def _pickle(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        if not isinstance(node["type"], str):
+            raise self.fail(path, "is a pickle node whose type name is not a str")
+        if not _is_base64(node["pickle"]):
+            raise self.fail(path, "is a pickle node that is not valid base64")
+
+    def _npscalar(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+        value = node["npscalar"]
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
+            raise self.fail(path, "is an npscalar node that is not a [dtype, value] pair")
+        dtype, scalar = value
+        if dtype not in NPSCALAR_DTYPES:
+            raise self.fail(path, f"is an npscalar of dtype {dtype[:40]!r}, which is not allowed")
+        kind, bits = NPSCALAR_DTYPES[dtype]
+        if not _scalar_fits(kind, bits, scalar):
+            raise self.fail(path, f"is an npscalar whose value does not fit dtype {dtype}")
+
+
+def _is_base64(value: object) -> bool:
+    """Canonical base64 (what the writer produces): the alphabet, padding, and no stray bits."""
+    if not (isinstance(value, str) and len(value) % 4 == 0 and _BASE64.fullmatch(value)):
+        return False
+    return base64.b64encode(base64.b64decode(value)).decode() == value
+
+
+def _is_decimal(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value.lstrip("-")) <= MAX_INT_DIGITS
+        and _DECIMAL.fullmatch(value) is not None
+    )
+
+
+def _real(value: object) -> bool:
+    """A float node's value: a finite JSON float or ``{"float": "nan"}``."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, dict) and len(value) == 1 and value.get("float") in _FLOAT_WORDS
+
+
+def _scalar_fits(kind: str, bits: int, value: object) -> bool:
+    if kind == "b":
+        return isinstance(value, bool)
+    if kind == "f":
+        return _real(value)
+    if kind == "c":
+        return isinstance(value, list) and len(value) == 2 and all(_real(v) for v in value)
+    if isinstance(value, dict) and len(value) == 1 and _is_decimal(value.get("int")):
+        digits = value["int"]
+        if len(digits) > 24:  # wider than any 64-bit integer
+            return False
+        value = int(digits)
+    if not _is_int(value):
+        return False
+    assert isinstance(value, int)
+    low, high = (-(1 << (bits - 1)), 1 << (bits - 1)) if kind == "i" else (0, 1 << bits)
+    return low <= value < high
+
+
+_ROOM_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _recursion_room(levels: int) -> Iterator[None]:
+    """Raise Python's recursion limit so that the C json codec can nest ``levels`` more deep.
+
+    The codec counts its nesting against the interpreter's limit (1000 by default),
+    below what a valid deep tree needs; the limit is raised only for the call."""
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back  # type: ignore[assignment]
+    need = depth + levels + 100
+    with _ROOM_LOCK:
+        old = sys.getrecursionlimit()
+        if need > old:
+            sys.setrecursionlimit(need)
+        try:
+            yield
+        finally:
+            if need > old:
+                sys.setrecursionlimit(old)
