@@ -31,12 +31,12 @@ from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointNotFoundError
 from pitstop.loop import LoopDriver, StepResult
-from pitstop.options import IOOptions, SaveOptions
+from pitstop.options import SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
 from pitstop.profiler import ProfileStats
 from pitstop.state.keys import KeyMap
 from pitstop.storage.base import Storage
-from pitstop.storage.local import LocalStorage
+from pitstop.storage.local import open_root
 from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["CheckpointManager"]
@@ -72,17 +72,9 @@ class CheckpointManager:
             raise ValueError("give keep_last= or retention=, not both")
         self.retention = KeepLast(keep_last) if keep_last is not None else retention
         knobs = {"threads": io_threads, "chunk_bytes": chunk_bytes, "direct": direct_io}
-        if isinstance(root, Storage) and any(v is not None for v in knobs.values()):
-            raise ValueError(
-                f"io_threads/chunk_bytes/direct_io configure a directory root; {type(root).__name__} "
-                "brings its own IOOptions (pass io=IOOptions(...) when you build it)"
-            )
-        io = root.io if isinstance(root, Storage) else None
-        io = io or (options.io if options else None) or IOOptions.from_env(**knobs)
+        inner, io = open_root(root, options.io if options else None, **knobs)
         flags = {"allow_pickle": allow_pickle, "max_in_flight": max_in_flight, "overlap": overlap}
-        base = options or SaveOptions.from_env(io=io)
-        self.options = base.replace(io=io, **{k: v for k, v in flags.items() if v is not None})
-        inner = root if isinstance(root, Storage) else LocalStorage(root, io)
+        self.options = SaveOptions.resolve(options, io, **flags)
         self.storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
         self.catalog = Catalog(self.storage)
         self._saver = Saver(self.storage, self.options, on_commit=self._retain)
@@ -117,8 +109,7 @@ class CheckpointManager:
         return handle
 
     def reserve(self, state: Mapping[str, Any]) -> int:
-        """Allocate the staging arena for ``state`` now, not at the first save (first-touch
-        memory is slow: 0.3-0.8 GB/s here). Returns the bytes reserved."""
+        """Allocate the staging arena now, not at the first save (first touch is slow)."""
         return self._saver.reserve(state)
 
     def wait(self) -> None:
@@ -150,16 +141,13 @@ class CheckpointManager:
         epoch: int | None = None,
         epoch_end: bool = False,
     ) -> StepResult:
-        """Call once per iteration, after ``optimizer.step()``: measures, asks the policy, and
-        starts an ``async_save`` when it says so. Returns SAVED (truthy), SKIPPED, or REFUSED
-        (the policy asked but the step was already committed: also a warning and counted in
-        ``stats().refused_saves``). After ``save_on_signal``, the first call after the signal
-        saves synchronously and raises SystemExit (a clean exit)."""
+        """Once per iteration, after ``optimizer.step()``: measure, ask the policy, maybe
+        ``async_save``. Returns SAVED (truthy), SKIPPED or REFUSED (also warned and counted in
+        ``stats().refused_saves``). After a ``save_on_signal`` signal: save, SystemExit."""
         return self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
 
     def pause(self) -> None:
-        """The loop is about to do other work (evaluation): the time until the next ``step()``
-        is not an iteration and is not measured."""
+        """Other work (evaluation) follows: the time until the next ``step()`` is not measured."""
         self._loop.pause()
 
     def stats(self) -> ProfileStats:
@@ -167,8 +155,8 @@ class CheckpointManager:
         return self._loop.stats()
 
     def save_on_signal(self, *signals: int, exit_code: int | None = 0) -> None:
-        """On any of ``signals`` (default SIGTERM and SIGUSR1), the next ``step()`` saves a final
-        checkpoint and, unless ``exit_code`` is None, exits with it. Call from the main thread."""
+        """On ``signals`` (default SIGTERM, SIGUSR1) the next ``step()`` saves and exits with
+        ``exit_code`` (None: no exit). Call from the main thread."""
         self._loop.save_on_signal(signals, exit_code)
 
     @property
@@ -203,15 +191,10 @@ class CheckpointManager:
         key_map: KeyMap | None = None,
         rollback: bool = True,
     ) -> int | None:
-        """Load the newest valid checkpoint (or ``step``) into ``state`` in place; returns the
-        step, or None when there is none. ``ckpt.last_restore`` says what was skipped and why.
-
-        A damaged checkpoint is marked and the next older one tried; an I/O error is raised
-        (after retries), never taken for damage. ``strict=False`` loads the keys the state has
-        and skips the rest; ``key_map`` renames saved keys (``pitstop.strip_prefix("module.")``).
-        With ``rollback`` (default), newer checkpoints than the one restored are set aside as
-        abandoned (a new timeline: saving those steps again works); ``rollback=False`` only reads.
-        """
+        """Load the newest valid checkpoint (or ``step``) into ``state`` in place; the step, or
+        None. Damage: marked, next older tried; I/O errors: raised after retries. ``strict=False``
+        loads the keys the state has; ``key_map`` renames saved keys. ``rollback`` sets newer
+        checkpoints aside (a new timeline). ``last_restore`` says what was skipped and why."""
         self._saver.raise_pending()
         self._saver.wait_staged()  # a save in flight must not copy what restore writes
         result = recover(
@@ -244,8 +227,7 @@ class CheckpointManager:
         )  # fmt: skip
 
     def load(self, step: int | None = None) -> Any:
-        """The saved state as fresh objects (tensors on CPU; Statefuls as their state dicts);
-        falls back past damaged checkpoints like ``restore``, changes nothing on disk but marks."""
+        """The saved state as fresh objects (Statefuls as state dicts); falls back like restore."""
         self._saver.wait_staged()
         result = recover(self.catalog, lambda e: self._load(e, None, True, None), step=step)
         if result.step is None:
@@ -264,8 +246,8 @@ class CheckpointManager:
     def gc(
         self, *, abandoned: bool = False, damaged: bool = False, dry_run: bool = False
     ) -> list[str]:
-        """Remove debris of interrupted saves (and abandoned or damaged checkpoints when asked).
-        Saves in flight, pinned checkpoints and other processes' saves are kept. Returns names."""
+        """Remove debris of dead saves (and abandoned or damaged checkpoints when asked); saves in
+        flight and pinned checkpoints are kept. Returns the names."""
         done = self.catalog.collect(
             abandoned=abandoned, damaged=damaged, busy=self._saver.busy_directories, dry_run=dry_run
         )

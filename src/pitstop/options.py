@@ -162,6 +162,12 @@ class SaveOptions:
     def replace(self, **changes: object) -> SaveOptions:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    @classmethod
+    def resolve(cls, options: SaveOptions | None, io: IOOptions, **flags: object) -> SaveOptions:
+        """``options`` (default: from the environment) with ``io`` and every flag not None."""
+        base = options or cls.from_env(io=io)
+        return base.replace(io=io, **{k: v for k, v in flags.items() if v is not None})
+
 
 def env_log_level() -> str | None:
     """PITSTOP_LOG_LEVEL, e.g. ``INFO`` or ``DEBUG``; None when unset."""

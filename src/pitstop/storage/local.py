@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from typing import Any
 
 from pitstop.errors import (
     CheckpointError,
@@ -55,7 +56,7 @@ from pitstop.io.locks import DirLock, try_lock
 from pitstop.io.parallel import Extent, IOResult, read_file, write_file
 from pitstop.options import IOOptions
 
-__all__ = ["LocalStorage", "RamStorage"]
+__all__ = ["LocalStorage", "RamStorage", "open_root"]
 
 
 def _io_error(e: OSError, what: str, path: str, phase: str) -> CheckpointIOError:
@@ -401,3 +402,21 @@ class RamStorage(LocalStorage):
         if root is None:
             root = os.path.join("/dev/shm", f"pitstop-{os.getuid()}")
         super().__init__(root, dataclasses.replace(base, direct="off", fsync=False))
+
+
+def open_root(
+    root: str | os.PathLike[str] | Any, options_io: IOOptions | None, **knobs: object
+) -> tuple[Any, IOOptions]:
+    """The storage of ``root`` (a path, or a Storage that is used as it is) and its IOOptions.
+    I/O ``knobs`` (threads, chunk_bytes, direct) configure a path; a Storage object brings its
+    own, so knobs given with one are refused rather than silently ignored."""
+    if isinstance(root, (str, os.PathLike)):
+        io = options_io or IOOptions.from_env(**knobs)
+        return LocalStorage(root, io), io
+    if any(v is not None for v in knobs.values()):
+        raise ValueError(
+            f"{', '.join(k for k, v in knobs.items() if v is not None)} configure a directory "
+            f"root; {type(root).__name__} brings its own IOOptions (pass io=IOOptions(...) "
+            "when you build it)"
+        )
+    return root, root.io
