@@ -1,8 +1,8 @@
-"""Putting a saved tree back: into the live state in place, or as fresh objects.
+"""Putting a saved tree back into the live state, in place (fresh objects: ``state.build``).
 
 The tree (see ``state.tree``; validated by ``format.objects.parse_objects``) is
 decoded in one place: ``tree.node_kind`` and ``tree.walk`` know the node grammar
-(the pickle and key-map scan walks with them), :class:`_Builder` turns nodes into
+(the pickle and key-map scan walks with them), :class:`Builder` turns nodes into
 values, and the restorer pairs the live state with the tree.
 
 :func:`restore_into` works in two passes over the live state beside the tree:
@@ -28,9 +28,7 @@ or ``materialize`` once per load.
 
 from __future__ import annotations
 
-import base64
 import collections
-import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +39,11 @@ from pitstop.errors import (
     CorruptCheckpointError,
     MissingExtraError,
     PartialRestoreError,
-    PickleRefusedError,
     StateMismatchError,
 )
+from pitstop.state.build import Builder, TensorSource, materialize, scan
 from pitstop.state.keys import KeyMap, KeyMapper, wrapper_renames
-from pitstop.state.tree import children, is_stateful, join_key, node_kind, numpy_module, walk
+from pitstop.state.tree import is_stateful, join_key, node_kind
 
 __all__ = [
     "RestoreReport",
@@ -57,8 +55,6 @@ __all__ = [
 
 Node = Any
 
-TensorSource = Callable[[str], torch.Tensor]
-"""Returns the saved tensor of a stored key (a view of the read buffer: copy it before keeping it)."""
 TensorMeta = Callable[[str], tuple[torch.dtype, tuple[int, ...]]]
 """Returns the dtype and shape of a stored key, without reading it."""
 
@@ -77,159 +73,6 @@ class RestoreReport:
     skipped: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     renamed: dict[str, str] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------- decoding the tree
-def _scan(tree: Node, key: str, allow_pickle: bool, keys: KeyMapper) -> None:
-    """Refuse a pickle the caller did not allow and a bad key map, before anything is built."""
-    for path, kind, node in walk(tree, key):
-        if kind == "pickle" and not allow_pickle:
-            raise PickleRefusedError(
-                f"value at {path!r} ({node['type']}) is stored as a pickle; "
-                "pass allow_pickle=True to load it (only for checkpoints you trust)"
-            )
-        if kind == "dict":
-            keys.check_dict(path, [k for k, _ in node["dict"]])
-
-
-class _Meta:
-    """A slot that sets a built dict's ``_metadata``."""
-
-    def __init__(self, target: Any) -> None:
-        self.target = target
-
-    def __setitem__(self, slot: object, value: Any) -> None:
-        self.target._metadata = value
-
-
-_TUPLE = object()  # a stack marker: the tuple's items are built
-
-
-class _Builder:
-    """Builds Python values from tree nodes, iteratively.
-
-    A saved tensor goes into the live tensor at the same (live) key path when
-    ``live`` has one of its shape and dtype (then ``on_copy`` is called), else it
-    is cloned (or returned as a view with ``clone=False``); a tensor stored once
-    is built once, so shared tensors stay shared.
-    """
-
-    def __init__(
-        self, source: TensorSource, keys: KeyMapper, *, allow_pickle: bool, clone: bool = True,
-        live: dict[str, torch.Tensor | None] | None = None, on_copy: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
-        self.source, self.keys, self.allow_pickle, self.clone = source, keys, allow_pickle, clone
-        self.live, self.on_copy = live or {}, on_copy
-        self.built: dict[str, torch.Tensor] = {}
-
-    def build(self, node: Node, key: str, skey: str | None = None) -> Any:
-        """The value of ``node``; ``key`` is its live key path, ``skey`` its saved one."""
-        out: list[Any] = [None]
-        stack: list[tuple[Any, ...]] = [(node, key, key if skey is None else skey, out, 0)]
-        while stack:
-            task = stack.pop()
-            if task[0] is _TUPLE:
-                task[2][task[3]] = tuple(task[1])  # (_TUPLE, items, holder, slot)
-                continue
-            node, key, skey, holder, slot = task
-            kind = node_kind(node)
-            if kind == "dict":
-                holder[slot] = self._dict(node, key, skey, stack)
-            elif kind in ("list", "tuple"):
-                kids = children(node, kind, skey)
-                items = [None] * len(kids)
-                if kind == "list":
-                    holder[slot] = items
-                else:
-                    stack.append((_TUPLE, items, holder, slot))
-                for i, spath, child in reversed(kids):
-                    stack.append((child, join_key(key, i), spath, items, i))
-            elif kind == "stateful":
-                stack.append((node["state"], key, skey, holder, slot))
-            else:
-                holder[slot] = self.leaf(node, kind, key)
-        return out[0]
-
-    def _dict(self, node: Node, key: str, skey: str, stack: list[tuple[Any, ...]]) -> Any:
-        out: dict[Any, Any] = (
-            collections.OrderedDict() if node.get("ordered") or "meta" in node else {}
-        )
-        if "meta" in node:
-            meta = join_key(key, "_metadata")
-            stack.append((node["meta"], meta, join_key(skey, "_metadata"), _Meta(out), None))
-        tasks = []
-        escaped: dict[str, Any] = {}
-        for k, child in node["dict"]:
-            target = self.keys.target(skey, k)
-            if target is None:
-                continue
-            live_key = self.keys.live_key(target, k, escaped)
-            out[live_key] = None  # the entry's place, in the saved order
-            tasks.append((child, join_key(key, live_key), join_key(skey, k), out, live_key))
-        stack.extend(reversed(tasks))
-        return out
-
-    def tensor(self, stored: str, key: str) -> torch.Tensor:
-        saved = self.source(stored)
-        target = self.live.get(key)
-        if target is not None and target.shape == saved.shape and target.dtype == saved.dtype:
-            if self.on_copy is not None:
-                self.on_copy()
-            target.copy_(saved)
-            self.built.setdefault(stored, target)
-            return target
-        if stored not in self.built:
-            self.built[stored] = saved.clone() if self.clone else saved
-        return self.built[stored]
-
-    def leaf(self, node: Node, kind: str, key: str) -> Any:
-        if kind == "value":
-            return node
-        if kind == "tensor":
-            return self.tensor(node["tensor"], key)
-        if kind in ("float", "int"):
-            return _number(node)
-        if kind == "bytes":
-            return base64.b64decode(node["bytes"])
-        if kind == "ndarray":
-            try:
-                return self.source(node["ndarray"]).numpy().copy()
-            except TypeError as e:  # a dtype NumPy lacks: the objects file and manifest disagree
-                raise CorruptCheckpointError(f"array at {key!r} cannot be loaded: {e}") from None
-        if kind == "npscalar":
-            return _npscalar(node["npscalar"], key)
-        assert self.allow_pickle, "_scan refuses pickles first"
-        return pickle.loads(base64.b64decode(node["pickle"]))  # the caller opted in
-
-
-def _number(node: Node) -> Any:
-    if isinstance(node, dict):
-        return int(node["int"]) if "int" in node else float(node["float"])
-    return node
-
-
-def _npscalar(value: list[Any], key: str) -> Any:
-    np = numpy_module()
-    if np is None:
-        raise MissingExtraError(f"value at {key!r} is a NumPy scalar; install numpy to load it")
-    dtype, scalar = value
-    make = np.dtype(dtype).type
-    if isinstance(scalar, list):
-        return make(complex(_number(scalar[0]), _number(scalar[1])))
-    return make(_number(scalar))
-
-
-def materialize(
-    node: Node, source: TensorSource, *, allow_pickle: bool, key: str = "", clone: bool = True,
-    key_map: KeyMap | None = None,
-) -> Any:  # fmt: skip
-    """Build Python objects from a saved tree; tensors are cloned unless ``clone=False``.
-
-    ``key_map`` renames or drops dict entries as in :func:`restore_into`.
-    """
-    keys = KeyMapper(key_map)
-    _scan(node, key, allow_pickle, keys)
-    return _Builder(source, keys, allow_pickle=allow_pickle, clone=clone).build(node, key)
 
 
 # ---------------------------------------------------------------- restoring into live state
@@ -382,8 +225,8 @@ class _Restorer:
                     self._check_tensor(have[name], value["tensor"], path)
 
     # ---- pass 2: apply
-    def _builder(self, live: dict[str, torch.Tensor | None] | None = None) -> _Builder:
-        return _Builder(
+    def _builder(self, live: dict[str, torch.Tensor | None] | None = None) -> Builder:
+        return Builder(
             self.source, self.keys, allow_pickle=self.allow_pickle, live=live, on_copy=self._touch
         )
 
@@ -520,7 +363,7 @@ def restore_into(
     StateMismatchError before anything is touched, PartialRestoreError after.
     """
     keys = KeyMapper(key_map)
-    _scan(tree, "", allow_pickle, keys)
+    scan(tree, "", allow_pickle, keys)
     restorer = _Restorer(source, meta, keys, allow_pickle, strict)
     try:
         restorer.check(state, tree, "", "")
