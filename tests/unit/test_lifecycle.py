@@ -283,3 +283,31 @@ def test_world_size_two_is_refused_and_nothing_written(tmp_path: Any) -> None:
         text = open(f"{out}.{rank}").read()
         assert text.startswith("refused:") and "world size 2" in text, text
     assert not os.path.exists(root)
+
+
+def test_restore_while_a_save_of_the_same_manager_commits_and_retires(root: str) -> None:
+    """keep_last=1, a save in flight: restore picks the committed step and pins it; the save
+    commits and its retention, which would delete the step being read, skips it."""
+    s1, s2 = "step-0000000001", "step-0000000002"
+    gate = GateStorage(
+        LocalStorage(root),
+        hold={"commit", "read_data"},
+        when=lambda name, args: args[0] == (s2 if name == "commit" else s1),
+    )
+    ckpt = pitstop.CheckpointManager(gate, keep_last=1)
+    ckpt.save(1, make_state(seed=1))
+    handle = ckpt.async_save(2, make_state(seed=2))
+    assert gate.arrived["commit"].wait(20)  # step 2 is written, its commit held
+    fresh = make_state(seed=99)
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(step=ckpt.restore(fresh)))
+    t.start()
+    assert gate.arrived["read_data"].wait(20)  # restore reads step 1, pinned
+    gate.open("commit")
+    handle.wait()  # committed; retention ran and left the pinned step alone
+    assert ckpt.steps() == [1, 2]
+    gate.open("read_data")
+    t.join(30)
+    assert out.get("step") == 1
+    assert_same_tensors(tensors_of(make_state(seed=1)), tensors_of(fresh))
+    ckpt.close()
