@@ -30,6 +30,7 @@ from pitstop.engine.recovery import RestoreResult, recover
 from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointNotFoundError
+from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
 from pitstop.options import SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
@@ -40,6 +41,8 @@ from pitstop.storage.local import open_root
 from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["CheckpointManager"]
+
+_log = get_logger("pitstop")
 
 
 class CheckpointManager:
@@ -189,14 +192,16 @@ class CheckpointManager:
         *,
         strict: bool = True,
         key_map: KeyMap | None = None,
-        rollback: bool = True,
+        rollback: bool | None = None,
     ) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state`` in place; the step, or
         None. Damage: marked, next older tried; I/O errors: raised after retries. ``strict=False``
-        loads the keys the state has; ``key_map`` renames saved keys. ``rollback`` sets newer
-        checkpoints aside (a new timeline). ``last_restore`` says what was skipped and why."""
+        loads the keys the state has; ``key_map`` renames saved keys. ``rollback`` (default: for a
+        strict, whole-state restore) sets newer checkpoints aside: a new timeline starts. A
+        partial restore (evaluation) rolls nothing back. ``last_restore``: what was skipped."""
         self._saver.raise_pending()
         self._saver.wait_staged()  # a save in flight must not copy what restore writes
+        rollback = strict if rollback is None else rollback
         result = recover(
             self.catalog,
             lambda e: self._load(e, state, strict, key_map),
@@ -208,6 +213,12 @@ class CheckpointManager:
         _value, result.keys = result.value
         result.value = None
         self.last_restore = result
+        if result.keys is not None and result.keys.missing:
+            _log.warning(
+                "restored step %d without %d keys the checkpoint lacks (left as they were): %s",
+                result.step, len(result.keys.missing), ", ".join(result.keys.missing[:10]),
+                phase="restore",
+            )  # fmt: skip
         if rollback:
             self._adopt(result)
         return result.step

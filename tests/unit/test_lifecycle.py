@@ -311,3 +311,21 @@ def test_restore_while_a_save_of_the_same_manager_commits_and_retires(root: str)
     assert out.get("step") == 1
     assert_same_tensors(tensors_of(make_state(seed=1)), tensors_of(fresh))
     ckpt.close()
+
+
+def test_partial_restore_that_matches_nothing_is_an_error(root: str) -> None:
+    pitstop.save(root, make_state(seed=1), step=1)
+    other = torch.nn.Linear(3, 3)
+    before = tensors_of({"m": other})
+    with pytest.raises(pitstop.StateMismatchError, match="none of the 2 keys of the Linear"):
+        pitstop.load(root, {"model": other}, strict=False)
+    assert_same_tensors(before, tensors_of({"m": other}))
+
+
+def test_partial_restore_of_an_older_step_rolls_nothing_back(root: str) -> None:
+    _saved(root, range(1, 4)).close()
+    model = make_state(seed=99)["model"]
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore({"model": model}, step=1, strict=False) == 1
+        assert ckpt.steps() == [1, 2, 3]  # evaluation of an old step is no rollback
+    assert_same_tensors(tensors_of({"m": make_state(seed=1)["model"]}), tensors_of({"m": model}))

@@ -20,7 +20,7 @@ from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.engine.verify import verify_checkpoint
-from pitstop.errors import CheckpointError
+from pitstop.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir
 from pitstop.storage.local import LocalStorage
 from pitstop.storage.retry import RetryingStorage
@@ -116,7 +116,11 @@ def _select(catalog: Catalog, only: str | None, step: int | None) -> list[Entry]
     if step is not None:
         entries = [e for e in entries if e.step == step]
         if not entries:
-            raise _UsageError(f"{catalog.storage.url}: no checkpoint of step {step}")
+            have = [str(e.step) for e in catalog.scan() if e.is_step_dir]
+            shown = ", ".join(have[-10:]) if have else "none"
+            raise _UsageError(
+                f"{catalog.storage.url}: no checkpoint of step {step} (steps: {shown})"
+            )
     return entries
 
 
@@ -247,6 +251,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"{e.name}: CORRUPT")
             for p in report.problems:
                 print(f"  - {p}")
+            if e.status == "committed":  # evidence of damage: restore and ls will know
+                catalog.mark_damaged(e.name, "; ".join(report.problems))
     return 1 if bad else 0
 
 
@@ -450,10 +456,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except _UsageError as e:
         return _fail(args, f"{e}", 2)
+    except (CheckpointNotFoundError, NotACheckpointError) as e:  # a path that is not one
+        return _fail(args, f"{e}", 2)
     except CheckpointError as e:
         return _fail(args, f"{e}", 1)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `pitstop ls | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # a bug or an input no check named: one line, not a traceback
         return _fail(args, f"internal error: {type(e).__name__}: {e} (--debug shows where)", 1)
 

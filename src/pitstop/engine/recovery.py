@@ -50,12 +50,12 @@ class RestoreResult:
 
     step: int | None = None
     name: str | None = None
-    manifest: Manifest | None = None
+    manifest: Manifest | None = field(default=None, repr=False)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)
     keys: Any = None
     secs: float = 0.0
-    value: Any = None
+    value: Any = field(default=None, repr=False)
 
 
 def _chain(entries: list[Entry], step: int | None) -> list[Entry]:
@@ -130,7 +130,7 @@ def recover(
             break
     if not result.skipped:
         return result  # no checkpoint at all
-    reasons = "; ".join(f"{name}: {why}" for name, why in result.skipped)
+    reasons = _reasons(result.skipped)
     if partial is not None:
         raise PartialRestoreError(
             f"no checkpoint could be restored and the live state was partly overwritten: "
@@ -138,6 +138,17 @@ def recover(
         )  # fmt: skip
     raise CorruptCheckpointError(
         f"no checkpoint passed verification ({reasons})", path=catalog.storage.url, phase="restore"
+    )
+
+
+def _reasons(skipped: list[tuple[str, str]]) -> str:
+    """``name: why`` per checkpoint; checkpoints that failed the same way share one line."""
+    groups: dict[str, list[str]] = {}
+    for name, why in skipped:
+        groups.setdefault(why, []).append(name)
+    return "; ".join(
+        f"{names[0]}{f' and {len(names) - 1} older' if len(names) > 1 else ''}: {why}"
+        for why, names in groups.items()
     )
 
 

@@ -91,16 +91,26 @@ class _Problems:
             return
         parts = []
         if self.missing:
-            parts.append(f"missing from the checkpoint: {', '.join(self.missing)}")
+            parts.append(f"missing from the checkpoint: {_some(self.missing, ', ')}")
         if self.unexpected:
-            parts.append(f"in the checkpoint but not in the state: {', '.join(self.unexpected)}")
+            parts.append(f"in the checkpoint but not in the state: {_some(self.unexpected, ', ')}")
         if self.mismatched:
-            parts.append(f"mismatched: {'; '.join(self.mismatched)}")
+            parts.append(f"mismatched: {_some(self.mismatched, '; ')}")
+        hint = (
+            " (restore(..., strict=False) loads only the keys both have)"
+            if self.missing or self.unexpected
+            else ""
+        )
         err = StateMismatchError(
-            "checkpoint does not fit the state: " + " | ".join(parts), phase="restore"
+            "checkpoint does not fit the state: " + " | ".join(parts) + hint, phase="restore"
         )
         err.missing, err.unexpected, err.mismatched = self.missing, self.unexpected, self.mismatched  # type: ignore[attr-defined]
         raise err
+
+
+def _some(items: list[str], sep: str, limit: int = 20) -> str:
+    more = f"{sep}... ({len(items) - limit} more)" if len(items) > limit else ""
+    return sep.join(items[:limit]) + more
 
 
 class _Restorer:
@@ -184,9 +194,16 @@ class _Restorer:
                 self.mismatch(key, f"a {type(live).__name__}", state)
                 return
             live_sd = live.state_dict()
-            for live_key, path, _, child in self._pair(
-                list(live_sd), state, key, skey, wrappers=True
-            ):
+            pairs = self._pair(list(live_sd), state, key, skey, wrappers=True)
+            if not pairs and live_sd and state["dict"]:
+                shown = ", ".join(str(k) for k, _ in state["dict"][:3])
+                self.problems.mismatched.append(
+                    f"{key}: none of the {len(live_sd)} keys of the {type(live).__name__} is in "
+                    f"the checkpoint (it has {shown}, ...): a different model, or a key_map= "
+                    "is needed (e.g. pitstop.strip_prefix(...))"
+                )
+                return
+            for live_key, path, _, child in pairs:
                 value = live_sd[live_key]
                 if isinstance(value, torch.Tensor) and node_kind(child) != "tensor":
                     self.mismatch(path, "a tensor", child)
