@@ -100,6 +100,9 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Stage ``state`` and return; it is persisted and committed in the background.
         ``metrics`` (e.g. ``{"val_loss": 0.3}``) are saved in the manifest for ``KeepBest``."""
+        if not self.identity.checked_root:
+            self.identity.checked_root = True
+            self.catalog.warn_other_runs(self.identity)
         lineage = self.identity.lineage_for(step)
         return self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
 

@@ -84,6 +84,7 @@ class RunIdentity:
     parent: int | None = None
     owns_unlabelled: bool = False  # format 1 wrote no lineage: ours once we resumed one
     warned_others: bool = False
+    checked_root: bool = False
 
     def __post_init__(self) -> None:
         self.timeline = self.timeline or self.run
@@ -99,6 +100,7 @@ class RunIdentity:
         return manifest.lineage.run == self.run
 
     def adopt(self, manifest: Manifest | None, step: int, *, new_timeline: bool) -> None:
+        self.checked_root = True
         lineage = manifest.lineage if manifest is not None else None
         self.owns_unlabelled = lineage is None
         if lineage is not None:
@@ -209,6 +211,19 @@ class Catalog:
         with lock:
             self.storage.rename(entry.name, target)
         return target
+
+    def warn_other_runs(self, identity: RunIdentity) -> None:
+        """Before a run's first save without a restore: say so if the root holds another run's
+        checkpoints (a second job in the same directory, or a restart that forgot restore())."""
+        others = [e for e in self.committed() if e.manifest and not identity.owns(e.manifest)]
+        if others:
+            identity.warned_others = True
+            _log.warning(
+                "%s already holds %d committed checkpoints of another run (newest: step %s) and "
+                "this manager restored none: its saves go beside them (call restore() to continue "
+                "that run; retention leaves other runs alone)",
+                self.storage.url, len(others), others[-1].step, phase="plan",
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ retention and gc
     def retire(self, policy: RetentionPolicy, *, newest: int, identity: RunIdentity) -> list[int]:
