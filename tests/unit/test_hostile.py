@@ -116,7 +116,7 @@ def test_claimed_data_size_is_checked_before_allocation(root: str, capsys: Any) 
     doc["files"][0]["nbytes"] = 1 << 40  # a terabyte the file does not have
     _write_manifest(root, doc, reseal=True)
     assert main(["verify", root, "--step", "2"]) == 1
-    assert "manifest says 1099511627776" in capsys.readouterr().out
+    assert "rank-00000.bin is said to hold 1099511627776 bytes" in capsys.readouterr().out
     _restores_step_1(root)
 
 
@@ -304,3 +304,112 @@ def test_two_managers_with_different_steps_keep_working(root: str) -> None:
         t.join(60)
     assert not errors
     assert pitstop.CheckpointManager(root).steps() == [9, 10, 1009, 1010]
+
+
+def test_gc_never_removes_a_save_that_commits_after_its_scan(root: str) -> None:
+    writer_gate = GateStorage(LocalStorage(root), hold={"commit"})
+    gc_gate = GateStorage(LocalStorage(root), hold={"lock"})
+    writer = pitstop.CheckpointManager(writer_gate)
+    collector = pitstop.CheckpointManager(gc_gate)
+    handle = writer.async_save(5, make_state(seed=5))
+    assert writer_gate.arrived["commit"].wait(20)  # step 5: data written, not committed
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(removed=collector.gc()))
+    t.start()
+    assert gc_gate.arrived["lock"].wait(20)  # gc saw step 5 as partial and is about to lock it
+    writer_gate.open("commit")
+    handle.wait()  # committed, its lock released
+    gc_gate.open("lock")
+    t.join(30)
+    assert out["removed"] == []
+    assert writer.steps() == [5]
+    writer.close()
+    collector.close()
+
+
+def test_a_step_directory_swapped_for_a_symlink_mid_save_is_not_followed(
+    root: str, tmp_path: Any
+) -> None:
+    outside = str(tmp_path / "outside")
+    os.makedirs(outside)
+    gate = GateStorage(LocalStorage(root), hold={"write_data"})
+    ckpt = pitstop.CheckpointManager(gate)
+    handle = ckpt.async_save(1, make_state(seed=1))
+    assert gate.arrived["write_data"].wait(20)
+    os.rename(os.path.join(root, S1), os.path.join(root, ".moved"))
+    os.symlink(outside, os.path.join(root, S1))
+    gate.open("write_data")
+    handle.wait()  # the save wrote into the directory it created, wherever that went
+    ckpt.close()
+    assert os.listdir(outside) == []
+    assert sorted(os.listdir(os.path.join(root, ".moved"))) == [
+        ".owner",
+        "manifest.json",
+        "objects-00000.json",
+        "rank-00000.bin",
+    ]
+
+
+def test_odd_entries_under_the_root_do_not_stop_gc(root: str, tmp_path: Any) -> None:
+    _two_steps(root)
+    victim = str(tmp_path / "victim")
+    os.makedirs(victim)
+    os.symlink(victim, os.path.join(root, ".abandoned-step-0000000003-abc"))
+    open(os.path.join(root, ".writing-step-0000000004-def"), "w").close()
+    os.makedirs(os.path.join(root, "step-0000000005"))
+    assert main(["gc", root, "--abandoned", "--damaged", "--min-age", "0"]) == 0
+    assert not os.path.exists(os.path.join(root, "step-0000000005"))
+    assert os.path.islink(os.path.join(root, ".abandoned-step-0000000003-abc"))
+    assert os.path.isdir(victim)
+    statuses = {e.name: e.status for e in pitstop.CheckpointManager(root).entries()}
+    assert statuses[".abandoned-step-0000000003-abc"] == "foreign"
+
+
+def test_step_names_are_canonical(root: str) -> None:
+    _two_steps(root)
+    os.rename(os.path.join(root, S2), os.path.join(root, "step-00000000002"))  # 11 digits
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.steps() == [1]
+
+
+@pytest.mark.parametrize(
+    "node", [{"float": []}, {"float": {}}, {"npscalar": ["float32", {"float": {}}]}]
+)
+def test_unhashable_values_in_float_nodes_are_damage(node: Any) -> None:
+    from pitstop.format.objects import encode_objects, parse_objects
+
+    with pytest.raises(ManifestError):
+        parse_objects(encode_objects({"dict": [["x", node]]}, rank=0), name="o", tensor_keys=())
+
+
+def test_import_of_a_fifo_does_not_block(tmp_path: Any) -> None:
+    fifo = str(tmp_path / "ff")
+    os.mkfifo(fifo)
+    assert main(["import", fifo, "--to", str(tmp_path / "out")]) == 2
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"\x80\x04N.")
+    os.mkfifo(str(dcp / "__0_0.distcp"))
+    assert main(["import", str(dcp), "--to", str(tmp_path / "out2")]) == 1
+
+
+def test_values_that_would_come_back_as_another_type_are_refused(root: str) -> None:
+    import collections
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    np = pytest.importorskip("numpy")
+    for bad, what in [
+        ({"c": Color.RED}, "Color"),
+        ({"d": collections.defaultdict(int)}, "defaultdict"),
+        ({"k": {np.float64(1.5): 1}}, "float64"),
+        ({"k": {Color.RED: 1}}, "Color"),
+    ]:
+        with (
+            pitstop.CheckpointManager(root) as ckpt,
+            pytest.raises(pitstop.UnsupportedValueError, match=what),
+        ):
+            ckpt.async_save(1, bad)
+    assert not os.path.exists(os.path.join(root, S1))

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import errno
 import os
+import stat
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -34,6 +35,7 @@ from pitstop.errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
+from pitstop.io.files import check_regular
 from pitstop.manager import CheckpointManager
 from pitstop.oneshot import load as pitstop_load
 from pitstop.state.tree import join_key
@@ -187,11 +189,16 @@ def _read_source(src: str, allow_pickle: bool) -> Any:
     if not os.path.exists(src):
         raise CheckpointNotFoundError("no such file or directory", path=src)
     if os.path.isdir(src):
-        if not os.path.isfile(os.path.join(src, METADATA)):
+        if not os.path.lexists(os.path.join(src, METADATA)):
             raise NotACheckpointError(
                 f"a directory without DCP {METADATA}: not a DCP checkpoint", path=src
             )
+        for name in os.listdir(src):  # read only regular files: no FIFO, device or symlink
+            if name == METADATA or name.endswith(".distcp"):
+                check_regular(os.lstat(os.path.join(src, name)), os.path.join(src, name))
         return load_dcp(src, allow_pickle=allow_pickle)
+    if not stat.S_ISREG(os.stat(src).st_mode):
+        raise NotACheckpointError("not a regular file (a FIFO, device or socket)", path=src)
     return load_torch_file(src, allow_pickle=allow_pickle)
 
 

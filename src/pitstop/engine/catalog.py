@@ -143,6 +143,11 @@ class Catalog:
             aside = parse_aside_dir(name)
             if aside is None:
                 return Entry(name, None, "other")
+            kind = self.storage.entry_kind(name)
+            if kind == "missing":
+                return None
+            if kind != "dir":
+                return Entry(name, aside[1], "foreign", error=f"a {kind}: never touched")
             return Entry(name, aside[1], _ASIDE_STATUS[aside[0]])
         kind = self.storage.entry_kind(name)
         if kind == "missing":
@@ -254,8 +259,11 @@ class Catalog:
                 removed.append(e.step)
         return removed
 
-    def _remove_held(self, name: str, *, uncommit: bool, point: str) -> bool:
-        """Remove ``name`` if nobody holds it; False if pinned or being written."""
+    def _remove_held(
+        self, name: str, *, uncommit: bool, point: str, debris: bool = False
+    ) -> bool:
+        """Remove ``name`` if nobody holds it; False if pinned or being written. ``debris``:
+        only if it still has no manifest once held (a save may have committed since the scan)."""
         try:
             lock = self.storage.lock(name, exclusive=True)
         except CheckpointNotFoundError:
@@ -264,11 +272,26 @@ class Catalog:
             _log.info("%s is pinned or being written; left for later", name, phase="gc")
             return False
         with lock:
+            if debris and self.storage.has_manifest(name):
+                return False  # committed after the scan: not debris
             if uncommit:
                 self.storage.uncommit(name)
             killpoint(point)
             self.storage.remove(name)
         return True
+
+    def _collect_one(self, e: Entry, min_age_secs: float, now: float, dry_run: bool) -> str:
+        debris = e.status in ("partial", "writing")
+        min_age = max(min_age_secs, 10.0) if e.status == "writing" else min_age_secs
+        if debris and min_age > 0:
+            age = now - self.storage.mtime(e.name)
+            if age < min_age:
+                return f"kept: written to {age:.0f} s ago (a save may be running)"
+        if dry_run:
+            return "would remove"
+        if self._remove_held(e.name, uncommit=e.status == "damaged", point="gc.mid", debris=debris):
+            return "removed"
+        return "kept: in use by a running save or reader, or committed meanwhile"
 
     def collect(
         self,
@@ -289,16 +312,10 @@ class Catalog:
         for e in self.scan():
             if e.status not in wanted or e.name in busy:
                 continue
-            min_age = max(min_age_secs, 10.0) if e.status == "writing" else min_age_secs
-            if e.status in ("partial", "writing") and min_age > 0:
-                age = now - self.storage.mtime(e.name)
-                if age < min_age:
-                    out.append((e, f"kept: written to {age:.0f} s ago (a save may be running)"))
-                    continue
-            if dry_run:
-                out.append((e, "would remove"))
-            elif self._remove_held(e.name, uncommit=e.status == "damaged", point="gc.mid"):
-                out.append((e, "removed"))
-            else:
-                out.append((e, "kept: in use by a running save or reader"))
+            try:
+                out.append((e, self._collect_one(e, min_age_secs, now, dry_run)))
+            except CheckpointNotFoundError:
+                continue  # gone while we looked (a save renamed or committed it)
+            except CheckpointError as err:  # one odd entry does not stop the rest
+                out.append((e, f"kept: {err.message}"))
         return out

@@ -313,7 +313,7 @@ def _parse(raw: object, path: str | None) -> Manifest:
     )
     if len({t.key for t in tensors}) != len(tensors):
         raise ManifestError("manifest.tensors names a key twice", path=path, step=step)
-    _check_layout(tensors, path, step)
+    _check_layout(tensors, files, path, step)
     created = top.get("created_unix_secs", (int, float))
     if not math.isfinite(created) or created < 0:
         raise ManifestError("manifest.created_unix_secs is not a valid time", path=path, step=step)
@@ -376,8 +376,11 @@ def _check_files(
             raise ManifestError(f"rank {rank} lacks its data or objects file", path=path, step=step)
 
 
-def _check_layout(tensors: tuple[TensorEntry, ...], path: str | None, step: int) -> None:
-    """Each tensor lies in its own rank's data file, and no two overlap."""
+def _check_layout(
+    tensors: tuple[TensorEntry, ...], files: tuple[FileEntry, ...], path: str | None, step: int
+) -> None:
+    """Each tensor lies in its own rank's data file, no two overlap, and each data file is as
+    long as its tensors (padded to 4 KiB), so a claimed size allocates nothing more."""
     for t in tensors:
         if t.file != data_file_name(t.rank):
             raise ManifestError(
@@ -388,6 +391,17 @@ def _check_layout(tensors: tuple[TensorEntry, ...], path: str | None, step: int)
     for a, b in itertools.pairwise(by_position):
         if a.file == b.file and a.offset + a.nbytes > b.offset:
             raise ManifestError(f"tensors {a.key!r} and {b.key!r} overlap", path=path, step=step)
+    ends: dict[str, int] = {}
+    for t in tensors:
+        ends[t.file] = max(ends.get(t.file, 0), t.offset + t.nbytes)
+    for f in files:
+        end = ends.get(f.name, 0)
+        padded = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+        if f.name.endswith(".bin") and f.nbytes != padded:
+            raise ManifestError(
+                f"{f.name} is said to hold {f.nbytes} bytes; its tensors end at {end} "
+                f"(padded: {padded})", path=path, step=step,
+            )  # fmt: skip
 
 
 def _parse_file(raw: object, i: int, world_size: int, path: str | None) -> FileEntry:

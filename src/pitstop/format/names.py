@@ -46,9 +46,9 @@ OWNER_FILE = ".owner"
 ASIDE_KINDS = ("abandoned", "damaged", "corrupt", "writing")
 """Prefixes of directories set aside (``.KIND-step-N-ID``); ``writing`` is a save in creation."""
 
-_STEP_DIR = re.compile(r"^step-(\d{10,})$")
-_ASIDE_DIR = re.compile(r"^\.(abandoned|damaged|corrupt|writing)-step-(\d{10,})-([0-9a-f]+)$")
-_FILE_NAME = re.compile(r"^(rank-\d{5,}\.bin|objects-\d{5,}\.json)$")
+_STEP_DIR = re.compile(r"step-([0-9]{10,})")
+_ASIDE_DIR = re.compile(r"\.(abandoned|damaged|corrupt|writing)-step-([0-9]{10,})-([0-9a-f]+)")
+_FILE_NAME = re.compile(r"rank-[0-9]{5,}\.bin|objects-[0-9]{5,}\.json")
 
 
 def step_dir_name(step: int) -> str:
@@ -59,8 +59,11 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a directory name like ``step-0000001200``; None for anything else."""
-    m = _STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
+    m = _STEP_DIR.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if name == step_dir_name(step) else None  # one name per step: no 0-padding games
 
 
 def aside_dir_name(kind: str, step: int, nonce: str) -> str:
@@ -76,7 +79,7 @@ def writing_dir_name(step: int, nonce: str) -> str:
 
 def parse_aside_dir(name: str) -> tuple[str, int] | None:
     """(kind, step) of a set-aside directory name; None for anything else."""
-    m = _ASIDE_DIR.match(name)
+    m = _ASIDE_DIR.fullmatch(name)
     return (m.group(1), int(m.group(2))) if m else None
 
 
@@ -94,7 +97,7 @@ def validate_file_name(name: object, *, path: str | None = None) -> str:
     Manifests are input: a name like ``../../etc/passwd`` or ``/abs`` must never be
     opened, so only the exact shapes above are accepted.
     """
-    if not isinstance(name, str) or not _FILE_NAME.match(name):
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
         raise UnsafePathError(
             f"manifest names file {name!r}, which is not a pitstop data file name", path=path
         )

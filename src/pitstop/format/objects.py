@@ -310,10 +310,8 @@ class _Validator:
         self.push(node["state"], path, depth + 1)
 
     def _float(self, node: dict[str, Any], path: _Path, depth: int) -> None:
-        if node["float"] not in _FLOAT_WORDS:
-            raise self.fail(
-                path, f"is a float node of {str(node['float'])[:40]!r}, not nan/inf/-inf"
-            )
+        if not _float_word(node["float"]):
+            raise self.fail(path, f"is a float node of {_short(node['float'])}, not nan/inf/-inf")
 
     def _bytes(self, node: dict[str, Any], path: _Path, depth: int) -> None:
         if not _is_base64(node["bytes"]):
@@ -362,7 +360,11 @@ def _real(value: object) -> bool:
     """A float node's value: a finite JSON float or ``{"float": "nan"}``."""
     if isinstance(value, float):
         return math.isfinite(value)
-    return isinstance(value, dict) and len(value) == 1 and value.get("float") in _FLOAT_WORDS
+    return isinstance(value, dict) and len(value) == 1 and _float_word(value.get("float"))
+
+
+def _float_word(value: object) -> bool:
+    return isinstance(value, str) and value in _FLOAT_WORDS
 
 
 def _scalar_fits(kind: str, bits: int, value: object) -> bool:

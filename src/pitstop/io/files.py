@@ -40,9 +40,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_bytes_durable(path: str, data: bytes, *, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` (replacing it) and fsync the file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+def write_bytes_durable(
+    path: str, data: bytes, *, fsync: bool = True, dir_fd: int | None = None
+) -> None:
+    """Write ``data`` to ``path`` (replacing it; never through a symlink) and fsync the file.
+    With ``dir_fd``, ``path`` is a name in that open directory."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o644, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -61,23 +65,30 @@ def rename_durable(src: str, dst: str, *, fsync: bool = True) -> None:
         fsync_dir(os.path.dirname(dst) or ".")
 
 
-def link_no_replace(src: str, dst: str, *, fsync: bool = True) -> None:
+def link_no_replace(src: str, dst: str, *, fsync: bool = True, dir_fd: int | None = None) -> None:
     """Give the file ``src`` the name ``dst`` atomically, failing with FileExistsError if ``dst``
     exists (a hard link, then ``src`` is unlinked); never replaces what another writer committed.
-    Where hard links are not supported, falls back to an existence check and rename."""
+    Where hard links are not supported, falls back to an existence check and rename. With
+    ``dir_fd``, both are names in that open directory."""
+    fds = {"src_dir_fd": dir_fd, "dst_dir_fd": dir_fd}
     try:
-        os.link(src, dst)
+        os.link(src, dst, **fds, follow_symlinks=False)
     except FileExistsError:
         raise
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
             raise
-        if os.path.lexists(dst):
+        try:
+            os.lstat(dst, dir_fd=dir_fd)
+        except FileNotFoundError:
+            os.rename(src, dst, **fds)
+        else:
             raise FileExistsError(errno.EEXIST, "exists", dst) from None
-        os.rename(src, dst)
     else:
-        os.unlink(src)
-    if fsync:
+        os.unlink(src, dir_fd=dir_fd)
+    if fsync and dir_fd is not None:
+        os.fsync(dir_fd)
+    elif fsync:
         fsync_dir(os.path.dirname(dst) or ".")
 
 

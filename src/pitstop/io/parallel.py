@@ -93,13 +93,17 @@ def plan_extents(
     return extents
 
 
-def _open(path: str, flags: int, direct: bool) -> int:
-    return os.open(path, flags | (_O_DIRECT if direct else 0), 0o644)
+def _open(path: str, flags: int, direct: bool, dir_fd: int | None = None) -> int:
+    return os.open(path, flags | (_O_DIRECT if direct else 0), 0o644, dir_fd=dir_fd)
 
 
-def _note_fallback(path: str, err: OSError) -> None:
+def _note_fallback(path: str, err: OSError, dir_fd: int | None = None) -> None:
     try:
-        dev = os.stat(os.path.dirname(path) or ".").st_dev
+        dev = (
+            os.fstat(dir_fd).st_dev
+            if dir_fd is not None
+            else os.stat(os.path.dirname(path) or ".").st_dev
+        )
     except OSError:
         dev = -1
     with _warn_lock:
@@ -168,8 +172,11 @@ def write_file(
     direct: DirectMode = "auto",
     fsync: bool = True,
     on_extent: Callable[[Extent], None] | None = None,
+    dir_fd: int | None = None,
 ) -> IOResult:
-    """Write ``view[e.start:e.end]`` at ``e.start`` for every extent, in parallel, then fsync."""
+    """Write ``view[e.start:e.end]`` at ``e.start`` for every extent, in parallel, then fsync.
+    With ``dir_fd``, ``path`` is a name in that directory (held open by the writer, so a
+    directory swapped for a symlink meanwhile is not followed); the file is never a symlink."""
     t0 = time.perf_counter()
     hashed: set[int] = set()
     hash_lock = threading.Lock()
@@ -193,8 +200,11 @@ def write_file(
         if fsync:
             os.fsync(fd)
 
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    used_direct = _with_fd(path, flags, direct, "persist", write_all, on_fallback=_note_fallback)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    used_direct = _with_fd(
+        path, flags, direct, "persist", write_all,
+        on_fallback=lambda p, e: _note_fallback(p, e, dir_fd), dir_fd=dir_fd,
+    )  # fmt: skip
     total = sum(e.nbytes for e in extents)
     return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=used_direct)
 
@@ -207,6 +217,7 @@ def _with_fd(
     body: Callable[[int], None],
     *,
     on_fallback: Callable[[str, OSError], None] | None = None,
+    dir_fd: int | None = None,
 ) -> bool:
     """Open ``path`` (with O_DIRECT when wanted) and run ``body(fd)``; where the file system
     refuses O_DIRECT (EINVAL at open or at the first request) and ``direct`` is auto, run it
@@ -215,7 +226,7 @@ def _with_fd(
     use_direct = _want_direct(direct)
     while True:
         try:
-            fd = _open(path, flags, use_direct)
+            fd = _open(path, flags, use_direct, dir_fd)
             try:
                 if flags == READ_FLAGS:
                     check_regular(os.fstat(fd), path)  # never read a FIFO or device

@@ -195,13 +195,13 @@ class _Flattener:
         numpy_node = self._numpy(obj, key)  # before str, bytes and float: NumPy subclasses them
         if numpy_node is not None:
             return numpy_node
-        if isinstance(obj, (bool, str)):  # str and int enums: stored by value, as before
-            return obj
-        if isinstance(obj, int):
-            return self._int(obj, key)
-        if isinstance(obj, float):
-            return _real(float(obj))
-        if isinstance(obj, bytes):
+        for base in (str, int, float):  # enums and other subclasses would come back plain
+            if isinstance(obj, base):
+                return self._pickle(
+                    obj, key, f"is a {_qualname(obj)}, which would come back as a plain "
+                    f"{base.__name__}; store {base.__name__}(value)",
+                )  # fmt: skip
+        if type(obj) is bytes:
             return {"bytes": base64.b64encode(obj).decode()}
         return self._pickle(obj, key, f"is a {_qualname(obj)}, which JSON cannot hold")
 
@@ -227,7 +227,12 @@ class _Flattener:
                 "deeper than a checkpoint may hold"
             )
         children: list[tuple[Any, str, Any, Any]]
-        if isinstance(obj, Mapping):
+        if isinstance(obj, Mapping) and type(obj) not in (dict, collections.OrderedDict):
+            node, children = self._pickle(
+                obj, key, f"is a {_qualname(obj)}, which would come back as a plain dict; "
+                "store dict(value)",
+            ), []  # fmt: skip
+        elif isinstance(obj, Mapping):
             node, children = self._mapping(obj, key)
         elif type(obj) in (list, tuple):
             items: list[Node] = [None] * len(obj)
@@ -352,8 +357,13 @@ def _too_long(value: int) -> bool:
 
 def _bad_key(k: object) -> str | None:
     """Why dict key ``k`` cannot be a JSON key of the tree, or None."""
-    if k is None or isinstance(k, (str, bool)):
+    if k is None or type(k) in (str, bool):
         return None
+    if type(k) not in (int, float):
+        return (
+            f"key {str(k)[:80]!r} of type {type(k).__name__} (it would come back as a plain "
+            "str, int or float); keys must be str, int, float, bool or None"
+        )
     if isinstance(k, int):
         if _too_long(k):
             return f"an integer key of more than {MAX_INT_DIGITS} digits"

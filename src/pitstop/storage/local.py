@@ -130,18 +130,35 @@ class LocalStorage:
         return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
     def has_manifest(self, directory: str) -> bool:
+        """Whether ``directory`` holds a manifest; an error other than "no such file" (EACCES,
+        EIO) is raised, never taken for "no manifest" (that would make a checkpoint debris)."""
         try:
-            return os.path.lexists(os.path.join(self._dir(directory), MANIFEST))
+            path = os.path.join(self._dir(directory), MANIFEST)
         except CheckpointNotFoundError:
             return False
+        return self._exists(path, "restore")
+
+    def _exists(self, path: str, phase: str) -> bool:
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise _io_error(e, f"stat {os.path.basename(path)}", path, phase) from e
+        return True
 
     def mtime(self, directory: str) -> float:
         """The newest modification time of ``directory`` and the files in it."""
         path = self._dir(directory, "gc")
-        times = [os.lstat(path).st_mtime]
-        for name in os.listdir(path):
-            with contextlib.suppress(FileNotFoundError):
-                times.append(os.lstat(os.path.join(path, name)).st_mtime)
+        try:
+            times = [os.lstat(path).st_mtime]
+            for name in os.listdir(path):
+                with contextlib.suppress(FileNotFoundError):
+                    times.append(os.lstat(os.path.join(path, name)).st_mtime)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{directory} does not exist", path=path) from None
+        except OSError as e:
+            raise _io_error(e, f"list {directory}", path, "gc") from e
         return max(times)
 
     # ------------------------------------------------------------------ save
@@ -224,25 +241,38 @@ class LocalStorage:
         pool: Executor,
         on_extent: Callable[[Extent], None] | None = None,
     ) -> IOResult:
+        path, dir_fd = self._target(directory, name)
         return write_file(
-            self._path(directory, name), view, extents,
-            pool=pool, direct=self.io.direct, fsync=self.io.fsync, on_extent=on_extent,
+            path, view, extents, pool=pool, direct=self.io.direct, fsync=self.io.fsync,
+            on_extent=on_extent, dir_fd=dir_fd,
         )  # fmt: skip
+
+    def _target(self, directory: str, name: str) -> tuple[str, int | None]:
+        """Where a save writes ``name``: relative to the directory it holds open (a directory
+        swapped for a symlink after ``prepare`` is not followed), else a checked path."""
+        lock = self._writing.get(directory)
+        if lock is not None:
+            return name, lock.fd
+        self._dir(directory, "persist")
+        return self._path(directory, name), None
 
     def write_object(self, directory: str, name: str, data: bytes) -> None:
         path = self._path(directory, name)
+        target, dir_fd = self._target(directory, name)
         try:
-            write_bytes_durable(path, data, fsync=self.io.fsync)
+            write_bytes_durable(target, data, fsync=self.io.fsync, dir_fd=dir_fd)
         except OSError as e:
             raise _io_error(e, f"write {name}", path, "persist") from e
 
     def commit(self, directory: str, manifest: bytes) -> None:
         """Make the checkpoint exist: durable manifest under its final name; never replaces one."""
-        tmp, final = self._path(directory, MANIFEST_TMP), self._path(directory, MANIFEST)
+        final = self._path(directory, MANIFEST)
+        tmp, dir_fd = self._target(directory, MANIFEST_TMP)
+        name = MANIFEST if dir_fd is not None else final
         try:
-            write_bytes_durable(tmp, manifest, fsync=self.io.fsync)
+            write_bytes_durable(tmp, manifest, fsync=self.io.fsync, dir_fd=dir_fd)
             killpoint("commit.before_rename")
-            link_no_replace(tmp, final, fsync=self.io.fsync)
+            link_no_replace(tmp, name, fsync=self.io.fsync, dir_fd=dir_fd)
         except FileExistsError:
             raise CheckpointExistsError(
                 f"{directory} was committed by another writer", path=final, phase="commit"
@@ -338,7 +368,7 @@ class LocalStorage:
     def read_marker(self, directory: str) -> str | None:
         """Why ``directory`` was marked damaged, or None if it was not."""
         path = self._path(directory, DAMAGED_MARKER)
-        if not os.path.lexists(path):
+        if not self._exists(path, "restore"):
             return None
         try:
             doc = json.loads(read_regular(path, 65536))
