@@ -259,9 +259,7 @@ class Catalog:
                 removed.append(e.step)
         return removed
 
-    def _remove_held(
-        self, name: str, *, uncommit: bool, point: str, debris: bool = False
-    ) -> bool:
+    def _remove_held(self, name: str, *, uncommit: bool, point: str, debris: bool = False) -> bool:
         """Remove ``name`` if nobody holds it; False if pinned or being written. ``debris``:
         only if it still has no manifest once held (a save may have committed since the scan)."""
         try:
