@@ -230,7 +230,13 @@ class Saver:
     def borrow_buffer(self, nbytes: int) -> Iterator[tuple[memoryview, torch.Tensor]]:
         """An arena of at least ``nbytes`` for a restore; it stays for later saves."""
         self._check_open()
-        arena = self._acquire_arena(nbytes)
+        try:
+            arena = self._acquire_arena(nbytes)
+        except (OSError, MemoryError) as e:  # a huge (valid) checkpoint this host cannot hold
+            raise CheckpointError(
+                f"cannot allocate {nbytes} bytes of host memory to restore into: {e}",
+                phase="restore",
+            ) from e
         try:
             yield arena.view, self._buffers[id(arena)]
         finally:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pitstop.errors import CorruptCheckpointError
+from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.checksum import get_checksum, segments
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import objects_file_name
@@ -157,7 +157,10 @@ def read_verified(
 
 @contextmanager
 def _own_buffer(nbytes: int) -> Iterator[memoryview]:
-    arena = Arena(nbytes)
+    try:
+        arena = Arena(nbytes)
+    except (OSError, MemoryError) as e:
+        raise CheckpointError(f"cannot allocate {nbytes} bytes to verify into: {e}") from e
     try:
         yield arena.view
     finally:
