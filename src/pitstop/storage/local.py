@@ -309,24 +309,24 @@ class LocalStorage:
             raise _io_error(e, f"read {path}", path, "restore") from e
 
     def read_object(self, directory: str, name: str) -> bytes:
-        path = self._path(directory, name)
-        self._dir(directory)
-        try:
-            return read_regular(path, self.io.max_metadata_bytes)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{name} is missing", path=path) from None
-        except OSError as e:
-            raise _io_error(e, f"read {name}", path, "restore") from e
+        limit = self.io.max_metadata_bytes
+        return self._file(directory, name, lambda p: read_regular(p, limit), "read", "restore")
 
     def file_size(self, directory: str, name: str) -> int:
+        return self._file(directory, name, regular_size, "stat", "verify")
+
+    def _file(
+        self, directory: str, name: str, fn: Callable[[str], Any], what: str, phase: str
+    ) -> Any:
+        """``fn(path)`` of a file of a checkpoint: missing is damage, other OS errors are I/O."""
         path = self._path(directory, name)
         self._dir(directory)
         try:
-            return regular_size(path)
+            return fn(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{name} is missing", path=path) from None
         except OSError as e:
-            raise _io_error(e, f"stat {name}", path, "verify") from e
+            raise _io_error(e, f"{what} {name}", path, phase) from e
 
     def read_data(
         self,

@@ -21,6 +21,7 @@ from typing import Any
 
 from pitstop.errors import CheckpointIOError
 from pitstop.log import get_logger
+from pitstop.storage.wrap import StorageWrapper
 
 __all__ = ["TRANSIENT_ERRNOS", "RetryingStorage"]
 
@@ -38,30 +39,15 @@ _RETRY_ANY = frozenset(
 _RETRY_TRANSIENT = frozenset({"prepare", "write_data"})
 
 
-class RetryingStorage:
+class RetryingStorage(StorageWrapper):
     """Wraps any Storage; see the module docstring."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __repr__(self) -> str:
-        return f"RetryingStorage({self.inner!r})"
-
-    @property
-    def url(self) -> str:
-        return str(self.inner.url)
-
-    @property
-    def io(self) -> Any:
-        return self.inner.io
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.inner, name)
+    def _call(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _RETRY_ANY:
-            return self._wrap(attr, name, transient_only=False)
+            return self._wrap(fn, name, transient_only=False)
         if name in _RETRY_TRANSIENT:
-            return self._wrap(attr, name, transient_only=True)
-        return attr
+            return self._wrap(fn, name, transient_only=True)
+        return fn
 
     def _wrap(
         self, fn: Callable[..., Any], name: str, *, transient_only: bool

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pitstop.errors import CheckpointIOError
+from pitstop.storage.wrap import StorageWrapper
 
 __all__ = ["CALLS", "PHASES", "FaultyStorage", "GateStorage"]
 
@@ -57,28 +58,16 @@ writes are persist; ``commit``/``abort``; listing and reading manifests is scan;
 checkpoint's files is restore; ``mark_damaged`` is verify; uncommit/remove/rename are gc."""
 
 
-class _Wrapper:
-    """Forwards every Storage call to ``inner`` through ``self._call``."""
+class _Wrapper(StorageWrapper):
+    """Runs ``_before(name, args)`` ahead of every Storage call."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    @property
-    def url(self) -> str:
-        return str(self.inner.url)
-
-    @property
-    def io(self) -> Any:
-        return self.inner.io
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self.inner, name)
+    def _call(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if name not in CALLS:
-            return target
+            return fn
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._before(name, args)
-            return target(*args, **kwargs)
+            return fn(*args, **kwargs)
 
         return call
 
