@@ -35,11 +35,11 @@ CALLS: dict[str, str] = {
     "write_object": "persist",
     "commit": "commit",
     "abort": "commit",
-    "entries": "scan",
-    "entry_kind": "scan",
-    "has_manifest": "scan",
-    "read_marker": "scan",
-    "read_manifest": "scan",
+    "entries": "restore",
+    "entry_kind": "restore",
+    "has_manifest": "restore",
+    "read_marker": "restore",
+    "read_manifest": "restore",
     "lock": "restore",
     "file_size": "restore",
     "read_object": "restore",
@@ -52,10 +52,11 @@ CALLS: dict[str, str] = {
 }
 """Every storage call and the phase it belongs to."""
 
-PHASES = ("plan", "persist", "commit", "scan", "restore", "verify", "gc")
+PHASES = ("plan", "persist", "commit", "restore", "verify", "gc")
 """Phases whose storage calls FaultyStorage can fail: ``prepare`` is plan; data and objects
-writes are persist; ``commit``/``abort``; listing and reading manifests is scan; reading a
-checkpoint's files is restore; ``mark_damaged`` is verify; uncommit/remove/rename are gc."""
+writes are persist; ``commit``/``abort``; every read (listing, manifests, markers, pins,
+sizes, objects and data files) is restore; ``mark_damaged`` is verify; mtime, uncommit,
+remove and rename are gc."""
 
 
 class _Wrapper(StorageWrapper):
