@@ -125,7 +125,8 @@ def test_restore_waits_for_a_save_still_copying(root: str) -> None:
         ckpt._saver._stage_pool.submit(gate.wait)  # hold the deferred copy of step 2
         handle = ckpt.async_save(2, state)
         threading.Timer(0.2, gate.set).start()
-        assert ckpt.restore(state, step=1) == 1  # waits for step 2's copy before writing
+        # waits for step 2's copy before writing (rollback=False: step 2 stays a candidate)
+        assert ckpt.restore(state, step=1, rollback=False) == 1
         handle.wait()
         assert_same_tensors(old, tensors_of(state))
     assert_same_tensors(newer, tensors_of(pitstop.CheckpointManager(root).load(2)))

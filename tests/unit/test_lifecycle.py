@@ -329,3 +329,97 @@ def test_partial_restore_of_an_older_step_rolls_nothing_back(root: str) -> None:
         assert ckpt.restore({"model": model}, step=1, strict=False) == 1
         assert ckpt.steps() == [1, 2, 3]  # evaluation of an old step is no rollback
     assert_same_tensors(tensors_of({"m": make_state(seed=1)["model"]}), tensors_of({"m": model}))
+
+
+# ---------------------------------------------------------------- second review round
+def test_a_checkpoint_replaced_after_the_scan_is_read_as_it_is_now(root: str) -> None:
+    _saved(root, range(1, 3)).close()
+    gate = GateStorage(LocalStorage(root), hold={"lock"}, when=lambda n, a: a[0].endswith("2"))
+    reader = pitstop.CheckpointManager(gate)
+    fresh = make_state(seed=99)
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(step=reader.restore(fresh, rollback=False)))
+    t.start()
+    assert gate.arrived["lock"].wait(20)  # the reader scanned and is about to pin step 2
+    with pitstop.CheckpointManager(root) as other:  # rolls back and saves a new step 2
+        other.restore(make_state(seed=98), step=1)
+        other.save(2, make_state(seed=22))
+    gate.open("lock")
+    t.join(30)
+    assert out.get("step") == 2
+    assert_same_tensors(tensors_of(make_state(seed=22)), tensors_of(fresh))
+    assert not os.path.exists(os.path.join(root, "step-0000000002", DAMAGED_MARKER))
+    reader.close()
+
+
+def test_a_failing_retention_policy_never_hangs_a_save(root: str, caplog: Any) -> None:
+    class Broken:
+        def keep(self, checkpoints: Any) -> set[int]:
+            raise ValueError("boom")
+
+    with pitstop.CheckpointManager(root, retention=Broken()) as ckpt:
+        ckpt.save(1, {"x": torch.ones(2)})
+        ckpt.save(2, {"x": torch.ones(2)})
+        assert ckpt.steps() == [1, 2]
+    assert "retention after step 2 failed" in caplog.text
+
+
+def test_a_garbage_marker_is_read_as_damaged(root: str) -> None:
+    _saved(root, range(1, 3)).close()
+    with open(os.path.join(root, "step-0000000002", DAMAGED_MARKER), "w") as f:
+        f.write("[" * 3000)
+    fresh = make_state(seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(fresh, rollback=False) == 1
+
+
+def test_nesting_depth_is_linear_on_escaped_quotes() -> None:
+    from pitstop.format.jsonsafe import nesting_depth
+
+    assert nesting_depth('{"a": ["\\\\", "\\"[[", {"b": "]"}]}') == 3
+    # an unterminated string of escaped quotes (a damaged manifest): quadratic would take minutes
+    assert nesting_depth('"' + '\\"' * 200_000) == 0
+
+
+def test_rollback_leaves_other_runs_alone(root: str) -> None:
+    a = _saved(root, range(1, 3))
+    b = _saved(root, range(10, 12))
+    a.close()
+    b.close()
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(make_state(seed=99), step=1) == 1
+        assert ckpt.steps() == [1, 10, 11]
+
+
+def test_rollback_holds_when_a_newer_checkpoint_is_in_use(root: str) -> None:
+    _saved(root, range(1, 4)).close()
+    with pitstop.CheckpointManager(root) as ckpt:
+        with ckpt.catalog.pin("step-0000000003"):  # e.g. `pitstop verify` in another process
+            assert ckpt.restore(make_state(seed=99), step=1) == 1
+        assert ckpt.steps() == [1]  # step 3 is marked abandoned in place
+        ckpt.save(2, make_state(seed=22))
+        ckpt.save(3, make_state(seed=33))  # moves the marked one out of the way
+    fresh = make_state(seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(fresh) == 3
+    assert_same_tensors(tensors_of(make_state(seed=33)), tensors_of(fresh))
+
+
+def test_a_rollback_killed_after_its_first_write_still_holds(root: str) -> None:
+    _saved(root, range(1, 4)).close()
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.restore(make_state(seed=99), step=1, rollback=False)
+        entry = next(e for e in ckpt.entries() if e.step == 1)
+        assert entry.manifest is not None and entry.manifest.lineage is not None
+        lineage = entry.manifest.lineage
+        doc = {"after": 1, "run": lineage.run, "timeline": lineage.timeline}
+        ckpt.storage.mark("step-0000000001", "rollback", json.dumps(doc))  # then: SIGKILL
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.steps() == [1]
+        assert ckpt.restore(make_state(seed=99)) == 1
+
+
+def test_partial_restore_that_matches_no_top_level_key_is_an_error(root: str) -> None:
+    pitstop.save(root, make_state(seed=1), step=1)
+    with pytest.raises(pitstop.StateMismatchError, match="nothing to load"):
+        pitstop.load(root, {"modle": make_state(seed=2)["model"]}, strict=False)

@@ -24,11 +24,14 @@ persist thread (``retire`` after each commit); the CLI; any process at the same 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from pitstop.errors import (
     CheckpointError,
@@ -65,8 +68,9 @@ class Entry:
     name: str
     step: int | None
     status: str
-    manifest: Manifest | None = None
+    manifest: Manifest | None = field(default=None, repr=False)
     error: str | None = None
+    rollback: Any = field(default=None, repr=False)  # a ROLLBACK marker: newer steps abandoned
 
     @property
     def is_step_dir(self) -> bool:
@@ -111,6 +115,31 @@ class RunIdentity:
         self.parent = step
 
 
+def _run_of(entry: Entry) -> tuple[str | None, str | None]:
+    lineage = entry.manifest.lineage if entry.manifest is not None else None
+    return (lineage.run, lineage.timeline) if lineage is not None else (None, None)
+
+
+def _apply_rollbacks(entries: list[Entry]) -> list[Entry]:
+    """Committed checkpoints newer than a rollback's target, of its run and old timeline, are
+    abandoned (even where the rollback was killed before it could mark or move them)."""
+    marks = [e.rollback for e in entries if isinstance(e.rollback, dict)]
+    if not marks:
+        return entries
+    out = []
+    for e in entries:
+        run, timeline = _run_of(e)
+        gone = e.status == "committed" and any(
+            isinstance(m.get("after"), int) and (e.step or 0) > m["after"]
+            and m.get("run") == run and m.get("timeline") == timeline
+            for m in marks
+        )  # fmt: skip
+        out.append(
+            dataclasses.replace(e, status="abandoned", error="a rollback left it") if gone else e
+        )
+    return out
+
+
 def read_manifest(storage: Storage, directory: str) -> Manifest:
     """Parse the manifest of ``directory``; raises CheckpointNotFoundError, ManifestError,
     FormatVersionError or CheckpointIOError."""
@@ -135,7 +164,12 @@ class Catalog:
     def scan(self) -> list[Entry]:
         """Every entry under the root, sorted by step. I/O errors are raised, not hidden."""
         out = [e for e in (self._entry(n) for n in self.storage.entries()) if e is not None]
+        out = _apply_rollbacks(out)
         return sorted(out, key=lambda e: (e.step is None, e.step or 0, e.name))
+
+    def refresh(self, name: str) -> Entry | None:
+        """``name`` as it is now (after a pin took hold: another process may have replaced it)."""
+        return self._entry(name)
 
     def _entry(self, name: str) -> Entry | None:
         step = parse_step_dir(name)
@@ -164,10 +198,16 @@ class Catalog:
             return Entry(name, step, "newer", error=e.message)
         except CorruptCheckpointError as e:
             return Entry(name, step, "damaged", error=e.message)
-        marker = self.storage.read_marker(name)
-        if marker is not None:
-            return Entry(name, step, "damaged", manifest, error=marker)
-        return Entry(name, step, "committed", manifest)
+        markers = self.storage.read_markers(name)
+        if "damaged" in markers:
+            why = markers["damaged"].get("reason") if isinstance(markers["damaged"], dict) else None
+            return Entry(name, step, "damaged", manifest, error=str(why or "marked damaged"))
+        if "abandoned" in markers:
+            return Entry(
+                name, step, "abandoned", manifest, error="a rollback left it (in use then)"
+            )
+        rollback = markers.get("rollback")
+        return Entry(name, step, "committed", manifest, rollback=rollback if rollback else None)
 
     def committed(self) -> list[Entry]:
         """Committed checkpoints, oldest first."""
@@ -199,21 +239,57 @@ class Catalog:
     # ------------------------------------------------------------------ damage and timelines
     def mark_damaged(self, name: str, reason: str) -> None:
         """Record why ``name`` failed verification; nothing is moved or deleted."""
+        doc = {"reason": reason[:4000], "time": time.time()}
         try:
-            self.storage.mark_damaged(name, reason)
+            self.storage.mark(name, "damaged", json.dumps(doc))
         except CheckpointError as e:
             _log.warning("could not mark %s damaged: %s", name, e, phase="verify")
+
+    def start_timeline(self, restored: Entry, entries: list[Entry], damaged: set[str]) -> list[str]:
+        """A rollback to ``restored``: the newer checkpoints of its run stop being candidates.
+        First a ROLLBACK marker in ``restored`` (one atomic write: a rollback killed half-way
+        still holds, and scan applies it), then each newer one is marked and set aside (renamed:
+        its step name is free for the new timeline) unless it is in use, when the mark holds."""
+        assert restored.step is not None and restored.manifest is not None
+        run, timeline = _run_of(restored)
+        newer = [
+            e for e in entries
+            if e.is_step_dir and (e.step or 0) > restored.step
+            and e.status in ("committed", "damaged", "abandoned")
+            and (_run_of(e)[0] == run or e.manifest is None)  # unreadable: whose is unknown
+        ]  # fmt: skip
+        if not newer:
+            return []
+        doc = {"after": restored.step, "run": run, "timeline": timeline, "time": time.time()}
+        self.storage.mark(restored.name, "rollback", json.dumps(doc))
+        moved = []
+        for e in newer:
+            kind = "damaged" if e.status == "damaged" or e.name in damaged else "abandoned"
+            try:
+                if kind == "abandoned":
+                    self.storage.mark(e.name, "abandoned", json.dumps({"after": restored.step}))
+                target = self.set_aside(e, kind)
+            except CheckpointNotFoundError:
+                continue  # another process set it aside first
+            moved.append(target or e.name)
+        return moved
 
     def set_aside(self, entry: Entry, kind: str) -> str | None:
         """Move ``entry`` out of the restore candidates and out of a new save's way
         (``kind``: abandoned or damaged). Returns the new name; None if it is pinned."""
         assert entry.step is not None
-        lock = self.storage.lock(entry.name, exclusive=True)
+        try:
+            lock = self.storage.lock(entry.name, exclusive=True)
+        except CheckpointNotFoundError:
+            return None
         if lock is None:
             _log.warning("%s is in use elsewhere; not set aside", entry.name, phase="restore")
             return None
         target = aside_dir_name(kind, entry.step, uuid.uuid4().hex[:8])
         with lock:
+            now = self._entry(entry.name)  # still the checkpoint that was scanned?
+            if now is None or now.manifest != entry.manifest:
+                return None
             self.storage.rename(entry.name, target)
         return target
 

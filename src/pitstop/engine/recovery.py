@@ -100,9 +100,14 @@ def recover(
                 result.skipped.append((entry.name, f"damaged: {entry.error}"))
                 continue
             with catalog.pin(entry.name) as alive:
-                if not alive:
-                    vanished = True
+                fresh = catalog.refresh(entry.name) if alive else None
+                if fresh is None or fresh.status not in ("committed", "damaged"):
+                    vanished = True  # removed, moved or replaced since the scan: look again
                     break
+                if fresh.status == "damaged":
+                    result.skipped.append((entry.name, f"damaged: {fresh.error}"))
+                    continue
+                entry = fresh  # what is there now, under the pin (not what the scan saw)
                 try:
                     result.value = load(entry)
                 except PartialRestoreError as e:
@@ -122,7 +127,15 @@ def recover(
             result.step, result.name, result.manifest = entry.step, entry.name, entry.manifest
             if rollback:
                 damaged = {name for name, why in result.skipped if why.startswith("damaged")}
-                result.set_aside = _set_aside_newer(catalog, entries, entry, damaged)
+                # the scan this restore chose from: a save that commits later is not abandoned
+                result.set_aside = catalog.start_timeline(entry, entries, damaged)
+                for name in result.set_aside:
+                    _log.warning(
+                        "%s set aside: a new timeline starts at %s",
+                        name,
+                        entry.name,
+                        phase="restore",
+                    )
             result.secs = time.perf_counter() - t0
             _report(catalog, result)
             return result
@@ -150,30 +163,6 @@ def _reasons(skipped: list[tuple[str, str]]) -> str:
         f"{names[0]}{f' and {len(names) - 1} older' if len(names) > 1 else ''}: {why}"
         for why, names in groups.items()
     )
-
-
-def _set_aside_newer(
-    catalog: Catalog, entries: list[Entry], restored: Entry, damaged: set[str]
-) -> list[str]:
-    """A new timeline starts at ``restored``: newer checkpoints stop being candidates."""
-    moved = []
-    for e in entries:
-        if not e.is_step_dir or e.step is None or e.step <= (restored.step or 0):
-            continue
-        if e.status not in ("committed", "damaged"):
-            continue  # partial: debris a new save clears; newer/foreign: never touched
-        kind = "abandoned" if e.status == "committed" and e.name not in damaged else "damaged"
-        target = catalog.set_aside(e, kind)
-        if target is not None:
-            moved.append(target)
-            _log.warning(
-                "%s set aside as %s (a new timeline starts at %s)",
-                e.name,
-                target,
-                restored.name,
-                phase="restore",
-            )
-    return moved
 
 
 def _report(catalog: Catalog, result: RestoreResult) -> None:

@@ -161,7 +161,9 @@ class Saver:
         self, handle: SaveHandle, directory: str, state: Mapping[str, Any]
     ) -> tuple[StageJob, Flat, SavePlan, Arena]:
         step = handle.step
-        if self.storage.has_manifest(directory):
+        if self.storage.has_manifest(directory) and not (
+            {"damaged", "abandoned"} & set(self.storage.read_markers(directory))
+        ):  # a marked one is moved out of the way by prepare
             raise CheckpointExistsError(
                 f"step {step} is already committed; committed checkpoints are never rewritten",
                 step=step, path=f"{self.storage.url}/{directory}", phase="plan",
@@ -384,8 +386,8 @@ class Saver:
         if error is None and self._on_commit is not None:
             try:  # part of the save: wait() returns after it; the next persist starts after it
                 self._on_commit(handle.step)
-            except CheckpointError as e:
-                _log.warning("retention after step %d failed: %s", handle.step, e, phase="gc")
+            except Exception as e:  # retention never fails (or hangs) a committed save
+                _log.warning("retention after step %d failed: %r", handle.step, e, phase="gc")
         with self._cond:
             self._inflight.pop(handle.step, None)
             if error is not None:

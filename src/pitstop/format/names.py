@@ -8,6 +8,7 @@
         rank-00000.bin              tensors of rank 0, each at a 4 KiB-aligned offset
         objects-00000.json          the state's structure and non-tensor values of rank 0
         DAMAGED                     only after it failed verification: why (JSON)
+        ABANDONED / ROLLBACK        only after a rollback (see MARKERS)
       .writing-step-0000001300-<id>/  a save being created; renamed to step-* before any data
       .abandoned-step-0000001250-<id>/  a newer step that a rollback left (timeline ended)
       .damaged-step-0000001100-<id>/    a damaged checkpoint moved out of a new save's way
@@ -27,6 +28,7 @@ __all__ = [
     "DAMAGED_MARKER",
     "MANIFEST",
     "MANIFEST_TMP",
+    "MARKERS",
     "OWNER_FILE",
     "aside_dir_name",
     "data_file_name",
@@ -41,6 +43,10 @@ __all__ = [
 MANIFEST = "manifest.json"
 MANIFEST_TMP = "manifest.json.tmp"
 DAMAGED_MARKER = "DAMAGED"
+MARKERS = {"damaged": DAMAGED_MARKER, "abandoned": "ABANDONED", "rollback": "ROLLBACK"}
+"""Marker files a checkpoint directory may get after its commit (JSON): why it failed
+verification; that a rollback abandoned it; that a rollback to it abandoned the newer
+steps of its timeline (written first, so a rollback killed half-way still holds)."""
 OWNER_FILE = ".owner"
 
 ASIDE_KINDS = ("abandoned", "damaged", "corrupt", "writing")

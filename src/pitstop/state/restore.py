@@ -389,6 +389,12 @@ def restore_into(
             "the state nests too deeply to restore in place; load it with pitstop.load(path)",
             phase="restore",
         ) from None
+    top = restorer.pairings.get(id(tree), [])
+    if not strict and state and not top:
+        restorer.problems.mismatched.append(
+            f"none of the state's keys ({', '.join(map(str, list(state)[:5]))}) is in the "
+            f"checkpoint (it has {', '.join(str(k) for k, _ in tree['dict'][:5])}): nothing to load"
+        )
     restorer.problems.raise_if_any()
     restorer.report.loaded = [str(pair[0]) for pair in restorer.pairings.get(id(tree), [])]
     try:

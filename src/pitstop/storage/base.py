@@ -18,8 +18,8 @@ Call sequence of a save, on the persist thread of each writing rank::
 
 of a restore, on the calling thread: ``entries()``, ``entry_kind(n)``,
 ``read_manifest(d)``, ``lock(d, exclusive=False)`` (a pin, held while reading),
-``file_size``, ``read_object``, ``read_data``; ``mark_damaged(d, why)`` when
-verification fails. Retention and gc take ``lock(d, exclusive=True)`` (None:
+``file_size``, ``read_object``, ``read_data``; ``mark(d, "damaged", why)`` when
+verification fails (``read_markers(d)`` reads them back). Retention and gc take ``lock(d, exclusive=True)`` (None:
 pinned, skip it), then ``uncommit(d)`` (the manifest goes first, so a crash leaves
 debris, never a half-deleted checkpoint that looks committed) and ``remove(d)``.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pitstop.io.locks import DirLock
 from pitstop.io.parallel import Extent, IOResult
@@ -102,10 +102,12 @@ class Storage(Protocol):
         """Pin (shared) or hold (exclusive) ``directory`` without waiting; None if held."""
         ...
 
-    def mark_damaged(self, directory: str, reason: str) -> None: ...
+    def mark(self, directory: str, kind: str, text: str) -> None:
+        """Write marker ``kind`` (damaged, abandoned, rollback) of ``directory``: JSON ``text``."""
+        ...
 
-    def read_marker(self, directory: str) -> str | None:
-        """Why ``directory`` was marked damaged; None if it was not."""
+    def read_markers(self, directory: str) -> dict[str, Any]:
+        """The parsed markers of ``directory`` by kind (``{}`` for one that does not parse)."""
         ...
 
     def uncommit(self, directory: str) -> None:

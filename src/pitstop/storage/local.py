@@ -36,11 +36,13 @@ from pitstop.errors import (
     UnsafePathError,
 )
 from pitstop.faults import killpoint
+from pitstop.format.jsonsafe import load_json
 from pitstop.format.names import (
-    DAMAGED_MARKER,
     MANIFEST,
     MANIFEST_TMP,
+    MARKERS,
     OWNER_FILE,
+    aside_dir_name,
     parse_step_dir,
     writing_dir_name,
 )
@@ -209,6 +211,10 @@ class LocalStorage:
                 path=final, phase="plan",
             )  # fmt: skip
         if self.has_manifest(directory):
+            markers = self.read_markers(directory)
+            aside = next((k for k in ("damaged", "abandoned") if k in markers), None)
+            if aside is not None and self._move_aside(directory, aside):
+                return  # a damaged or abandoned checkpoint left in use then: out of the way now
             raise CheckpointExistsError(
                 f"{directory} is already committed; committed checkpoints are never rewritten",
                 path=final, phase="plan",
@@ -222,6 +228,16 @@ class LocalStorage:
         with lock:
             if not self.has_manifest(directory):
                 shutil.rmtree(final)
+
+    def _move_aside(self, directory: str, kind: str) -> bool:
+        step = parse_step_dir(directory)
+        lock = try_lock(self._path(directory), exclusive=True)
+        if lock is None or step is None:
+            return False
+        with lock:
+            target = self._path(aside_dir_name(kind, step, uuid.uuid4().hex[:8]))
+            rename_durable(self._path(directory), target, fsync=self.io.fsync)
+        return True
 
     def _owner(self, directory: str) -> str:
         try:
@@ -355,30 +371,30 @@ class LocalStorage:
         except OSError as e:
             raise _io_error(e, f"lock {directory}", path, "restore") from e
 
-    def mark_damaged(self, directory: str, reason: str) -> None:
-        """Record in ``directory`` why it failed verification (nothing is moved)."""
-        path = self._path(directory, DAMAGED_MARKER)
+    def mark(self, directory: str, kind: str, text: str) -> None:
+        """Record ``text`` (JSON) as marker ``kind`` of ``directory`` (see format.names.MARKERS),
+        atomically: a crash leaves the old marker or the new one."""
         self._dir(directory)
-        doc = {"reason": reason[:4000], "time": time.time(), "host": socket.gethostname()}
+        name = MARKERS[kind]
+        tmp, final = self._path(directory, name + ".tmp"), self._path(directory, name)
         try:
-            write_bytes_durable(path, json.dumps(doc).encode(), fsync=self.io.fsync)
+            write_bytes_durable(tmp, text.encode(), fsync=self.io.fsync)
+            rename_durable(tmp, final, fsync=self.io.fsync)
         except OSError as e:
-            raise _io_error(e, f"mark {directory} damaged", path, "verify") from e
+            raise _io_error(e, f"mark {directory} {kind}", final, "verify") from e
 
-    def read_marker(self, directory: str) -> str | None:
-        """Why ``directory`` was marked damaged, or None if it was not."""
-        path = self._path(directory, DAMAGED_MARKER)
-        if not self._exists(path, "restore"):
-            return None
-        try:
-            doc = json.loads(read_regular(path, 65536))
-            return (
-                str(doc["reason"])
-                if isinstance(doc, dict) and "reason" in doc
-                else "marked damaged"
-            )
-        except (OSError, CheckpointError, ValueError):
-            return "marked damaged"
+    def read_markers(self, directory: str) -> dict[str, Any]:
+        """The markers of ``directory`` by kind; a marker that does not parse reads as ``{}``."""
+        out: dict[str, Any] = {}
+        for kind, name in MARKERS.items():
+            path = self._path(directory, name)
+            if not self._exists(path, "restore"):
+                continue
+            try:
+                out[kind] = load_json(read_regular(path, 65536), what=name, path=path)
+            except (OSError, CheckpointError):
+                out[kind] = {}
+        return out
 
     def uncommit(self, directory: str) -> None:
         path = self._dir(directory, "gc")

@@ -38,13 +38,13 @@ CALLS: dict[str, str] = {
     "entries": "restore",
     "entry_kind": "restore",
     "has_manifest": "restore",
-    "read_marker": "restore",
+    "read_markers": "restore",
     "read_manifest": "restore",
     "lock": "restore",
     "file_size": "restore",
     "read_object": "restore",
     "read_data": "restore",
-    "mark_damaged": "verify",
+    "mark": "verify",
     "mtime": "gc",
     "uncommit": "gc",
     "remove": "gc",
@@ -55,7 +55,7 @@ CALLS: dict[str, str] = {
 PHASES = ("plan", "persist", "commit", "restore", "verify", "gc")
 """Phases whose storage calls FaultyStorage can fail: ``prepare`` is plan; data and objects
 writes are persist; ``commit``/``abort``; every read (listing, manifests, markers, pins,
-sizes, objects and data files) is restore; ``mark_damaged`` is verify; mtime, uncommit,
+sizes, objects and data files) is restore; ``mark`` is verify; mtime, uncommit,
 remove and rename are gc."""
 
 
