@@ -105,17 +105,18 @@ def check_regular(st: os.stat_result, path: str) -> None:
         )
 
 
-def regular_size(path: str) -> int:
-    """Size of the regular file ``path`` (not followed if a symlink)."""
-    st = os.lstat(path)
+def regular_size(path: str, dir_fd: int | None = None) -> int:
+    """Size of the regular file ``path`` (not followed if a symlink; with ``dir_fd``, a name in
+    that open directory)."""
+    st = os.lstat(path, dir_fd=dir_fd)
     check_regular(st, path)
     return st.st_size
 
 
-def open_regular(path: str) -> int:
+def open_regular(path: str, dir_fd: int | None = None) -> int:
     """Open a regular file to read; a symlink, FIFO or device is refused."""
     try:
-        fd = os.open(path, READ_FLAGS)
+        fd = os.open(path, READ_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafePathError(
@@ -130,9 +131,9 @@ def open_regular(path: str) -> int:
     return fd
 
 
-def read_regular(path: str, limit: int) -> bytes:
+def read_regular(path: str, limit: int, dir_fd: int | None = None) -> bytes:
     """The whole regular file ``path``, refusing one larger than ``limit`` bytes before reading."""
-    fd = open_regular(path)
+    fd = open_regular(path, dir_fd)
     try:
         size = os.fstat(fd).st_size
         if size > limit:

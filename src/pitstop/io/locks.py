@@ -20,6 +20,7 @@ import errno
 import fcntl
 import os
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 __all__ = ["DirLock", "try_lock"]
@@ -34,12 +35,15 @@ class DirLock:
 
     def __init__(self, fd: int, key: tuple[int, int], local: bool, exclusive: bool) -> None:
         self.fd, self.key, self.local, self.exclusive = fd, key, local, exclusive
+        self.on_release: Callable[[], None] | None = None  # the holder's bookkeeping
         self._released = False
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        if self.on_release is not None:
+            self.on_release()
         if self.local:
             with _table_lock:
                 held = _table.get(self.key, 0)

@@ -265,8 +265,10 @@ def read_file(
     pool: Executor,
     direct: DirectMode = "auto",
     on_extent: Callable[[Extent], None] | None = None,
+    dir_fd: int | None = None,
 ) -> IOResult:
-    """Read every extent of ``path`` into the same range of ``view``, in parallel."""
+    """Read every extent of ``path`` into the same range of ``view``, in parallel (with
+    ``dir_fd``: ``path`` is a name in that open directory)."""
     t0 = time.perf_counter()
 
     def read_all(fd: int) -> None:
@@ -277,7 +279,7 @@ def read_file(
 
         _run_extents(pool, extents, job, midpoint=None)
 
-    used_direct = _with_fd(path, READ_FLAGS, direct, "restore", read_all)
+    used_direct = _with_fd(path, READ_FLAGS, direct, "restore", read_all, dir_fd=dir_fd)
     total = sum(e.nbytes for e in extents)
     return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=used_direct)
 

@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -75,6 +76,8 @@ class LocalStorage:
         self.url = self.root
         self.io = io if io is not None else IOOptions.from_env()
         self._writing: dict[str, DirLock] = {}
+        self._pinned: dict[str, list[int]] = {}  # directory -> fds of pins held (reads use them)
+        self._pin_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r})"
@@ -314,9 +317,9 @@ class LocalStorage:
     # ------------------------------------------------------------------ read
     def read_manifest(self, directory: str) -> bytes:
         path = self._path(directory, MANIFEST)
-        self._dir(directory)
+        source, dir_fd = self._source(directory, MANIFEST)
         try:
-            return read_regular(path, self.io.max_metadata_bytes)
+            return read_regular(source, self.io.max_metadata_bytes, dir_fd)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"{directory} has no {MANIFEST}: not a committed checkpoint", path=path
@@ -326,19 +329,22 @@ class LocalStorage:
 
     def read_object(self, directory: str, name: str) -> bytes:
         limit = self.io.max_metadata_bytes
-        return self._file(directory, name, lambda p: read_regular(p, limit), "read", "restore")
+        return self._file(
+            directory, name, lambda p, d: read_regular(p, limit, d), "read", "restore"
+        )
 
     def file_size(self, directory: str, name: str) -> int:
         return self._file(directory, name, regular_size, "stat", "verify")
 
     def _file(
-        self, directory: str, name: str, fn: Callable[[str], Any], what: str, phase: str
+        self, directory: str, name: str, fn: Callable[[str, int | None], Any], what: str, phase: str
     ) -> Any:
-        """``fn(path)`` of a file of a checkpoint: missing is damage, other OS errors are I/O."""
+        """``fn(path, dir_fd)`` of a file of a checkpoint: missing is damage, other OS errors
+        are I/O."""
         path = self._path(directory, name)
-        self._dir(directory)
+        source, dir_fd = self._source(directory, name)
         try:
-            return fn(path)
+            return fn(source, dir_fd)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{name} is missing", path=path) from None
         except OSError as e:
@@ -354,22 +360,47 @@ class LocalStorage:
         pool: Executor,
         on_extent: Callable[[Extent], None] | None = None,
     ) -> IOResult:
-        self._dir(directory)
+        source, dir_fd = self._source(directory, name)
         return read_file(
-            self._path(directory, name), view, extents,
-            pool=pool, direct=self.io.direct, on_extent=on_extent,
+            source, view, extents, pool=pool, direct=self.io.direct, on_extent=on_extent,
+            dir_fd=dir_fd,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
     def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:
-        """Hold ``directory`` (shared: a pin; exclusive: to remove or move it) or None if held."""
+        """Hold ``directory`` (shared: a pin; exclusive: to remove or move it) or None if held.
+        While a pin is held, this storage reads the directory's files through it, so a
+        directory swapped for a symlink meanwhile is not followed."""
         path = self._dir(directory)
         try:
-            return try_lock(path, exclusive=exclusive)
+            lock = try_lock(path, exclusive=exclusive)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{directory} does not exist", path=path) from None
         except OSError as e:
             raise _io_error(e, f"lock {directory}", path, "restore") from e
+        if lock is not None and not exclusive:
+            fd = lock.fd
+            with self._pin_lock:
+                self._pinned.setdefault(directory, []).append(fd)
+            lock.on_release = lambda: self._unpin(directory, fd)
+        return lock
+
+    def _unpin(self, directory: str, fd: int) -> None:
+        with self._pin_lock:
+            fds = self._pinned.get(directory, [])
+            if fd in fds:
+                fds.remove(fd)
+            if not fds:
+                self._pinned.pop(directory, None)
+
+    def _source(self, directory: str, name: str) -> tuple[str, int | None]:
+        """Where to read ``name``: relative to a pin of its directory, else a checked path."""
+        with self._pin_lock:
+            fds = self._pinned.get(directory)
+            if fds:
+                return name, fds[-1]
+        self._dir(directory)
+        return self._path(directory, name), None
 
     def mark(self, directory: str, kind: str, text: str) -> None:
         """Record ``text`` (JSON) as marker ``kind`` of ``directory`` (see format.names.MARKERS),
