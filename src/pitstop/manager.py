@@ -126,6 +126,7 @@ class CheckpointManager:
         """Wait for saves in flight and release memory and threads."""
         self._loop.restore_signals()
         self._saver.close()
+        self.catalog.close()
 
     @property
     def host_bytes(self) -> int:
@@ -253,9 +254,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention and gc
     def _retain(self, newest: int) -> None:
-        """Persist thread, after ``newest`` committed: apply the retention policy to this run."""
+        """Persist thread, after ``newest`` committed: apply the retention policy to this run
+        (the retired ones stop being checkpoints now; their files are deleted in the background)."""
         if self.retention is not None:
-            self.catalog.retire(self.retention, newest=newest, identity=self.identity)
+            retired = self.catalog.retire(self.retention, newest=newest, identity=self.identity)
+            self.catalog.purge_later(retired)
 
     def gc(
         self, *, abandoned: bool = False, damaged: bool = False, dry_run: bool = False

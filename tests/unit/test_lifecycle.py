@@ -191,6 +191,34 @@ def test_keep_last_holds_when_save_returns(root: str) -> None:
         assert ckpt.steps() == [5, 6]
 
 
+def test_retired_checkpoints_are_gone_before_their_files_are(root: str, capsys: Any) -> None:
+    """Retention uncommits and moves a checkpoint aside inside the save; deleting its files
+    comes after (not on the save's path). If that delete fails, the leftover is never a
+    restore candidate, ``ls`` shows it as retired and ``gc`` removes it."""
+    storage = FaultyStorage(LocalStorage(root), fail={"remove": range(1, 100)})
+    with pitstop.CheckpointManager(storage, keep_last=1) as ckpt:
+        for s in (1, 2):
+            ckpt.save(s, make_state(seed=s))
+        assert ckpt.steps() == [2]
+    left = [n for n in os.listdir(root) if n.startswith(".retired-step-0000000001-")]
+    assert len(left) == 1
+    assert not os.path.exists(os.path.join(root, left[0], "MANIFEST.json"))
+    fresh = make_state(seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(fresh) == 2
+    from pitstop.cli.main import main
+
+    assert main(["ls", root]) == 0
+    assert "retired" in capsys.readouterr().out
+    assert main(["gc", root, "--min-age", "0"]) == 0
+    assert not [n for n in os.listdir(root) if n.startswith(".retired-")]
+    with pitstop.CheckpointManager(root, keep_last=1) as ckpt:  # the normal path deletes
+        assert ckpt.restore(make_state(seed=98)) == 2
+        ckpt.save(3, make_state(seed=3))
+        assert ckpt.steps() == [3]
+    assert sorted(os.listdir(root)) == ["step-0000000003"]  # close() waited for the delete
+
+
 def test_retention_policies_combine(root: str) -> None:
     policy = KeepLast(2) | KeepEvery(steps=4) | KeepBest("loss")
     with pitstop.CheckpointManager(root, retention=policy) as ckpt:

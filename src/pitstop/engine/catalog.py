@@ -6,6 +6,7 @@ Statuses of the names under a root (``pitstop ls`` shows them):
 committed   ``step-N`` whose manifest parses and validates: a restore candidate
 partial     ``step-N`` without a manifest: a save in progress or its debris
 writing     ``.writing-step-N-ID``: a save being created (or its debris)
+retired     ``.retired-step-N-ID``: retention uncommitted it; its files are deleted next
 damaged     failed verification (``DAMAGED`` marker), a manifest that does not
             parse or validate, or ``.damaged-``/``.corrupt-step-N-ID`` set aside
 abandoned   ``.abandoned-step-N-ID``: newer than a step a rollback restored
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,12 +54,16 @@ __all__ = ["STATUSES", "Catalog", "Entry", "RunIdentity", "read_manifest"]
 
 _log = get_logger("pitstop.catalog")
 
-STATUSES = ("committed", "partial", "writing", "damaged", "abandoned", "newer", "foreign", "other")
+STATUSES = (
+    "committed", "partial", "writing", "retired", "damaged", "abandoned", "newer", "foreign",
+    "other",
+)  # fmt: skip
 _ASIDE_STATUS = {
     "abandoned": "abandoned",
     "damaged": "damaged",
     "corrupt": "damaged",
     "writing": "writing",
+    "retired": "retired",
 }
 PIN_WAIT_SECS = 30.0
 
@@ -159,6 +166,15 @@ class Catalog:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self._purger: ThreadPoolExecutor | None = None
+        self._purger_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Wait for the deletes of retired checkpoints still running."""
+        with self._purger_lock:
+            purger, self._purger = self._purger, None
+        if purger is not None:
+            purger.shutdown(wait=True)
 
     # ------------------------------------------------------------------ listing
     def scan(self) -> list[Entry]:
@@ -307,10 +323,10 @@ class Catalog:
             )  # fmt: skip
 
     # ------------------------------------------------------------------ retention and gc
-    def retire(self, policy: RetentionPolicy, *, newest: int, identity: RunIdentity) -> list[int]:
-        """Persist thread, right after ``newest`` committed: delete the committed checkpoints of
+    def retire(self, policy: RetentionPolicy, *, newest: int, identity: RunIdentity) -> list[str]:
+        """Persist thread, right after ``newest`` committed: retire the committed checkpoints of
         this run up to ``newest`` that ``policy`` does not keep, unless pinned. Checkpoints of
-        other runs are left alone (with one warning). Returns the steps removed."""
+        other runs are left alone (with one warning). Returns the retired names (to ``purge``)."""
         entries = [e for e in self.committed() if e.step is not None and e.step <= newest]
         mine = [e for e in entries if e.manifest is not None and identity.owns(e.manifest)]
         others = [str(e.step) for e in entries if e not in mine]
@@ -327,15 +343,55 @@ class Catalog:
             if e.step is not None and e.manifest is not None
         ]
         keep = policy.keep(infos) | {newest}
-        removed = []
+        retired = []
         for e in mine:
             if e.step in keep or e.step is None:
                 continue
-            if self._remove_held(e.name, uncommit=True, point="retention.mid"):
-                removed.append(e.step)
-        return removed
+            name = self._retire_one(e.name, e.step)
+            if name is not None:
+                retired.append(name)
+        return retired
 
-    def _remove_held(self, name: str, *, uncommit: bool, point: str, debris: bool = False) -> bool:
+    def _retire_one(self, name: str, step: int) -> str | None:
+        """Uncommit ``name`` (manifest first, durably) and move it to ``.retired-step-N-ID``: from
+        here it is no checkpoint. The files are deleted by :meth:`purge`, after ``save()``
+        returned. None if it is pinned."""
+        try:
+            lock = self.storage.lock(name, exclusive=True)
+        except CheckpointNotFoundError:
+            return None
+        if lock is None:
+            _log.info("%s is pinned; retention leaves it for later", name, phase="gc")
+            return None
+        target = aside_dir_name("retired", step, uuid.uuid4().hex[:8])
+        with lock:
+            self.storage.uncommit(name)
+            killpoint("retention.mid")
+            self.storage.rename(name, target)
+        return target
+
+    def purge_later(self, names: list[str]) -> None:
+        """Delete what retention retired on this catalog's own thread: deleting a large
+        checkpoint takes time (about 0.13 s per GB here) that no save should wait for.
+        :meth:`close` waits for it; ``gc`` removes whatever a crash left."""
+        if not names:
+            return
+        with self._purger_lock:
+            if self._purger is None:
+                self._purger = ThreadPoolExecutor(1, thread_name_prefix="pitstop-purge")
+            self._purger.submit(self.purge, names)
+
+    def purge(self, names: list[str]) -> None:
+        """Delete what retention retired."""
+        for name in names:
+            try:
+                self._remove_held(name, uncommit=False, point=None)
+            except CheckpointError as e:  # gc removes it later
+                _log.warning("could not delete retired %s: %s", name, e, phase="gc")
+
+    def _remove_held(
+        self, name: str, *, uncommit: bool, point: str | None, debris: bool = False
+    ) -> bool:
         """Remove ``name`` if nobody holds it; False if pinned or being written. ``debris``:
         only if it still has no manifest once held (a save may have committed since the scan)."""
         try:
@@ -350,12 +406,13 @@ class Catalog:
                 return False  # committed after the scan: not debris
             if uncommit:
                 self.storage.uncommit(name)
-            killpoint(point)
+            if point is not None:
+                killpoint(point)
             self.storage.remove(name)
         return True
 
     def _collect_one(self, e: Entry, min_age_secs: float, now: float, dry_run: bool) -> str:
-        debris = e.status in ("partial", "writing")
+        debris = e.status in ("partial", "writing", "retired")
         min_age = max(min_age_secs, 10.0) if e.status == "writing" else min_age_secs
         if debris and min_age > 0:
             age = now - self.storage.mtime(e.name)
@@ -379,7 +436,7 @@ class Catalog:
         """gc: remove debris of dead saves (and, when asked, abandoned or damaged checkpoints).
         A save in progress (its directory held), a pinned checkpoint or debris written to
         within ``min_age_secs`` is kept. Returns (entry, what happened) pairs."""
-        wanted = {"partial", "writing"} | ({"abandoned"} if abandoned else set())
+        wanted = {"partial", "writing", "retired"} | ({"abandoned"} if abandoned else set())
         wanted |= {"damaged"} if damaged else set()
         out: list[tuple[Entry, str]] = []
         now = time.time()

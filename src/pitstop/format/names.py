@@ -10,6 +10,7 @@
         DAMAGED                     only after it failed verification: why (JSON)
         ABANDONED / ROLLBACK        only after a rollback (see MARKERS)
       .writing-step-0000001300-<id>/  a save being created; renamed to step-* before any data
+      .retired-step-0000001000-<id>/  retention's: uncommitted and moved, files deleted next
       .abandoned-step-0000001250-<id>/  a newer step that a rollback left (timeline ended)
       .damaged-step-0000001100-<id>/    a damaged checkpoint moved out of a new save's way
       .corrupt-step-0000001100-<id>/    format v1's name for a damaged one (still recognised)
@@ -49,11 +50,14 @@ verification; that a rollback abandoned it; that a rollback to it abandoned the 
 steps of its timeline (written first, so a rollback killed half-way still holds)."""
 OWNER_FILE = ".owner"
 
-ASIDE_KINDS = ("abandoned", "damaged", "corrupt", "writing")
-"""Prefixes of directories set aside (``.KIND-step-N-ID``); ``writing`` is a save in creation."""
+ASIDE_KINDS = ("abandoned", "damaged", "corrupt", "writing", "retired")
+"""Prefixes of directories set aside (``.KIND-step-N-ID``); ``writing`` is a save in creation,
+``retired`` a checkpoint retention removed (uncommitted, its files deleted right after)."""
 
 _STEP_DIR = re.compile(r"step-([0-9]{10,})")
-_ASIDE_DIR = re.compile(r"\.(abandoned|damaged|corrupt|writing)-step-([0-9]{10,})-([0-9a-f]+)")
+_ASIDE_DIR = re.compile(
+    r"\.(abandoned|damaged|corrupt|writing|retired)-step-([0-9]{10,})-([0-9a-f]+)"
+)
 _FILE_NAME = re.compile(r"rank-[0-9]{5,}\.bin|objects-[0-9]{5,}\.json")
 
 
