@@ -23,7 +23,7 @@ from pitstop.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from pitstop.format.manifest import Manifest, seal
+from pitstop.format.manifest import FORMAT_VERSION, Manifest, seal
 
 
 def _sealed(doc: dict[str, object]) -> str:
@@ -112,8 +112,8 @@ def test_committed_step_is_never_rewritten(root: str) -> None:
 def test_newer_format_version_is_refused(root: str) -> None:
     pitstop.save(root, {"x": torch.ones(2)}, step=1)
     doc = json.load(open(_manifest_path(root, 1)))
-    doc["format_version"] = 3
-    with pytest.raises(FormatVersionError, match="format 3.*upgrade pitstop"):
+    doc["format_version"] = FORMAT_VERSION + 1
+    with pytest.raises(FormatVersionError, match=f"format {FORMAT_VERSION + 1}.*upgrade pitstop"):
         Manifest.loads(_sealed(doc))
 
 

@@ -204,7 +204,7 @@ def test_newer_format_stops_restore_and_moves_nothing(root: str, capsys: Any) ->
 def test_damaged_version_field_is_damage_not_a_newer_format(root: str) -> None:
     _two_steps(root)
     doc = _manifest(root)
-    doc["format_version"] = 3  # a flipped bit: the integrity checksum no longer matches
+    doc["format_version"] = 4  # a flipped bit: the integrity checksum no longer matches
     _write_manifest(root, doc, reseal=False)
     _restores_step_1(root)
 

@@ -23,8 +23,18 @@ before anything is loaded, and never a wrong value::
       "integrity": {"algorithm": "xxh3_64", "manifest": "5be0.."}
     }
 
-Parsing is linear in the manifest's size: no loop runs on a claimed number.
-Version 1 manifests (no integrity, no lineage) still load.
+Format v3 (several ranks) adds, per tensor entry, ``global_shape`` and ``start`` when the
+entry is a chunk of a larger tensor (the chunks of a key tile it exactly once) and
+``owner`` when it is one rank's own value (RNG state, data position, a per-rank
+tensor: one entry per rank under the same key); and per data file ``stream_nbytes``:
+the file begins with that many bytes of the *replicated stream*, the layout one
+process would write, cut into consecutive slices, one per rank in rank order, so that
+reading every file's slice back to back rebuilds it. Everything else a rank writes
+(its shards, its own values) follows its slice.
+
+Parsing is linear in the manifest's size: no loop runs on a claimed number (chunk
+overlap checks are pairwise only up to 64 chunks of one key, by row ranges beyond).
+Version 1 (no integrity, no lineage) and 2 (one rank) manifests still load.
 """
 
 from __future__ import annotations
@@ -54,12 +64,14 @@ __all__ = [
 ]
 
 FORMAT_NAME = "pitstop-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 MAX_BYTES = 1 << 62
 """No size, offset or dimension in a manifest may exceed this (a claimed 2**70 is damage)."""
 MAX_NDIM = 64
 MAX_WORLD_SIZE = 1 << 24
+MAX_PAIRWISE_CHUNKS = 64
+"""A key cut into more chunks than this must be cut along its first dimension only."""
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -88,9 +100,26 @@ class TensorEntry:
     nbytes: int
     checksum: tuple[str, ...]
     rank: int = 0
+    global_shape: tuple[int, ...] | None = None
+    start: tuple[int, ...] | None = None
+    owner: int | None = None
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor this entry is (a chunk of)."""
+        return self.shape if self.global_shape is None else self.global_shape
+
+    @property
+    def box_start(self) -> tuple[int, ...]:
+        """Where this chunk starts in the whole tensor (zeros for a whole tensor)."""
+        return self.start if self.start is not None else (0,) * len(self.shape)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.global_shape is None or self.global_shape == self.shape
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "key": self.key,
             "rank": self.rank,
             "dtype": self.dtype,
@@ -100,6 +129,12 @@ class TensorEntry:
             "nbytes": self.nbytes,
             "checksum": list(self.checksum),
         }
+        if self.global_shape is not None:
+            out["global_shape"] = list(self.global_shape)
+            out["start"] = list(self.box_start)
+        if self.owner is not None:
+            out["owner"] = self.owner
+        return out
 
 
 @dataclass(frozen=True)
@@ -108,14 +143,18 @@ class FileEntry:
     rank: int
     nbytes: int
     checksum: str | None = None  # whole-file checksum (objects files); data files hash per tensor
+    stream_nbytes: int | None = None  # data files of several ranks: the replicated slice's length
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "rank": self.rank,
             "nbytes": self.nbytes,
             "checksum": self.checksum,
         }
+        if self.stream_nbytes is not None:
+            out["stream_nbytes"] = self.stream_nbytes
+        return out
 
 
 @dataclass(frozen=True)
@@ -311,8 +350,7 @@ def _parse(raw: object, path: str | None) -> Manifest:
         _parse_tensor(t, i, sizes, segment_bytes, path)
         for i, t in enumerate(top.get("tensors", list))
     )
-    if len({t.key for t in tensors}) != len(tensors):
-        raise ManifestError("manifest.tensors names a key twice", path=path, step=step)
+    _check_chunks(tensors, world_size, path, step)
     _check_layout(tensors, files, path, step)
     created = top.get("created_unix_secs", (int, float))
     if not math.isfinite(created) or created < 0:
@@ -376,6 +414,60 @@ def _check_files(
             raise ManifestError(f"rank {rank} lacks its data or objects file", path=path, step=step)
 
 
+def _check_chunks(
+    tensors: tuple[TensorEntry, ...], world_size: int, path: str | None, step: int
+) -> None:
+    """A key is either one value for all ranks (its chunks tile its global shape exactly, with
+    one dtype) or a per-rank value (``owner``: at most one entry per rank), never both."""
+    shared: dict[str, list[TensorEntry]] = {}
+    owned: set[tuple[str, int]] = set()
+    for t in tensors:
+        if t.owner is None:
+            shared.setdefault(t.key, []).append(t)
+        elif t.owner >= world_size:
+            raise ManifestError(f"tensor {t.key!r} has owner rank {t.owner}", path=path, step=step)
+        elif (t.key, t.owner) in owned:
+            raise ManifestError(f"manifest.tensors names {t.key!r} twice", path=path, step=step)
+        else:
+            owned.add((t.key, t.owner))
+    both = {k for k, _ in owned} & shared.keys()
+    if both:
+        raise ManifestError(
+            f"tensor {sorted(both)[0]!r} is both per-rank and shared", path=path, step=step
+        )
+    for key, chunks in shared.items():
+        first = chunks[0]
+        if len(chunks) == 1 and first.is_whole:
+            continue
+        problem = _tiling_problem(chunks)
+        if problem:
+            raise ManifestError(f"tensor {key!r}: {problem}", path=path, step=step)
+
+
+def _tiling_problem(chunks: list[TensorEntry]) -> str | None:
+    """Why ``chunks`` do not tile their tensor exactly once (None if they do)."""
+    first = chunks[0]
+    whole = first.whole_shape
+    if any(c.dtype != first.dtype or c.whole_shape != whole for c in chunks):
+        return "its chunks disagree on dtype or global shape"
+    if sum(math.prod(c.shape) for c in chunks) != math.prod(whole):
+        return "its chunks do not cover it exactly once"
+    if len(chunks) <= MAX_PAIRWISE_CHUNKS:
+        for a, b in itertools.combinations(chunks, 2):
+            if all(
+                sa < sb + nb and sb < sa + na
+                for sa, na, sb, nb in zip(a.box_start, a.shape, b.box_start, b.shape, strict=True)
+            ) and a.nbytes and b.nbytes:
+                return "two of its chunks overlap"
+        return None
+    if not whole or any(c.shape[1:] != whole[1:] or any(c.box_start[1:]) for c in chunks):
+        return f"more than {MAX_PAIRWISE_CHUNKS} chunks that are not row ranges"
+    rows = sorted((c.box_start[0], c.shape[0]) for c in chunks)
+    if any(a0 + an > b0 for (a0, an), (b0, _) in itertools.pairwise(rows)):
+        return "two of its chunks overlap"
+    return None
+
+
 def _check_layout(
     tensors: tuple[TensorEntry, ...], files: tuple[FileEntry, ...], path: str | None, step: int
 ) -> None:
@@ -391,6 +483,13 @@ def _check_layout(
     for a, b in itertools.pairwise(by_position):
         if a.file == b.file and a.offset + a.nbytes > b.offset:
             raise ManifestError(f"tensors {a.key!r} and {b.key!r} overlap", path=path, step=step)
+    streams = {f.name: f.stream_nbytes for f in files if f.stream_nbytes is not None}
+    for t in tensors:
+        cut = streams.get(t.file)
+        if cut is not None and t.offset < cut and (t.offset + t.nbytes > cut or t.owner is not None):
+            raise ManifestError(
+                f"tensor {t.key!r} does not fit the replicated part of {t.file}", path=path, step=step
+            )
     ends: dict[str, int] = {}
     for t in tensors:
         ends[t.file] = max(ends.get(t.file, 0), t.offset + t.nbytes)
@@ -406,12 +505,20 @@ def _check_layout(
 
 def _parse_file(raw: object, i: int, world_size: int, path: str | None) -> FileEntry:
     f = _Fields(raw, f"manifest.files[{i}]", path)
-    return FileEntry(
+    entry = FileEntry(
         name=validate_file_name(f.get("name", str), path=path),
         rank=f.count("rank", world_size - 1),
         nbytes=f.count("nbytes"),
         checksum=f.get("checksum", str, optional=True),
+        stream_nbytes=f.count("stream_nbytes") if f.obj.get("stream_nbytes") is not None else None,
     )
+    if entry.stream_nbytes is not None and (
+        entry.stream_nbytes > entry.nbytes or entry.stream_nbytes % ALIGN_BYTES
+    ):
+        raise ManifestError(
+            f"manifest.files[{i}].stream_nbytes is not an aligned length inside the file", path=path
+        )
+    return entry
 
 
 def _parse_shape(raw: list[Any], where: str, path: str | None) -> tuple[int, ...]:
@@ -448,7 +555,17 @@ def _parse_tensor(
         raise ManifestError(
             f"{where} has {len(checksum)} checksums, expected {expected}", path=path
         )
+    global_shape = start = None
+    if "global_shape" in t.obj:
+        global_shape = _parse_shape(t.get("global_shape", list), where, path)
+        start = _parse_shape(t.get("start", list), where, path)
+        if len(global_shape) != len(shape) or len(start) != len(shape) or any(
+            s0 + n > g for s0, n, g in zip(start, shape, global_shape, strict=True)
+        ):
+            raise ManifestError(f"{where}: its chunk lies outside its global shape", path=path)
+    owner = t.count("owner", MAX_WORLD_SIZE) if t.obj.get("owner") is not None else None
     return TensorEntry(
         key=key, dtype=dtype, shape=shape, file=file, offset=offset, nbytes=nbytes,
         checksum=tuple(checksum), rank=t.count("rank", MAX_WORLD_SIZE),
+        global_shape=global_shape, start=start, owner=owner,
     )  # fmt: skip
