@@ -23,6 +23,7 @@ from pitstop.errors import (
     MissingExtraError,
     PickleRefusedError,
 )
+from pitstop.state.dtensor import copy_into
 from pitstop.state.keys import KeyMap, KeyMapper
 from pitstop.state.tree import children, join_key, node_kind, numpy_module, walk
 
@@ -129,7 +130,7 @@ class Builder:
         if target is not None and target.shape == saved.shape and target.dtype == saved.dtype:
             if self.on_copy is not None:
                 self.on_copy()
-            target.copy_(saved)
+            copy_into(target, saved)
             self.built.setdefault(stored, target)
             return target
         if stored not in self.built:

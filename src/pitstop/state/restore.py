@@ -42,6 +42,7 @@ from pitstop.errors import (
     StateMismatchError,
 )
 from pitstop.state.build import Builder, TensorSource, materialize, scan
+from pitstop.state.dtensor import copy_into
 from pitstop.state.keys import KeyMap, KeyMapper, wrapper_renames
 from pitstop.state.tree import is_stateful, join_key, node_kind
 
@@ -258,7 +259,7 @@ class _Restorer:
             return live
         if isinstance(live, torch.Tensor):
             self.touched = True
-            live.copy_(self.source(node["tensor"]))
+            copy_into(live, self.source(node["tensor"]))
             return live
         if isinstance(live, Mapping):
             pairs = self.pairings[id(node)]

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from pitstop.errors import UnsupportedValueError
+from pitstop.state.dtensor import is_dtensor, unsupported_placement
 
 __all__ = [
     "MAX_INT_DIGITS",
@@ -116,13 +117,18 @@ class Flat:
     ``deferrable`` holds the keys whose tensors only an optimizer step changes
     (parameters the optimizers in the state own, and optimizer state): they may
     finish copying after ``async_save`` returns. ``optimizers`` are those
-    optimizers, so the engine can hook their ``step``.
+    optimizers, so the engine can hook their ``step``. Under torch.distributed,
+    ``shared`` keys (tensors of nn.Modules and optimizers: equal on every rank under DDP)
+    may be written once for all ranks; ``dtensors`` are sharded, each rank holding a box;
+    every other tensor (RNG state, loose tensors) is the rank's own value.
     """
 
     tree: Node
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     deferrable: set[str] = field(default_factory=set)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    shared: set[str] = field(default_factory=set)
+    dtensors: set[str] = field(default_factory=set)
 
 
 _EXIT = object()  # a stack marker: the container it carries is left (cycle tracking)
@@ -146,6 +152,7 @@ class _Flattener:
         self.optimizer_state: set[tuple[Any, ...]] = set()
         self.stack: list[tuple[Any, ...]] = []
         self.active: set[int] = set()  # ids of the containers on the current path
+        self.shared_prefixes: set[str] = set()
 
     def run(self, state: Mapping[str, Any]) -> Flat:
         if not isinstance(state, Mapping):
@@ -241,6 +248,8 @@ class _Flattener:
         else:
             node = {"stateful": _qualname(obj), "state": None}
             children = [(obj.state_dict(), key, node, "state")]
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                self.shared_prefixes.add(key)
         if "pickle" not in node:
             self.active.add(id(obj))
             self.stack.append((_EXIT, obj))
@@ -268,7 +277,10 @@ class _Flattener:
         return node, children
 
     def _tensor(self, t: torch.Tensor, key: str) -> Node:
-        reason = _unsupported_tensor(t)
+        sharded = is_dtensor(t)
+        reason = unsupported_placement(t) if sharded else _unsupported_tensor(t)
+        if reason is None and sharded:
+            reason = _unsupported_tensor(t.to_local())  # type: ignore[attr-defined]
         if reason is not None:
             raise UnsupportedValueError(f"tensor {_shown(key)} {reason}")
         ident = _tensor_identity(t)
@@ -279,6 +291,10 @@ class _Flattener:
         self.flat.tensors[key] = t.detach()
         if ident in self.owned_params or ident in self.optimizer_state:
             self.flat.deferrable.add(key)
+        if sharded:
+            self.flat.dtensors.add(key)
+        elif any(key == p or key.startswith(p + "/") or not p for p in self.shared_prefixes):
+            self.flat.shared.add(key)
         return {"tensor": key}
 
     def _unique(self, key: str) -> str:
@@ -379,8 +395,7 @@ def _unsupported_tensor(t: torch.Tensor) -> str | None:
         return "is a nested tensor; store t.unbind() (a list of tensors) or t.to_padded_tensor(0)"
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         return (
-            f"is a {type(t).__name__}; pitstop stores plain dense tensors "
-            "(sharded tensors arrive with distributed checkpointing)"
+            f"is a {type(t).__name__}; pitstop stores plain dense tensors and DTensors"
         )
     if t.is_quantized:
         return (
