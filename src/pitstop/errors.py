@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointIOError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DistributedCheckpointError",
     "FormatVersionError",
     "ManifestError",
     "MissingExtraError",
@@ -147,6 +148,24 @@ class CheckpointIOError(CheckpointError, OSError):
 
 class UnsupportedSetupError(CheckpointError, RuntimeError):
     """The caller's setup (e.g. several ranks) is one this pitstop does not serve yet."""
+
+
+class DistributedCheckpointError(CheckpointError, RuntimeError):
+    """A collective save or restore failed on some rank (or a rank did not arrive in time):
+    every rank raises it, naming the ``phase`` and the failed ``ranks``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: list[int] | None = None,
+        step: int | None = None,
+        path: str | None = None,
+        rank: int | None = None,
+        phase: str | None = None,
+    ) -> None:
+        super().__init__(message, step=step, path=path, rank=rank, phase=phase)
+        self.ranks = sorted(ranks or [])
 
 
 class MissingExtraError(CheckpointError, ImportError):

@@ -10,7 +10,9 @@ Call sequence (training thread only)::
 A save the policy asks for that cannot be taken (its step is already committed, or
 another writer holds it) is never skipped silently: ``step`` returns
 ``StepResult.REFUSED``, logs a warning, and ``stats().refused_saves`` counts it.
-Signals from ``save_on_signal`` make the next ``step`` save synchronously and exit.
+Signals from ``save_on_signal`` make the next ``step`` save synchronously and exit. Under
+torch.distributed ``step`` is collective: rank 0's policy decides for every rank (one small
+gather per step on pitstop's own gloo group), and a signal on any rank makes all ranks save.
 """
 
 from __future__ import annotations
@@ -83,11 +85,17 @@ class LoopDriver:
         now = time.perf_counter()
         self._measure(now)
         self.collect()
+        ctx = self._context(step, now, loss=loss, epoch=epoch, epoch_end=epoch_end)
+        decide = self.policy.decide(ctx)
+        group = self.saver.group
+        if group.size > 1:  # rank 0's policy decides for all; a signal on any rank stops all
+            words = group.all_gather((bool(decide), self.preempted), "plan")
+            decide = words[0][0]
+            self.preempted = next((w[1] for w in words if w[1] is not None), None)
         if self.preempted is not None:
             self._save_and_exit(step, state)
-        ctx = self._context(step, now, loss=loss, epoch=epoch, epoch_end=epoch_end)
         result = StepResult.SKIPPED
-        if self.policy.decide(ctx):
+        if decide:
             t0 = time.perf_counter()
             metrics = {"loss": float(loss)} if loss is not None else None
             try:

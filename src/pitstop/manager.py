@@ -15,6 +15,14 @@ Behind it: :class:`~pitstop.engine.saver.Saver` (plan, stage, persist, commit),
 :func:`~pitstop.engine.recovery.recover` (restore with fallback and timelines) and
 :class:`~pitstop.loop.LoopDriver` (profiler + schedule policy). Retention runs on the
 persist thread right after each commit, before ``save()`` or ``wait()`` returns.
+
+Under torch.distributed (torchrun; gloo or NCCL) the same calls are collective: every rank
+constructs the manager, and calls ``save``/``async_save``/``step``/``restore``/``load``/
+``close`` at the same steps. Ranks split the writing (:mod:`pitstop.dist.sharding`), one
+manifest is committed when every rank's files are durable, retention and gc run on rank 0,
+and a rank that fails or does not arrive within ``dist_timeout_secs`` makes every rank
+raise DistributedCheckpointError. The background threads never use the training's
+process group.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pitstop.dist import check_single_process
+from pitstop.dist import make_group
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.recovery import RestoreResult, recover
@@ -69,18 +77,23 @@ class CheckpointManager:
         chunk_bytes: int | None = None,
         direct_io: str | None = None,
         policy: CheckpointPolicy | None = None,
+        replicated: str | None = None,
+        dist_timeout_secs: float | None = None,
     ) -> None:
-        check_single_process()
         if keep_last is not None and retention is not None:
             raise ValueError("give keep_last= or retention=, not both")
         self.retention = KeepLast(keep_last) if keep_last is not None else retention
         knobs = {"threads": io_threads, "chunk_bytes": chunk_bytes, "direct": direct_io}
         inner, io = open_root(root, options.io if options else None, **knobs)
-        flags = {"allow_pickle": allow_pickle, "max_in_flight": max_in_flight, "overlap": overlap}
+        flags = {
+            "allow_pickle": allow_pickle, "max_in_flight": max_in_flight, "overlap": overlap,
+            "replicated": replicated, "dist_timeout_secs": dist_timeout_secs,
+        }  # fmt: skip
         self.options = SaveOptions.resolve(options, io, **flags)
         self.storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
         self.catalog = Catalog(self.storage)
-        self._saver = Saver(self.storage, self.options, on_commit=self._retain)
+        self.group = make_group(self.options.dist_timeout_secs)  # collective under torchrun
+        self._saver = Saver(self.storage, self.options, on_commit=self._retain, group=self.group)
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
         self.identity = RunIdentity()
         self.last_restore: RestoreResult | None = None
@@ -125,8 +138,11 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for saves in flight and release memory and threads."""
         self._loop.restore_signals()
-        self._saver.close()
-        self.catalog.close()
+        try:
+            self._saver.close()
+        finally:
+            self.catalog.close()
+            self.group.close()
 
     @property
     def host_bytes(self) -> int:
@@ -211,6 +227,7 @@ class CheckpointManager:
             lambda e: self._load(e, state, strict, key_map),
             step=step,
             rollback=rollback,
+            group=self.group,
         )
         if result.step is None:
             return None
@@ -244,7 +261,9 @@ class CheckpointManager:
     def load(self, step: int | None = None) -> Any:
         """The saved state as fresh objects (Statefuls as state dicts); falls back like restore."""
         self._saver.wait_staged()
-        result = recover(self.catalog, lambda e: self._load(e, None, True, None), step=step)
+        result = recover(
+            self.catalog, lambda e: self._load(e, None, True, None), step=step, group=self.group
+        )
         if result.step is None:
             raise CheckpointNotFoundError("no committed checkpoint", path=self.storage.url)
         self.last_restore = result
@@ -256,7 +275,7 @@ class CheckpointManager:
     def _retain(self, newest: int) -> None:
         """Persist thread, after ``newest`` committed: apply the retention policy to this run
         (the retired ones stop being checkpoints now; their files are deleted in the background)."""
-        if self.retention is not None:
+        if self.retention is not None and self.group.coordinator:
             retired = self.catalog.retire(self.retention, newest=newest, identity=self.identity)
             self.catalog.purge_later(retired)
 
@@ -264,7 +283,9 @@ class CheckpointManager:
         self, *, abandoned: bool = False, damaged: bool = False, dry_run: bool = False
     ) -> list[str]:
         """Remove debris of dead saves (and abandoned or damaged checkpoints when asked); saves in
-        flight and pinned checkpoints are kept. Returns the names."""
+        flight and pinned checkpoints are kept. Returns the names. Several ranks: rank 0 acts."""
+        if not self.group.coordinator:
+            return []
         done = self.catalog.collect(
             abandoned=abandoned, damaged=damaged, busy=self._saver.busy_directories, dry_run=dry_run
         )

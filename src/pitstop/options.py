@@ -135,6 +135,13 @@ class SaveOptions:
     hold as pickles; loading them needs the same opt-in. ``background_nice``
     lowers the priority of the persist and writer threads (Linux, per thread), so
     that on busy cores the write yields to training; 0 keeps normal priority.
+
+    Under torch.distributed: ``replicated`` says who writes state every rank holds the
+    same (module and optimizer tensors under DDP): ``"split"`` cuts its bytes into one
+    slice per rank, each rank writing its own (write bandwidth adds up); ``"root"`` has
+    rank 0 write all of it (the classic baseline). ``dist_timeout_secs`` bounds every
+    wait for another rank: a rank that does not arrive makes the others fail with
+    ``DistributedCheckpointError`` instead of hanging.
     """
 
     io: IOOptions = field(default_factory=IOOptions)
@@ -142,10 +149,20 @@ class SaveOptions:
     overlap: bool = True
     allow_pickle: bool = False
     background_nice: int = 10
+    replicated: str = "split"
+    dist_timeout_secs: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ValueError(f"SaveOptions.max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.replicated not in ("split", "root"):
+            raise ValueError(
+                f"SaveOptions.replicated must be 'split' or 'root', got {self.replicated!r}"
+            )
+        if not self.dist_timeout_secs > 0:
+            raise ValueError(
+                f"SaveOptions.dist_timeout_secs must be > 0, got {self.dist_timeout_secs}"
+            )
 
     @classmethod
     def from_env(cls, **overrides: object) -> SaveOptions:
@@ -155,6 +172,7 @@ class SaveOptions:
             "max_in_flight": _env_int("PITSTOP_MAX_IN_FLIGHT", cls.max_in_flight),
             "overlap": _env_int("PITSTOP_OVERLAP", 1) != 0,
             "background_nice": _env_int("PITSTOP_BACKGROUND_NICE", cls.background_nice),
+            "replicated": os.environ.get("PITSTOP_REPLICATED", cls.replicated),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

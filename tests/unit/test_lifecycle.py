@@ -282,37 +282,6 @@ def test_ddp_and_compile_prefixes_load_into_a_bare_model(root: str) -> None:
     assert_same_tensors(tensors_of({"m": bare}), tensors_of({"m": target.module}))
 
 
-# ---------------------------------------------------------------- 6. several ranks are refused
-def _rank_main(rank: int, init: str, root: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        pitstop.CheckpointManager(root)
-        result = "constructed"
-    except UnsupportedSetupError as e:
-        result = f"refused: {e}"
-    with open(f"{out}.{rank}", "w") as f:
-        f.write(result)
-    dist.destroy_process_group()
-
-
-@pytest.mark.dist
-def test_world_size_two_is_refused_and_nothing_written(tmp_path: Any) -> None:
-    import torch.multiprocessing as mp
-
-    root = str(tmp_path / "ck")
-    init = f"file://{tmp_path / 'store'}"
-    out = str(tmp_path / "result")
-    mp.start_processes(
-        _rank_main, args=(init, root, out), nprocs=2, start_method="spawn", join=True
-    )
-    for rank in (0, 1):
-        text = open(f"{out}.{rank}").read()
-        assert text.startswith("refused:") and "world size 2" in text, text
-    assert not os.path.exists(root)
-
-
 def test_restore_while_a_save_of_the_same_manager_commits_and_retires(root: str) -> None:
     """keep_last=1, a save in flight: restore picks the committed step and pins it; the save
     commits and its retention, which would delete the step being read, skips it."""

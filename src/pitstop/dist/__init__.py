@@ -1,15 +1,13 @@
-"""torch.distributed, seen from pitstop: who is running (no-op in one process).
-
-Call sequence: the manager calls :func:`check_single_process` at construction (training
-thread). Distributed checkpointing (ranks splitting the bytes, one manifest per step)
-replaces the refusal with the real thing.
+"""Layer 4: torch.distributed, seen from pitstop: who is running, how ranks talk without the
+training process group (:mod:`pitstop.dist.group`) and who writes what
+(:mod:`pitstop.dist.sharding`). In one process all of it is a no-op.
 """
 
 from __future__ import annotations
 
-from pitstop.errors import UnsupportedSetupError
+from pitstop.dist.group import Group, StoreGroup, make_group
 
-__all__ = ["check_single_process", "world"]
+__all__ = ["Group", "StoreGroup", "make_group", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -19,16 +17,3 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def check_single_process() -> None:
-    """Raise UnsupportedSetupError under a process group of several ranks: each rank would
-    write the same step directories."""
-    rank, size = world()
-    if size > 1:
-        raise UnsupportedSetupError(
-            f"CheckpointManager under torch.distributed with world size {size}: this pitstop "
-            "saves from a single process only (every rank would write the same step "
-            "directories); run one process per job until distributed checkpointing lands",
-            rank=rank, phase="plan",
-        )  # fmt: skip

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,14 @@ from pitstop.format.objects import encode_objects
 from pitstop.io.parallel import Extent
 from pitstop.storage.base import Storage
 
-__all__ = ["PersistResult", "encode_objects", "manifest_for", "persist"]
+__all__ = [
+    "PersistResult",
+    "encode_objects",
+    "manifest_for",
+    "persist",
+    "result_from_json",
+    "result_to_json",
+]
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ def persist(
     pool: Executor,
     rank: int = 0,
     before_extent: Callable[[Extent], None] | None = None,
+    prepare: bool = True,
 ) -> PersistResult:
     """Write this rank's data and objects files durably; return their manifest entries.
 
@@ -74,7 +83,8 @@ def persist(
 
     data_name = data_file_name(rank)
     t0 = time.perf_counter()
-    storage.prepare(directory)
+    if prepare:  # several ranks: the coordinator prepared it for all
+        storage.prepare(directory)
     result = storage.write_data(
         directory, data_name, view[: plan.file_bytes], plan.extents, pool=pool, on_extent=on_extent
     )
@@ -94,11 +104,16 @@ def persist(
             if item.nbytes == 0
             else tuple(sums[(i, j)] for j in range(plan.segment_count(i))),
             rank=rank,
+            global_shape=item.global_shape,
+            start=item.start,
+            owner=item.owner,
         )
         for i, item in enumerate(plan.items)
     )
     files = (
-        FileEntry(name=data_name, rank=rank, nbytes=plan.file_bytes),
+        FileEntry(
+            name=data_name, rank=rank, nbytes=plan.file_bytes, stream_nbytes=plan.stream_nbytes
+        ),
         FileEntry(name=objects_name, rank=rank, nbytes=len(objects), checksum=hasher(objects)),
     )
     return PersistResult(
@@ -110,6 +125,44 @@ def persist(
     )
 
 
+def result_to_json(result: PersistResult) -> dict[str, Any]:
+    """One rank's result as JSON, for the coordinator (see :func:`result_from_json`)."""
+    return {
+        "files": [f.to_json() for f in result.files],
+        "tensors": [t.to_json() for t in result.tensors],
+        "nbytes": result.nbytes,
+        "write_secs": result.write_secs,
+        "direct": result.direct,
+        "host": socket.gethostname(),
+    }
+
+
+def _tuple(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
+
+
+def result_from_json(raw: dict[str, Any]) -> PersistResult:
+    """The coordinator's copy of a rank's result (the manifest built from it is validated
+    by ``Manifest.loads`` before it is committed)."""
+    files = tuple(
+        FileEntry(
+            name=f["name"], rank=f["rank"], nbytes=f["nbytes"], checksum=f["checksum"],
+            stream_nbytes=f.get("stream_nbytes"),
+        )
+        for f in raw["files"]
+    )  # fmt: skip
+    tensors = tuple(
+        TensorEntry(
+            key=t["key"], dtype=t["dtype"], shape=tuple(t["shape"]), file=t["file"],
+            offset=t["offset"], nbytes=t["nbytes"], checksum=tuple(t["checksum"]), rank=t["rank"],
+            global_shape=_tuple(t.get("global_shape")), start=_tuple(t.get("start")),
+            owner=t.get("owner"),
+        )
+        for t in raw["tensors"]
+    )  # fmt: skip
+    return PersistResult(files, tensors, raw["nbytes"], raw["write_secs"], raw["direct"])
+
+
 def manifest_for(
     step: int,
     results: list[PersistResult],
@@ -119,6 +172,7 @@ def manifest_for(
     world_size: int,
     lineage: Lineage | None = None,
     metrics: dict[str, float] | None = None,
+    hosts: list[str] | None = None,
 ) -> Manifest:
     return Manifest(
         step=step,
@@ -133,7 +187,7 @@ def manifest_for(
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
-        topology={"world_size": world_size, "hosts": [socket.gethostname()]},
+        topology={"world_size": world_size, "hosts": hosts or [socket.gethostname()]},
         lineage=lineage,
         metrics=dict(metrics or {}),
     )

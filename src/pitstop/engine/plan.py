@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pitstop.dist.sharding import RankLayout
 from pitstop.format.checksum import segments
-from pitstop.format.codec import dtype_name
+from pitstop.format.codec import dtype_from_name, dtype_name
 from pitstop.io.arena import align_up
 from pitstop.io.parallel import Extent, plan_extents
 from pitstop.options import ALIGN_BYTES
 
-__all__ = ["PlanCache", "PlanItem", "SavePlan", "make_plan"]
+__all__ = ["PlanCache", "PlanItem", "SavePlan", "make_plan", "plan_from_layout"]
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,32 @@ class PlanItem:
     offset: int
     nbytes: int
     deferrable: bool
+    rows: tuple[int, int] | None = None  # a range of the source's rows (replicated, split)
+    local: bool = False  # the source is a DTensor's local tensor
+    global_shape: tuple[int, ...] | None = None
+    start: tuple[int, ...] | None = None
+    owner: int | None = None
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of the live ``tensor`` this item stores."""
+        if self.local:
+            tensor = tensor.to_local()  # type: ignore[attr-defined]
+        if self.rows is not None:
+            tensor = tensor.narrow(0, self.rows[0], self.rows[1] - self.rows[0])
+        return tensor
 
 
 @dataclass(frozen=True)
 class SavePlan:
-    """Where each tensor goes. ``signature`` identifies plans that can share an arena."""
+    """Where each tensor goes. ``signature`` identifies plans that can share an arena;
+    ``stream_nbytes`` (several ranks) is the length of this rank's replicated slice."""
 
     items: tuple[PlanItem, ...]
     file_bytes: int
     segment_bytes: int
     extents: tuple[Extent, ...]
     signature: tuple[object, ...]
+    stream_nbytes: int | None = None
 
     def segment_count(self, index: int) -> int:
         item = self.items[index]
@@ -54,7 +70,14 @@ def _signature(
     return (chunk_bytes, *layout)
 
 
-def make_plan(tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int) -> SavePlan:
+def make_plan(
+    tensors: dict[str, torch.Tensor],
+    deferrable: set[str],
+    chunk_bytes: int,
+    dtensors: set[str] | frozenset[str] = frozenset(),
+) -> SavePlan:
+    """One process: every tensor whole, one after the other (a DTensor of one rank: its
+    local tensor, which is all of it)."""
     items: list[PlanItem] = []
     offset = 0
     for key, t in tensors.items():
@@ -68,10 +91,35 @@ def make_plan(tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_byte
                 offset=offset,
                 nbytes=nbytes,
                 deferrable=key in deferrable,
+                local=key in dtensors,
             )
         )
         offset = align_up(offset + max(nbytes, 0), ALIGN_BYTES)
-    file_bytes = max(offset, 0)
+    return _finish(items, max(offset, 0), chunk_bytes, _signature(tensors, deferrable, chunk_bytes))
+
+
+def plan_from_layout(
+    layout: RankLayout, chunk_bytes: int, signature: tuple[object, ...]
+) -> SavePlan:
+    """This rank's plan from its part of the global plan (``dist.sharding.assign``)."""
+    items = [
+        PlanItem(
+            key=p.key, dtype=dtype_from_name(p.dtype), dtype_name=p.dtype, shape=p.shape,
+            offset=p.offset, nbytes=p.nbytes, deferrable=p.deferrable, rows=p.rows,
+            local=p.local, global_shape=p.global_shape, start=p.start, owner=p.owner,
+        )
+        for p in layout.pieces
+    ]  # fmt: skip
+    return _finish(items, layout.file_bytes, chunk_bytes, signature, layout.stream_nbytes)
+
+
+def _finish(
+    items: list[PlanItem],
+    file_bytes: int,
+    chunk_bytes: int,
+    signature: tuple[object, ...],
+    stream_nbytes: int | None = None,
+) -> SavePlan:
     segs = [  # empty tensors have one empty segment, hashed without I/O
         (start, length, (i, j))
         for i, item in enumerate(items)
@@ -84,7 +132,8 @@ def make_plan(tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_byte
         file_bytes=file_bytes,
         segment_bytes=chunk_bytes,
         extents=tuple(extents),
-        signature=_signature(tensors, deferrable, chunk_bytes),
+        signature=signature,
+        stream_nbytes=stream_nbytes,
     )
 
 
@@ -96,12 +145,25 @@ class PlanCache:
         self.misses = 0
 
     def get(
-        self, tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int
+        self,
+        tensors: dict[str, torch.Tensor],
+        deferrable: set[str],
+        chunk_bytes: int,
+        dtensors: set[str] | frozenset[str] = frozenset(),
     ) -> SavePlan:
         if self._plan is not None and self._plan.signature == _signature(
             tensors, deferrable, chunk_bytes
         ):
             return self._plan
         self.misses += 1
-        self._plan = make_plan(tensors, deferrable, chunk_bytes)
+        self._plan = make_plan(tensors, deferrable, chunk_bytes, dtensors)
         return self._plan
+
+    def cached(self, signature: tuple[object, ...]) -> SavePlan | None:
+        """The previous plan if it was made for ``signature``."""
+        return self._plan if self._plan is not None and self._plan.signature == signature else None
+
+    def put(self, plan: SavePlan) -> SavePlan:
+        self.misses += 1
+        self._plan = plan
+        return plan

@@ -26,10 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pitstop.dist.group import Group
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     FormatVersionError,
     PartialRestoreError,
 )
@@ -76,14 +78,22 @@ def recover(
     *,
     step: int | None = None,
     rollback: bool = False,
+    group: Group | None = None,
 ) -> RestoreResult:
-    """Load the newest checkpoint that verifies (or ``step``) with ``load(entry)``."""
+    """Load the newest checkpoint that verifies (or ``step``) with ``load(entry)``.
+
+    Several ranks (``group``): collective. Rank 0's scan decides the candidates; every rank
+    loads the same one (``load`` agrees with the others before it touches the live state);
+    the outcomes are gathered and all ranks move on together: to the next older checkpoint
+    when any rank found damage (rank 0 marks it), or all raise. Only rank 0 marks and sets
+    aside."""
+    group = group if group is not None else Group()
     t0 = time.perf_counter()
     result = RestoreResult()
-    partial: PartialRestoreError | None = None
+    partial: BaseException | None = None
     for _ in range(_RESCANS):
         entries = catalog.scan()
-        chain = _chain(entries, step)
+        chain = group.broadcast(_chain(entries, step), "restore")
         if step is not None and not any(e.status != "damaged" for e in chain):
             why = f" ({chain[0].error})" if chain else ""
             raise CheckpointNotFoundError(
@@ -99,43 +109,48 @@ def recover(
             if entry.status == "damaged":
                 result.skipped.append((entry.name, f"damaged: {entry.error}"))
                 continue
-            with catalog.pin(entry.name) as alive:
-                fresh = catalog.refresh(entry.name) if alive else None
-                if fresh is None or fresh.status not in ("committed", "damaged"):
-                    vanished = True  # removed, moved or replaced since the scan: look again
-                    break
-                if fresh.status == "damaged":
-                    result.skipped.append((entry.name, f"damaged: {fresh.error}"))
-                    continue
-                entry = fresh  # what is there now, under the pin (not what the scan saw)
-                try:
-                    result.value = load(entry)
-                except PartialRestoreError as e:
-                    partial = e
-                    result.skipped.append((entry.name, f"load failed part way: {e.message}"))
-                    continue
-                except CorruptCheckpointError as e:
-                    catalog.mark_damaged(entry.name, e.message)
-                    result.skipped.append((entry.name, f"damaged: {e.message}"))
-                    _log.warning(
-                        "%s failed verification, trying an older one: %s",
-                        entry.name,
-                        e,
-                        phase="verify",
-                    )
-                    continue
+            outcome, value, loaded, error = _try(catalog, entry, load)
+            outcomes = group.all_gather(outcome, "restore")
+            kinds = {o[0] for o in outcomes}
+            if "raise" in kinds:
+                if error is not None:
+                    raise error
+                bad = [r for r, o in enumerate(outcomes) if o[0] == "raise"]
+                raise DistributedCheckpointError(
+                    f"restore of {entry.name} failed on rank(s) {bad}: {outcomes[bad[0]][1]}",
+                    ranks=bad, rank=group.rank, phase="restore",
+                )  # fmt: skip
+            if "vanished" in kinds:
+                vanished = True  # removed, moved or replaced since the scan: look again
+                break
+            if kinds & {"damaged", "marked"}:
+                why = _first(outcomes, "damaged") or _first(outcomes, "marked")
+                if group.coordinator and "damaged" in kinds:
+                    catalog.mark_damaged(entry.name, why)
+                result.skipped.append((entry.name, f"damaged: {why}"))
+                _log.warning(
+                    "%s failed verification, trying an older one: %s", entry.name, why,
+                    phase="verify",
+                )  # fmt: skip
+                continue
+            if "partial" in kinds:
+                partial = error or partial or DistributedCheckpointError("partial")
+                why = _first(outcomes, "partial")
+                result.skipped.append((entry.name, f"load failed part way: {why}"))
+                continue
+            entry = loaded if loaded is not None else entry
+            result.value = value
             result.step, result.name, result.manifest = entry.step, entry.name, entry.manifest
             if rollback:
                 damaged = {name for name, why in result.skipped if why.startswith("damaged")}
                 # the scan this restore chose from: a save that commits later is not abandoned
-                result.set_aside = catalog.start_timeline(entry, entries, damaged)
+                aside = catalog.start_timeline(entry, entries, damaged) if group.coordinator else []
+                result.set_aside = group.broadcast(aside, "restore")
                 for name in result.set_aside:
                     _log.warning(
-                        "%s set aside: a new timeline starts at %s",
-                        name,
-                        entry.name,
+                        "%s set aside: a new timeline starts at %s", name, entry.name,
                         phase="restore",
-                    )
+                    )  # fmt: skip
             result.secs = time.perf_counter() - t0
             _report(catalog, result)
             return result
@@ -152,6 +167,38 @@ def recover(
     raise CorruptCheckpointError(
         f"no checkpoint passed verification ({reasons})", path=catalog.storage.url, phase="restore"
     )
+
+
+def _first(outcomes: list[tuple[Any, ...]], kind: str) -> str:
+    """The first message of ``kind``; another rank's is prefixed with its rank."""
+    for r, o in enumerate(outcomes):
+        if o[0] == kind:
+            return str(o[1]) if r == 0 or len(outcomes) == 1 else f"rank {r}: {o[1]}"
+    return ""
+
+
+def _try(
+    catalog: Catalog, entry: Entry, load: Callable[[Entry], Any]
+) -> tuple[tuple[str, str], Any, Entry | None, BaseException | None]:
+    """Pin ``entry``, look at it as it is now and load it: (outcome, value, entry, error).
+    The outcome is what the other ranks learn: ``("ok", "")``, ``("vanished", "")``,
+    ``("damaged", why)`` (found now: to be marked), ``("marked", why)`` (marked before),
+    ``("partial", why)`` or ``("raise", why)``."""
+    with catalog.pin(entry.name) as alive:
+        fresh = catalog.refresh(entry.name) if alive else None
+        if fresh is None or fresh.status not in ("committed", "damaged"):
+            return ("vanished", ""), None, None, None
+        if fresh.status == "damaged":
+            return ("marked", fresh.error or "marked damaged"), None, fresh, None
+        try:
+            value = load(fresh)
+        except PartialRestoreError as e:
+            return ("partial", e.message), None, fresh, e
+        except CorruptCheckpointError as e:
+            return ("damaged", e.message), None, fresh, e
+        except Exception as e:
+            return ("raise", f"{type(e).__name__}: {e}"[:1000]), None, fresh, e
+        return ("ok", ""), value, fresh, None
 
 
 def _reasons(skipped: list[tuple[str, str]]) -> str:

@@ -2,13 +2,22 @@
 
 Call sequence (training thread; io pool threads read and hash extents)::
 
-    load_checkpoint(storage, directory, manifest, state, view, buffer, pool=...)
+    layout = ReadLayout(manifest, rank)                   # where each needed byte lands
+    load_checkpoint(storage, directory, manifest, state, view, buffer, pool=..., rank=...)
 
-Every file's real size is checked, the objects file is read, checked and its tree
-validated against the manifest, then the data file is read with large parallel reads
-into ``view`` and every segment's checksum checked; only then is anything in the
-live state touched. Tensors are views of the buffer until they are copied into the
-live objects (or cloned, where the live object has no tensor of that shape).
+Every file's real size is checked, the objects file of the rank whose state this rank
+takes is read, checked and its tree validated against the manifest, then the data files
+are read with large parallel reads into ``view`` and every segment's checksum checked;
+only then (after ``sync``: under torch.distributed every rank must have got this far) is
+anything in the live state touched. Tensors are views of the buffer until they are
+copied into the live objects.
+
+A checkpoint of several ranks is read by any number of ranks: the replicated slices of
+all data files are read back to back (the stream one process would have written, so a
+replicated tensor cut between two files is one view again), then each file's sharded
+and own pieces this rank needs. Rank ``r`` of a job of ``M`` takes the per-rank values
+(RNG streams, data position) of saved rank ``r mod N``; a DTensor takes its own box of
+the tensor its chunks tile.
 """
 
 from __future__ import annotations
@@ -20,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pitstop.engine.verify import check_sizes, raise_problems, read_objects, read_verified
-from pitstop.errors import CheckpointError, CorruptCheckpointError, UnsupportedSetupError
+from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.codec import dtype_from_name, tensor_view
 from pitstop.format.manifest import Manifest, TensorEntry
-from pitstop.format.names import data_file_name
+from pitstop.options import ALIGN_BYTES
 
 if TYPE_CHECKING:
     from pitstop.engine.catalog import Entry
@@ -31,9 +40,89 @@ if TYPE_CHECKING:
 from pitstop.state.restore import RestoreReport, materialize, restore_into
 from pitstop.storage.base import Storage
 
-__all__ = ["load_checkpoint", "load_entry", "read_checkpoint"]
+__all__ = ["ReadLayout", "load_checkpoint", "load_entry"]
 
 KeyMap = Callable[[str], "str | None"]
+Sync = Callable[[BaseException | None], None]
+
+
+class ReadLayout:
+    """Which bytes of which files rank ``rank`` reads, and where they land in its buffer."""
+
+    def __init__(self, manifest: Manifest, rank: int = 0) -> None:
+        self.source_rank = rank % manifest.world_size
+        wanted = [t for t in manifest.tensors if t.owner in (None, self.source_rank)]
+        self.entries: dict[str, list[TensorEntry]] = {}
+        for t in wanted:
+            self.entries.setdefault(t.key, []).append(t)
+        data = sorted((f for f in manifest.files if f.name.endswith(".bin")), key=lambda f: f.rank)
+        self.regions: list[tuple[str, int, int, int]] = []  # (file, start, end, shift)
+        self._shift: dict[tuple[str, bool], int] = {}
+        base = 0
+        for f in data:  # the replicated stream, slice after slice
+            cut = (
+                f.nbytes
+                if f.stream_nbytes is None and manifest.world_size == 1
+                else (f.stream_nbytes or 0)
+            )
+            self._shift[(f.name, True)] = base
+            if cut:
+                self.regions.append((f.name, 0, cut, base))
+            base += cut
+        needed = {t.file for t in wanted}
+        for f in data:  # then each file's own part, where this rank needs something in it
+            cut = (
+                f.nbytes
+                if f.stream_nbytes is None and manifest.world_size == 1
+                else (f.stream_nbytes or 0)
+            )
+            if f.nbytes > cut and f.name in needed:
+                shift = base - cut
+                self._shift[(f.name, False)] = shift
+                self.regions.append((f.name, cut, f.nbytes, shift))
+                base += -(-(f.nbytes - cut) // ALIGN_BYTES) * ALIGN_BYTES
+            self._shift.setdefault((f.name, False), 0)
+        self.nbytes = base
+        self._cuts = {
+            f.name: f.nbytes
+            if f.stream_nbytes is None and manifest.world_size == 1
+            else (f.stream_nbytes or 0)
+            for f in data
+        }
+
+    def position(self, t: TensorEntry) -> int:
+        """Where entry ``t`` lands in the buffer."""
+        in_stream = t.offset < self._cuts.get(t.file, 0)
+        return self._shift[(t.file, in_stream)] + t.offset
+
+    def tensor(self, key: str, buffer: torch.Tensor) -> torch.Tensor:
+        """The saved tensor ``key`` (a view of the buffer where its chunks lie back to back)."""
+        chunks = sorted(self.entries[key], key=lambda c: c.box_start)
+        first = chunks[0]
+        dtype = dtype_from_name(first.dtype)
+        whole = first.whole_shape
+        if len(chunks) == 1 and first.is_whole:
+            return tensor_view(buffer, self.position(first), first.nbytes, dtype, whole)
+        nbytes = sum(c.nbytes for c in chunks)
+        pos = self.position(first)
+        if all(
+            self.position(c) == pos + sum(x.nbytes for x in chunks[:i])
+            for i, c in enumerate(chunks)
+        ) and all(
+            c.shape[1:] == whole[1:] and not any(c.box_start[1:]) for c in chunks
+        ):  # row ranges in order, back to back: one view
+            return tensor_view(buffer, pos, nbytes, dtype, whole)
+        out = torch.empty(whole, dtype=dtype)
+        for c in chunks:
+            box = out
+            for dim, (s0, n) in enumerate(zip(c.box_start, c.shape, strict=True)):
+                box = box.narrow(dim, s0, n)
+            box.copy_(tensor_view(buffer, self.position(c), c.nbytes, dtype, c.shape))
+        return out
+
+    def meta(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        first = self.entries[key][0]
+        return dtype_from_name(first.dtype), first.whole_shape
 
 
 def read_checkpoint(
@@ -41,22 +130,26 @@ def read_checkpoint(
     directory: str,
     manifest: Manifest,
     view: memoryview,
+    layout: ReadLayout,
     *,
     pool: Executor,
-    rank: int = 0,
-) -> tuple[Any, dict[str, TensorEntry]]:
-    """Read and verify rank ``rank``'s part; returns (tree, entries by key). Raises
-    CorruptCheckpointError listing every problem found."""
+) -> Any:
+    """Read and verify what ``layout`` needs; returns the tree. Raises CorruptCheckpointError
+    listing every problem found."""
     path = f"{storage.url}/{directory}"
     problems: list[str] = []
     check_sizes(storage, directory, manifest, problems)
-    tree = None if problems else read_objects(storage, directory, manifest, rank, problems)
+    tree = None
     if not problems:
-        read_verified(
-            storage, directory, manifest, data_file_name(rank), view, pool=pool, problems=problems
-        )
+        tree = read_objects(storage, directory, manifest, layout.source_rank, problems)
+    if not problems:
+        for name, start, end, shift in layout.regions:
+            read_verified(
+                storage, directory, manifest, name, view[shift:], pool=pool, problems=problems,
+                region=(start, end),
+            )  # fmt: skip
     raise_problems(problems, step=manifest.step, path=path)
-    return tree, {t.key: t for t in manifest.tensors if t.rank == rank}
+    return tree
 
 
 def load_checkpoint(
@@ -71,32 +164,37 @@ def load_checkpoint(
     allow_pickle: bool = False,
     strict: bool = True,
     key_map: KeyMap | None = None,
+    rank: int = 0,
+    sync: Sync | None = None,
 ) -> tuple[Any, RestoreReport | None]:
     """Restore into ``state`` in place (returns it and what was loaded or skipped), or build
-    fresh objects when ``state`` is None (returns them and None)."""
-    if manifest.world_size != 1:
-        raise UnsupportedSetupError(
-            f"checkpoint was written by {manifest.world_size} ranks; restoring it in one process "
-            "arrives with distributed checkpointing",
-            step=manifest.step, phase="restore",
-        )  # fmt: skip
-    tree, entries = read_checkpoint(storage, directory, manifest, view, pool=pool)
+    fresh objects when ``state`` is None (returns them and None). ``sync(error)`` is called
+    once, after reading and verifying (or with the error that stopped it), before anything
+    live is touched; it raises if another rank failed."""
+    layout = ReadLayout(manifest, rank)
+    synced = False
+    try:
+        tree = read_checkpoint(storage, directory, manifest, view, layout, pool=pool)
+    except BaseException as e:
+        if sync is not None:
+            synced = True
+            sync(e)
+        raise
+    finally:
+        if sync is not None and not synced:
+            sync(None)
 
     def source(key: str) -> torch.Tensor:
-        t = entries[key]  # parse_objects checked that every key the tree names is here
-        return tensor_view(buffer, t.offset, t.nbytes, dtype_from_name(t.dtype), t.shape)
-
-    def meta(key: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        t = entries[key]
-        return dtype_from_name(t.dtype), t.shape
+        return layout.tensor(key, buffer)  # parse_objects checked every key the tree names
 
     path = f"{storage.url}/{directory}"
     try:
         if state is None:
             return materialize(tree, source, allow_pickle=allow_pickle), None
         report = restore_into(
-            state, tree, source, meta, allow_pickle=allow_pickle, strict=strict, key_map=key_map
-        )
+            state, tree, source, layout.meta, allow_pickle=allow_pickle, strict=strict,
+            key_map=key_map,
+        )  # fmt: skip
     except CheckpointError as e:
         e.step, e.path = manifest.step, e.path or path
         raise
@@ -119,18 +217,56 @@ def load_entry(
     key_map: KeyMap | None = None,
 ) -> tuple[Any, RestoreReport | None]:
     """:func:`load_checkpoint` of a catalog entry into an arena the saver lends (kept for
-    later saves); the data file's real size is checked before the arena is allocated."""
+    later saves); the data files' real sizes are checked before the arena is allocated.
+    Under torch.distributed, every rank agrees before the live state is touched."""
     assert entry.manifest is not None
-    manifest, name = entry.manifest, data_file_name(0)
-    claimed = manifest.file(name).nbytes if name in {f.name for f in manifest.files} else 0
-    actual = storage.file_size(entry.name, name) if claimed else 0
-    if actual != claimed:
+    manifest, group = entry.manifest, saver.group
+    synced = False
+
+    def sync(error: BaseException | None) -> None:
+        nonlocal synced
+        synced = True
+        if group.size > 1:
+            _agree_loaded(group.all_gather(_word(error), "restore"), error, group.rank)
+
+    try:
+        problems: list[str] = []
+        check_sizes(storage, entry.name, manifest, problems)
+        raise_problems(problems, step=manifest.step, path=f"{storage.url}/{entry.name}")
+        nbytes = ReadLayout(manifest, group.rank).nbytes
+        with saver.borrow_buffer(nbytes) as (view, buffer):
+            return load_checkpoint(
+                storage, entry.name, manifest, state, view, buffer, pool=saver.io_pool,
+                allow_pickle=allow_pickle, strict=strict, key_map=key_map, rank=group.rank,
+                sync=sync,
+            )  # fmt: skip
+    except BaseException as e:
+        if not synced:
+            sync(e)
+        raise
+
+
+def _word(error: BaseException | None) -> tuple[str, str]:
+    if error is None:
+        return ("ok", "")
+    kind = "corrupt" if isinstance(error, CorruptCheckpointError) else "error"
+    return (kind, f"{type(error).__name__}: {error}"[:1000])
+
+
+def _agree_loaded(words: list[tuple[str, str]], mine: BaseException | None, rank: int) -> None:
+    """Every rank read and verified its part, or all stop (damage found by any rank is damage
+    for all: the next older checkpoint is tried together)."""
+    from pitstop.errors import DistributedCheckpointError
+
+    bad = [r for r, w in enumerate(words) if w[0] != "ok"]
+    if not bad or mine is not None:
+        return  # a rank that failed raises its own error after this
+    corrupt = [r for r in bad if words[r][0] == "corrupt"]
+    if corrupt:
         raise CorruptCheckpointError(
-            f"{name}: {actual} bytes on storage, manifest says {claimed}",
-            step=entry.step, path=f"{storage.url}/{entry.name}",
-        )  # fmt: skip
-    with saver.borrow_buffer(claimed) as (view, buffer):
-        return load_checkpoint(
-            storage, entry.name, manifest, state, view, buffer, pool=saver.io_pool,
-            allow_pickle=allow_pickle, strict=strict, key_map=key_map,
-        )  # fmt: skip
+            f"rank {corrupt[0]}: {words[corrupt[0]][1]}", phase="verify", rank=rank
+        )
+    raise DistributedCheckpointError(
+        f"restore failed on rank(s) {bad}: {words[bad[0]][1]}", ranks=bad, rank=rank,
+        phase="restore",
+    )  # fmt: skip

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import os
 import threading
 import time
@@ -33,9 +34,12 @@ from typing import Any
 
 import torch
 
+from pitstop.dist.group import Group
+from pitstop.dist.sharding import assign
+from pitstop.engine.collective import agree, commit_together, local_items
 from pitstop.engine.handle import SaveHandle
-from pitstop.engine.persist import encode_objects, manifest_for, persist
-from pitstop.engine.plan import PlanCache, SavePlan
+from pitstop.engine.persist import PersistResult, encode_objects, manifest_for, persist
+from pitstop.engine.plan import PlanCache, SavePlan, plan_from_layout
 from pitstop.engine.stage import StageJob, arena_tensor, pin_arena, stage, unpin_arena
 from pitstop.errors import CheckpointError, CheckpointExistsError
 from pitstop.format.checksum import default_algorithm
@@ -67,6 +71,7 @@ def _lower_priority(nice: int) -> None:
 class _Meta:
     lineage: Lineage | None
     metrics: dict[str, float]
+    seq: int = 0
 
 
 class Saver:
@@ -79,9 +84,12 @@ class Saver:
         *,
         on_commit: Callable[[int], None] | None = None,
         algorithm: str | None = None,
+        group: Group | None = None,
     ) -> None:
         self.storage = storage
         self.options = options
+        self.group = group if group is not None else Group()
+        self._seq = 0  # saves started; every rank counts the same (saves are collective)
         self.algorithm = algorithm or default_algorithm()
         self._on_commit = on_commit
         self._plans = PlanCache()
@@ -151,7 +159,8 @@ class Saver:
         handle.stats.stall_secs = time.perf_counter() - t0
         handle.stats.nbytes = plan.file_bytes
         self.history.append(handle)
-        meta = _Meta(lineage, dict(metrics or {}))
+        self._seq += 1
+        meta = _Meta(lineage, dict(metrics or {}), self._seq)
         self._persist_pool.submit(
             self._persist, handle, job, flat, plan, arena, directory, t0, meta
         )
@@ -161,14 +170,17 @@ class Saver:
         self, handle: SaveHandle, directory: str, state: Mapping[str, Any]
     ) -> tuple[StageJob, Flat, SavePlan, Arena]:
         step = handle.step
-        if self.storage.has_manifest(directory) and not (
-            {"damaged", "abandoned"} & set(self.storage.read_markers(directory))
-        ):  # a marked one is moved out of the way by prepare
-            raise CheckpointExistsError(
-                f"step {step} is already committed; committed checkpoints are never rewritten",
-                step=step, path=f"{self.storage.url}/{directory}", phase="plan",
-            )  # fmt: skip
-        flat, plan = self._plan(state)
+
+        def check() -> None:
+            if self.storage.has_manifest(directory) and not (
+                {"damaged", "abandoned"} & set(self.storage.read_markers(directory))
+            ):  # a marked one is moved out of the way by prepare
+                raise CheckpointExistsError(
+                    f"step {step} is already committed; committed checkpoints are never rewritten",
+                    step=step, path=f"{self.storage.url}/{directory}", phase="plan",
+                )  # fmt: skip
+
+        flat, plan = self._plan(state, check)
         arena = self._acquire_arena(plan.file_bytes)
         try:
             buffer = self._buffers[id(arena)]
@@ -189,11 +201,39 @@ class Saver:
         self._release_arena(arena)
         return arena.nbytes
 
-    def _plan(self, state: Mapping[str, Any]) -> tuple[Flat, SavePlan]:
-        """Flatten ``state`` and get its (cached) layout."""
-        flat = flatten(state, allow_pickle=self.options.allow_pickle)
-        deferrable = flat.deferrable if self.options.overlap else set()
-        return flat, self._plans.get(flat.tensors, deferrable, self.options.io.chunk_bytes)
+    def _plan(
+        self, state: Mapping[str, Any], check: Callable[[], None] | None = None
+    ) -> tuple[Flat, SavePlan]:
+        """Flatten ``state`` and get its (cached) layout. Several ranks: collective (every
+        rank's description is gathered; a failure on any rank fails it on all)."""
+        chunk = self.options.io.chunk_bytes
+        if self.group.size == 1:
+            if check is not None:
+                check()
+            flat = flatten(state, allow_pickle=self.options.allow_pickle)
+            deferrable = flat.deferrable if self.options.overlap else set()
+            return flat, self._plans.get(flat.tensors, deferrable, chunk, flat.dtensors)
+        error: BaseException | None = None
+        try:
+            if check is not None:
+                check()
+            flat = flatten(state, allow_pickle=self.options.allow_pickle)
+            items = local_items(flat, overlap=self.options.overlap)
+            digest = hashlib.sha256(
+                repr((chunk, self.options.replicated, items)).encode()
+            ).hexdigest()
+            word: tuple[str, str] = ("ok", digest)
+        except Exception as e:
+            error, word = e, ("error", f"{type(e).__name__}: {e}")
+        words = self.group.all_gather(word, "plan")
+        agree(words, error, "plan", self.group.rank)
+        signature = tuple(w[1] for w in words)
+        plan = self._plans.cached(signature)
+        if plan is None:
+            everyone = self.group.all_gather(items, "plan")
+            layout = assign(everyone, self.options.replicated)[self.group.rank]
+            plan = self._plans.put(plan_from_layout(layout, chunk, signature))
+        return flat, plan
 
     def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveHandle:
         """Durable and committed when it returns: ``async_save(...).wait()``."""
@@ -333,7 +373,7 @@ class Saver:
         error: BaseException | None = None
         try:
             t1 = time.perf_counter()
-            objects = encode_objects(flat.tree, rank=0)
+            objects = encode_objects(flat.tree, rank=self.group.rank)
 
             def before_extent(
                 extent: Extent,
@@ -341,31 +381,45 @@ class Saver:
                 if extent.segments:
                     job.wait_items(max(tag[0] for _, _, tag in extent.segments))  # type: ignore[index]
 
-            result = persist(
-                self.storage,
-                directory,
-                plan,
-                arena.view,
-                objects,
-                algorithm=self.algorithm,
-                pool=self.io_pool,
-                before_extent=before_extent,
-            )
-            job.wait_copied()
-            handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
-            handle._set_staged()
-            with self._cond:
-                self._staging = [j for j in self._staging if j is not job]
-            manifest = manifest_for(
-                handle.step,
-                [result],
-                algorithm=self.algorithm,
-                segment_bytes=plan.segment_bytes,
-                world_size=1,
-                lineage=meta.lineage,
-                metrics=meta.metrics,
-            )
-            self.storage.commit(directory, manifest.dumps())
+            def write() -> PersistResult:
+                result = persist(
+                    self.storage,
+                    directory,
+                    plan,
+                    arena.view,
+                    objects,
+                    algorithm=self.algorithm,
+                    pool=self.io_pool,
+                    before_extent=before_extent,
+                    rank=self.group.rank,
+                    prepare=self.group.size == 1,
+                )
+                job.wait_copied()
+                handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
+                handle._set_staged()
+                with self._cond:
+                    self._staging = [j for j in self._staging if j is not job]
+                return result
+
+            def manifest(results: list[PersistResult], hosts: list[str]) -> bytes:
+                return manifest_for(
+                    handle.step,
+                    results,
+                    algorithm=self.algorithm,
+                    segment_bytes=plan.segment_bytes,
+                    world_size=self.group.size,
+                    lineage=meta.lineage,
+                    metrics=meta.metrics,
+                    hosts=hosts,
+                ).dumps()
+
+            if self.group.size == 1:
+                result = write()
+                self.storage.commit(directory, manifest([result], []))
+            else:
+                result = commit_together(
+                    self.group, self.storage, directory, meta.seq, write, manifest
+                )
             stats = handle.stats
             stats.nbytes, stats.direct_io = result.nbytes, result.direct
             stats.persist_secs = time.perf_counter() - t1

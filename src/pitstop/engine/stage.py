@@ -179,7 +179,7 @@ def stage(
             continue
         dst = tensor_view(buffer, item.offset, item.nbytes, item.dtype, item.shape)
         (deferred if overlap and item.deferrable else eager).append(
-            (index, dst, flat.tensors[item.key])
+            (index, dst, item.source(flat.tensors[item.key]))
         )
     progress = [0]
     half = max(1, (len(eager) + len(deferred) + 1) // 2)

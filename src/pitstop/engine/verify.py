@@ -86,7 +86,7 @@ def read_objects(
     if digest != entry.checksum:
         problems.append(f"{name}: checksum {digest} != {entry.checksum} in the manifest")
         return None
-    keys = {t.key for t in manifest.tensors if t.rank == rank}
+    keys = {t.key for t in manifest.tensors if t.owner in (None, rank)}
     try:
         tree = parse_objects(data, name=name, tensor_keys=keys, path=f"{storage.url}/{directory}")
         check_state_tree(tree, name=name)
@@ -106,17 +106,24 @@ def read_verified(
     pool: Executor,
     problems: list[str],
     on_bytes: Callable[[int], None] | None = None,
+    region: tuple[int, int] | None = None,
 ) -> int:
-    """Read data ``file`` into ``view`` (at the file's own offsets) and check every segment.
+    """Read data ``file`` (or bytes ``region`` of it) into ``view`` at the file's own offsets
+    and check every segment of the tensors in it.
 
     The caller has checked the file's real size (:func:`check_sizes`). Appends a line per
     problem to ``problems``; returns the bytes read. ``on_bytes(n)`` is called from the
     reader threads as each extent is checked (for progress reports).
     """
     entry = manifest.file(file)
-    if entry.nbytes == 0:
+    lo, hi = region if region is not None else (0, entry.nbytes)
+    if hi <= lo:
         return 0
-    tensors = [t for t in manifest.tensors if t.file == file]
+    tensors = [
+        t
+        for t in manifest.tensors
+        if t.file == file and lo <= t.offset and t.offset + t.nbytes <= hi
+    ]
     hasher = get_checksum(manifest.checksum_algorithm)
     segs: list[tuple[int, int, object]] = []
     for t in tensors:
@@ -138,7 +145,14 @@ def read_verified(
         if on_bytes is not None:
             on_bytes(extent.nbytes)
 
-    extents = plan_extents(segs, entry.nbytes, storage.io.read_chunk_bytes)
+    extents = plan_extents(
+        [(a - lo, n, tag) for a, n, tag in segs], hi - lo, storage.io.read_chunk_bytes
+    )
+    if lo:
+        extents = [
+            Extent(e.start + lo, e.end + lo, tuple((a + lo, n, tag) for a, n, tag in e.segments))
+            for e in extents
+        ]
     try:
         storage.read_data(directory, file, view, extents, pool=pool, on_extent=on_extent)
     except CorruptCheckpointError as e:
@@ -152,7 +166,7 @@ def read_verified(
         if t.nbytes == 0 and t.checksum != (empty,)
     ]
     problems.extend(bad)
-    return entry.nbytes
+    return hi - lo
 
 
 @contextmanager

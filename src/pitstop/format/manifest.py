@@ -454,10 +454,16 @@ def _tiling_problem(chunks: list[TensorEntry]) -> str | None:
         return "its chunks do not cover it exactly once"
     if len(chunks) <= MAX_PAIRWISE_CHUNKS:
         for a, b in itertools.combinations(chunks, 2):
-            if all(
-                sa < sb + nb and sb < sa + na
-                for sa, na, sb, nb in zip(a.box_start, a.shape, b.box_start, b.shape, strict=True)
-            ) and a.nbytes and b.nbytes:
+            if (
+                all(
+                    sa < sb + nb and sb < sa + na
+                    for sa, na, sb, nb in zip(
+                        a.box_start, a.shape, b.box_start, b.shape, strict=True
+                    )
+                )
+                and a.nbytes
+                and b.nbytes
+            ):
                 return "two of its chunks overlap"
         return None
     if not whole or any(c.shape[1:] != whole[1:] or any(c.box_start[1:]) for c in chunks):
@@ -486,9 +492,15 @@ def _check_layout(
     streams = {f.name: f.stream_nbytes for f in files if f.stream_nbytes is not None}
     for t in tensors:
         cut = streams.get(t.file)
-        if cut is not None and t.offset < cut and (t.offset + t.nbytes > cut or t.owner is not None):
+        if (
+            cut is not None
+            and t.offset < cut
+            and (t.offset + t.nbytes > cut or t.owner is not None)
+        ):
             raise ManifestError(
-                f"tensor {t.key!r} does not fit the replicated part of {t.file}", path=path, step=step
+                f"tensor {t.key!r} does not fit the replicated part of {t.file}",
+                path=path,
+                step=step,
             )
     ends: dict[str, int] = {}
     for t in tensors:
@@ -559,8 +571,10 @@ def _parse_tensor(
     if "global_shape" in t.obj:
         global_shape = _parse_shape(t.get("global_shape", list), where, path)
         start = _parse_shape(t.get("start", list), where, path)
-        if len(global_shape) != len(shape) or len(start) != len(shape) or any(
-            s0 + n > g for s0, n, g in zip(start, shape, global_shape, strict=True)
+        if (
+            len(global_shape) != len(shape)
+            or len(start) != len(shape)
+            or any(s0 + n > g for s0, n, g in zip(start, shape, global_shape, strict=True))
         ):
             raise ManifestError(f"{where}: its chunk lies outside its global shape", path=path)
     owner = t.count("owner", MAX_WORLD_SIZE) if t.obj.get("owner") is not None else None

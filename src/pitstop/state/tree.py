@@ -394,9 +394,7 @@ def _unsupported_tensor(t: torch.Tensor) -> str | None:
     if t.is_nested:
         return "is a nested tensor; store t.unbind() (a list of tensors) or t.to_padded_tensor(0)"
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return (
-            f"is a {type(t).__name__}; pitstop stores plain dense tensors and DTensors"
-        )
+        return f"is a {type(t).__name__}; pitstop stores plain dense tensors and DTensors"
     if t.is_quantized:
         return (
             f"is quantized ({t.qscheme()}); store t.int_repr() with its scale and zero point, "

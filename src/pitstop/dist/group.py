@@ -1,0 +1,164 @@
+"""Ranks talking to each other for pitstop, never on the training process group.
+
+Call sequence::
+
+    group = make_group(timeout_secs)     # every rank, training thread, in the same order
+                                         #   (collective: a gloo side group and a store prefix)
+    group.all_gather(obj, phase)         # training thread: plan exchange, restore agreement
+    group.post(key, data)                # persist thread: this rank's part of a save
+    group.collect(key, phase)            # persist thread, coordinator: every rank's part
+    group.read(key, phase)               # persist thread: the coordinator's word
+    group.close()
+
+Collectives of the training thread run on a gloo group of pitstop's own (so they work
+beside NCCL and never interleave with the training's collectives); the background
+threads use only the job's key-value store. Every wait is bounded by
+``timeout_secs``: a rank that does not arrive is a DistributedCheckpointError naming
+the phase (and the ranks, where the store can tell), never a hang.
+Without torch.distributed (or with one rank) :class:`Group` does all this in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import uuid
+from typing import Any
+
+from pitstop.errors import DistributedCheckpointError
+
+__all__ = ["Group", "StoreGroup", "make_group"]
+
+
+class Group:
+    """One process: every collective is the identity."""
+
+    rank = 0
+    size = 1
+    timeout_secs = 0.0
+
+    def __init__(self) -> None:
+        self._posts: dict[str, bytes] = {}
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any, phase: str) -> Any:
+        return obj
+
+    def post(self, key: str, data: bytes) -> None:
+        self._posts[key] = data
+
+    def collect(self, key: str, phase: str) -> list[bytes]:
+        return [self._posts.pop(f"{key}/0")]
+
+    def read(self, key: str, phase: str) -> bytes:
+        return self._posts.pop(key)
+
+    def close(self) -> None:
+        self._posts.clear()
+
+
+class StoreGroup(Group):
+    """Several ranks under torch.distributed (see the module docstring)."""
+
+    def __init__(self, timeout_secs: float, store: Any = None) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        super().__init__()
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.timeout_secs = timeout_secs
+        self._timeout = datetime.timedelta(seconds=timeout_secs)
+        try:
+            self._pg = dist.new_group(backend="gloo", timeout=self._timeout)
+            token = [uuid.uuid4().hex if self.rank == 0 else None]
+            dist.broadcast_object_list(token, src=0, group=self._pg)
+        except RuntimeError as e:
+            raise DistributedCheckpointError(
+                f"could not set up pitstop's group of {self.size} ranks: {e}",
+                rank=self.rank, phase="plan",
+            ) from e  # fmt: skip
+        base = store if store is not None else c10d._get_default_store()
+        self._store = dist.PrefixStore(f"pitstop/{token[0]}/", base)
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self._pg)
+        except RuntimeError as e:  # gloo's timeout or a peer that went away
+            raise DistributedCheckpointError(
+                f"not every rank arrived at {phase} within {self.timeout_secs:g} s "
+                f"(a rank failed or is not calling it): {_short(e)}",
+                rank=self.rank, phase=phase,
+            ) from e  # fmt: skip
+        return out
+
+    def broadcast(self, obj: Any, phase: str) -> Any:
+        return self.all_gather(obj if self.rank == 0 else None, phase)[0]
+
+    def post(self, key: str, data: bytes) -> None:
+        self._store.set(key, data)  # type: ignore[arg-type]
+
+    def collect(self, key: str, phase: str) -> list[bytes]:
+        keys = [f"{key}/{r}" for r in range(self.size)]
+        self._wait(keys, phase)
+        out = [bytes(self._store.get(k)) for k in keys]
+        for k in keys:
+            self._delete(k)
+        return out
+
+    def read(self, key: str, phase: str) -> bytes:
+        self._wait([key], phase)
+        return bytes(self._store.get(key))
+
+    def _wait(self, keys: list[str], phase: str) -> None:
+        try:
+            self._store.wait(keys, self._timeout)
+        except Exception as e:  # DistStoreError (timeout) or the store went away
+            missing = []
+            for k in keys:
+                try:
+                    if not self._store.check([k]):
+                        missing.append(k)
+                except Exception:
+                    missing.append(k)
+            ranks = [int(k.rsplit("/", 1)[1]) for k in missing if k.rsplit("/", 1)[1].isdigit()]
+            who = f"rank(s) {ranks}" if ranks else "the coordinator (rank 0)"
+            raise DistributedCheckpointError(
+                f"{who} did not report {phase} within {self.timeout_secs:g} s: {_short(e)}",
+                ranks=ranks or [0], rank=self.rank, phase=phase,
+            ) from e  # fmt: skip
+
+    def _delete(self, key: str) -> None:
+        with contextlib.suppress(Exception):  # some stores cannot delete; the keys are small
+            self._store.delete_key(key)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        pg, self._pg = self._pg, None
+        if pg is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):  # the default group may already be gone
+                dist.destroy_process_group(pg)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def make_group(timeout_secs: float) -> Group:
+    """The group of the running job: :class:`StoreGroup` under an initialized process group
+    of several ranks, else a one-process :class:`Group`."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return StoreGroup(timeout_secs)
+    return Group()

@@ -1,0 +1,159 @@
+"""The collective parts of a save of several ranks: describing what a rank holds, agreeing
+on an outcome, and the two-round commit through the store.
+
+Call sequence (every rank, the same saves in the same order)::
+
+    items = local_items(flat)                          # training thread, in async_save
+    agree(group.all_gather(word, "plan"), ...)         # training thread: all ok, or all fail
+    result = commit_together(group, storage, d, seq, write, manifest)   # persist thread
+
+``commit_together``: rank 0 creates the step directory and posts ``prepared``; every
+rank writes its files and posts its result (or its error); rank 0 gathers them, commits
+one manifest if all succeeded (aborts the directory otherwise) and posts the outcome,
+which every other rank waits for. Only the store is used: the background threads never
+issue collectives on a process group. A rank that dies or hangs makes the others fail
+after ``dist_timeout_secs`` with DistributedCheckpointError naming it; nothing is
+committed unless every rank's files are durable.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from pitstop.dist.group import Group
+from pitstop.dist.sharding import LocalItem
+from pitstop.engine.persist import PersistResult, result_from_json, result_to_json
+from pitstop.errors import CheckpointError, DistributedCheckpointError
+from pitstop.format.codec import dtype_name
+from pitstop.state.dtensor import local_box
+from pitstop.state.tree import Flat
+from pitstop.storage.base import Storage
+
+__all__ = ["agree", "commit_together", "local_items"]
+
+
+def local_items(flat: Flat, *, overlap: bool) -> list[LocalItem]:
+    """What this rank holds, for the global plan (``dist.sharding.assign``)."""
+    out = []
+    for key, t in flat.tensors.items():
+        deferrable = overlap and key in flat.deferrable
+        name = dtype_name(t.dtype, key=key)
+        if key in flat.dtensors:
+            local, global_shape, start = local_box(t)
+            out.append(
+                LocalItem(
+                    key, name, t.element_size(), tuple(local.shape), "dtensor", deferrable,
+                    global_shape, start,
+                )
+            )  # fmt: skip
+        else:
+            kind = "shared" if key in flat.shared else "own"
+            out.append(LocalItem(key, name, t.element_size(), tuple(t.shape), kind, deferrable))
+    return out
+
+
+def agree(words: list[tuple[str, str]], mine: BaseException | None, phase: str, rank: int) -> None:
+    """After an all-gather of ``("ok", ...)`` / ``("error", text)``: raise this rank's own
+    error, or a DistributedCheckpointError naming the ranks that failed."""
+    failed = [r for r, w in enumerate(words) if w[0] != "ok"]
+    if not failed:
+        return
+    if mine is not None:
+        raise mine
+    raise DistributedCheckpointError(
+        f"{phase} failed on rank(s) {failed}: {words[failed[0]][1]}",
+        ranks=failed, rank=rank, phase=phase,
+    )  # fmt: skip
+
+
+def _error_word(e: BaseException, default_phase: str) -> bytes:
+    phase = e.phase if isinstance(e, CheckpointError) and e.phase else default_phase
+    return json.dumps({"error": f"{type(e).__name__}: {e}"[:2000], "phase": phase}).encode()
+
+
+def _failure(word: bytes, source: str, step_dir: str, rank: int) -> DistributedCheckpointError:
+    try:
+        raw = json.loads(word)
+        text, phase = str(raw.get("error")), str(raw.get("phase") or "commit")
+        ranks = [int(r) for r in raw.get("ranks", [])]
+    except (ValueError, TypeError, AttributeError):
+        text, phase, ranks = repr(word[:200]), "commit", []
+    return DistributedCheckpointError(
+        f"save of {step_dir} failed ({source}): {text}", ranks=ranks, rank=rank, phase=phase
+    )
+
+
+def commit_together(
+    group: Group,
+    storage: Storage,
+    directory: str,
+    seq: int,
+    write: Callable[[], PersistResult],
+    manifest: Callable[[list[PersistResult], list[str]], bytes],
+) -> PersistResult:
+    """Write this rank's part and commit the checkpoint with every other rank (see above)."""
+    key = f"save/{seq}"
+    if group.coordinator:
+        try:
+            storage.prepare(directory)
+        except BaseException as e:
+            word = json.loads(_error_word(e, "plan"))
+            group.post(f"{key}/prepared", json.dumps({**word, "ranks": [0]}).encode())
+            raise
+        group.post(f"{key}/prepared", b"ok")
+    else:
+        word = group.read(f"{key}/prepared", "plan")
+        if word != b"ok":
+            raise _failure(word, "rank 0 could not create it", directory, group.rank)
+    result: PersistResult | None = None
+    try:
+        result = write()
+        report = json.dumps({"ok": result_to_json(result)}).encode()
+    except BaseException as e:
+        report = _error_word(e, "persist")
+        if not group.coordinator:
+            group.post(f"{key}/result/{group.rank}", report)
+            raise
+    if not group.coordinator:
+        group.post(f"{key}/result/{group.rank}", report)
+        word = group.read(f"{key}/commit", "commit")
+        if word != b"ok":
+            raise _failure(word, "reported by rank 0", directory, group.rank)
+        assert result is not None
+        return result
+    return _coordinate(group, storage, directory, key, report, manifest)
+
+
+def _coordinate(
+    group: Group,
+    storage: Storage,
+    directory: str,
+    key: str,
+    own: bytes,
+    manifest: Callable[[list[PersistResult], list[str]], bytes],
+) -> PersistResult:
+    """Rank 0: gather every rank's result, commit or abort, and tell everyone."""
+    group.post(f"{key}/result/0", own)
+    try:
+        reports: list[dict[str, Any]] = [
+            json.loads(r) for r in group.collect(f"{key}/result", "persist")
+        ]
+        failed = [r for r, rep in enumerate(reports) if "ok" not in rep]
+        if failed:
+            first = reports[failed[0]]
+            raise DistributedCheckpointError(
+                f"rank(s) {failed} failed in phase {first.get('phase')}: {first.get('error')}",
+                ranks=failed, rank=0, phase=str(first.get("phase") or "persist"),
+            )  # fmt: skip
+        results = [result_from_json(rep["ok"]) for rep in reports]
+        hosts = sorted({str(rep["ok"].get("host")) for rep in reports})
+        storage.commit(directory, manifest(results, hosts))
+    except BaseException as e:
+        ranks = e.ranks if isinstance(e, DistributedCheckpointError) else [0]
+        word = json.loads(_error_word(e, "commit"))
+        group.post(f"{key}/commit", json.dumps({**word, "ranks": ranks}).encode())
+        raise
+    group.post(f"{key}/commit", b"ok")
+    return results[0]
