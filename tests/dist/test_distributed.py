@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import pitstop
+from pitstop.cli.main import main as cli
+import pitstop.errors
 from conftest import assert_same_tensors, make_state, tensors_of
 from pitstop.testing.distributed import run_ranks
 
@@ -20,6 +22,8 @@ TIMEOUT = 60.0
 def _state(rank: int, seed: int = 1) -> dict[str, Any]:
     """A DDP-like state: the model and optimizer equal on every rank, per-rank values apart."""
     state = make_state(seed=seed, steps=2)
+    torch.manual_seed(seed)
+    state["big"] = torch.nn.Linear(512, 300)  # large enough to be cut between ranks
     state["local"] = {"t": torch.full((3,), float(rank)), "rank": rank}
     return state
 
@@ -57,3 +61,87 @@ def test_two_ranks_save_one_checkpoint_and_restore_it(tmp_path: Any, mode: str) 
         step, digest = restored[rank]
         assert step == 5
         assert digest == saved[rank]
+
+
+def _restore_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    return _restore(rank, world, root)[1]
+
+
+def test_split_and_root_restore_the_same_bytes_on_any_world_size(tmp_path: Any) -> None:
+    split, root_mode = str(tmp_path / "split"), str(tmp_path / "root")
+    saved = run_ranks(_save, 2, split, "split", timeout_secs=TIMEOUT)
+    run_ranks(_save, 2, root_mode, "root", timeout_secs=TIMEOUT)
+    # 2 -> 1: one process, no process group at all, takes rank 0's own values
+    for where in (split, root_mode):
+        fresh = _state(0, seed=99)
+        with pitstop.CheckpointManager(where) as ckpt:
+            assert ckpt.restore(fresh) == 5
+        assert _digest(fresh) == saved[0]
+    # 2 -> 4: ranks 2 and 3 take the own values of saved ranks 0 and 1
+    four = run_ranks(_restore_world, 4, split, timeout_secs=TIMEOUT)
+    assert [four[r] for r in range(4)] == [saved[0], saved[1], saved[0], saved[1]]
+
+
+def test_four_ranks_save_and_two_restore(tmp_path: Any) -> None:
+    root = str(tmp_path / "ck")
+    saved = run_ranks(_save, 4, root, "split", timeout_secs=TIMEOUT)
+    manifest = pitstop.CheckpointManager(root).entries()[0].manifest
+    assert manifest is not None and manifest.world_size == 4
+    assert sum(1 for t in manifest.tensors if t.global_shape is not None) > 0  # cut tensors
+    two = run_ranks(_restore_world, 2, root, timeout_secs=TIMEOUT)
+    assert two == [saved[0], saved[1]]
+    assert cli(["verify", root]) == 0
+
+
+def _fail_on_rank1(rank: int, world: int, root: str) -> str:
+    from pitstop.storage.local import LocalStorage
+    from pitstop.testing import FaultyStorage
+
+    storage: Any = LocalStorage(root)
+    if rank == 1:
+        storage = FaultyStorage(storage, fail={"persist": range(1, 100)})
+    with pitstop.CheckpointManager(storage, dist_timeout_secs=TIMEOUT) as ckpt:
+        try:
+            ckpt.save(2, _state(rank))
+        except pitstop.errors.DistributedCheckpointError as e:
+            return f"{e.phase}|{e.ranks}|{e}"
+        except pitstop.errors.CheckpointIOError as e:
+            return f"own|{e.phase}|{e}"
+    return "saved"
+
+
+def test_a_failure_on_rank_1_reaches_rank_0_with_phase_and_rank(tmp_path: Any) -> None:
+    root = str(tmp_path / "ck")
+    out = run_ranks(_fail_on_rank1, 2, root, timeout_secs=TIMEOUT)
+    phase, ranks, text = out[0].split("|", 2)
+    assert phase == "persist" and ranks == "[1]", out[0]
+    assert out[1].startswith("own|persist"), out[1]
+    assert not pitstop.CheckpointManager(root).steps()  # nothing committed
+
+
+def _save_two(rank: int, world: int, root: str) -> None:
+    with pitstop.CheckpointManager(root, dist_timeout_secs=8.0) as ckpt:
+        ckpt.save(1, _state(rank))
+        ckpt.save(2, _state(rank, seed=2))
+
+
+def test_a_rank_killed_mid_persist_commits_nothing_and_restore_takes_the_previous(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path / "ck")
+    out = run_ranks(
+        _save_two, 2, root, timeout_secs=TIMEOUT, allow_failures=True,
+        env={1: {"PITSTOP_KILL_AT": "persist.after_data:2"}},
+    )  # fmt: skip
+    assert "exit code -9" in out[1], out[1]
+    assert "DistributedCheckpointError" in out[0] and "rank(s) [1]" in out[0], out[0]
+    assert pitstop.CheckpointManager(root).steps() == [1]
+    fresh = _state(0, seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(fresh) == 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks trained it (bitwise the same arithmetic)
+    try:
+        assert _digest(fresh) == _digest(_state(0))
+    finally:
+        torch.set_num_threads(threads)
