@@ -93,6 +93,8 @@ def is_stateful(obj: object) -> bool:
 
 
 def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
+    if is_dtensor(t):  # a DTensor is the same one if its local tensor is
+        return ("dtensor", tuple(t.shape), *_tensor_identity(t.to_local()))  # type: ignore[attr-defined]
     return (
         t.device,
         t.untyped_storage().data_ptr(),
