@@ -13,7 +13,7 @@ import torch
 
 import pitstop
 from conftest import assert_same_tensors, make_state, tensors_of
-from pitstop.errors import CheckpointIOError, UnsupportedSetupError
+from pitstop.errors import CheckpointIOError
 from pitstop.format.names import DAMAGED_MARKER
 from pitstop.loop import StepResult
 from pitstop.policy import EveryN, KeepBest, KeepEvery, KeepLast
