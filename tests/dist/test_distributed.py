@@ -82,7 +82,7 @@ def test_split_and_root_restore_the_same_bytes_on_any_world_size(tmp_path: Any) 
     assert [four[r] for r in range(4)] == [saved[0], saved[1], saved[0], saved[1]]
 
 
-def test_four_ranks_save_and_two_restore(tmp_path: Any) -> None:
+def test_four_ranks_save_and_two_restore(tmp_path: Any, capsys: Any) -> None:
     root = str(tmp_path / "ck")
     saved = run_ranks(_save, 4, root, "split", timeout_secs=TIMEOUT)
     manifest = pitstop.CheckpointManager(root).entries()[0].manifest
@@ -91,6 +91,10 @@ def test_four_ranks_save_and_two_restore(tmp_path: Any) -> None:
     two = run_ranks(_restore_world, 2, root, timeout_secs=TIMEOUT)
     assert two == [saved[0], saved[1]]
     assert cli(["verify", root]) == 0
+    capsys.readouterr()
+    assert cli(["inspect", root]) == 0
+    shown = capsys.readouterr().out
+    assert "world    4 rank(s)" in shown and "rank 3's own" in shown and "of [300, 512]" in shown
 
 
 def _fail_on_rank1(rank: int, world: int, root: str) -> str:

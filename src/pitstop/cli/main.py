@@ -196,11 +196,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"size     {_human(manifest.nbytes)} in {len(manifest.files)} files, {len(manifest.tensors)} tensors"
     )
     print()
-    print(f"{'KEY':60}  {'DTYPE':10}  {'SHAPE':20}  {'BYTES':>10}")
+    if manifest.world_size > 1:
+        for f in manifest.files:
+            if f.name.endswith(".bin"):
+                stream = f.stream_nbytes or 0
+                print(
+                    f"rank {f.rank:<4} {f.name}: {_human(f.nbytes)} ({_human(stream)} replicated "
+                    f"slice, {_human(f.nbytes - stream)} own and sharded)"
+                )
+        print()
+    wide = manifest.world_size > 1
+    extra = "  RANK  CHUNK" if wide else ""
+    print(f"{'KEY':60}  {'DTYPE':10}  {'SHAPE':20}  {'BYTES':>10}{extra}")
     for t in manifest.tensors:
-        print(
+        line = (
             f"{t.key[:60]:60}  {t.dtype:10}  {str(list(t.shape))[:20]:20}  {_human(t.nbytes):>10}"
         )
+        if wide:
+            if t.owner is not None:
+                chunk = f"rank {t.owner}'s own"
+            elif t.global_shape is not None and not t.is_whole:
+                chunk = f"at {list(t.box_start)} of {list(t.global_shape)}"
+            else:
+                chunk = "whole, shared"
+            line += f"  {t.rank:>4}  {chunk}"
+        print(line)
     return 0
 
 
