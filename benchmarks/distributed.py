@@ -216,8 +216,6 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         info["raw_direct_io"] = raw_write(
             raw_src, buf.view, file_bytes, request=64 * MIB, pool=pool
         )
-        raw_write(raw_out, buf.view, file_bytes, request=64 * MIB, pool=pool)
-        remove_path(raw_out)
         buf.tensor.zero_()
         raw_read(raw_src, buf.view, file_bytes, request=64 * MIB, pool=pool)
         verified["raw_read"] = state_equal(buf.views(tensors, offsets), tensors)

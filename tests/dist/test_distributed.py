@@ -200,3 +200,20 @@ def test_dtensor_state_round_trips_and_reshards(tmp_path: Any) -> None:
     with pitstop.CheckpointManager(root) as ckpt:
         assert ckpt.restore({"sharded": plain}) == 1
     assert_same_tensors(plain, expected)
+
+
+def _save_other_steps(rank: int, world: int, root: str) -> str:
+    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+        try:
+            ckpt.save(2 + rank, _state(rank))
+        except pitstop.errors.DistributedCheckpointError as e:
+            return f"{e.phase}|{e}"
+    return "saved"
+
+
+def test_ranks_saving_different_steps_all_get_one_clear_error(tmp_path: Any) -> None:
+    root = str(tmp_path / "ck")
+    out = run_ranks(_save_other_steps, 2, root, timeout_secs=TIMEOUT)
+    for text in out:
+        assert text.startswith("plan|ranks disagree on the step to save: [2, 3]"), text
+    assert not os.path.exists(root) or not pitstop.CheckpointManager(root).steps()

@@ -40,7 +40,8 @@ ALLOWED: dict[str, set[int]] = {
 # torch-free CLI commands must not)
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.dist", "pitstop.engine", "pitstop.manager",
             "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
-            "pitstop.testing.crash", "pitstop.testing.fuzz", "pitstop.cli.convert",
+            "pitstop.testing.crash", "pitstop.testing.fuzz", "pitstop.testing.distributed",
+            "pitstop.cli.convert",
             "pitstop.cli.dcp_safe")  # fmt: skip
 TORCH_FREE = [
     "pitstop", "pitstop.errors", "pitstop.options", "pitstop.faults", "pitstop.format.manifest",

@@ -41,7 +41,7 @@ from pitstop.engine.handle import SaveHandle
 from pitstop.engine.persist import PersistResult, encode_objects, manifest_for, persist
 from pitstop.engine.plan import PlanCache, SavePlan, plan_from_layout
 from pitstop.engine.stage import StageJob, arena_tensor, pin_arena, stage, unpin_arena
-from pitstop.errors import CheckpointError, CheckpointExistsError
+from pitstop.errors import CheckpointError, CheckpointExistsError, DistributedCheckpointError
 from pitstop.format.checksum import default_algorithm
 from pitstop.format.manifest import Lineage
 from pitstop.format.names import step_dir_name
@@ -180,7 +180,7 @@ class Saver:
                     step=step, path=f"{self.storage.url}/{directory}", phase="plan",
                 )  # fmt: skip
 
-        flat, plan = self._plan(state, check)
+        flat, plan = self._plan(state, check, step)
         arena = self._acquire_arena(plan.file_bytes)
         try:
             buffer = self._buffers[id(arena)]
@@ -202,7 +202,10 @@ class Saver:
         return arena.nbytes
 
     def _plan(
-        self, state: Mapping[str, Any], check: Callable[[], None] | None = None
+        self,
+        state: Mapping[str, Any],
+        check: Callable[[], None] | None = None,
+        step: int | None = None,
     ) -> tuple[Flat, SavePlan]:
         """Flatten ``state`` and get its (cached) layout. Several ranks: collective (every
         rank's description is gathered; a failure on any rank fails it on all)."""
@@ -225,8 +228,16 @@ class Saver:
             word: tuple[str, str] = ("ok", digest)
         except Exception as e:
             error, word = e, ("error", f"{type(e).__name__}: {e}")
-        words = self.group.all_gather(word, "plan")
-        agree(words, error, "plan", self.group.rank)
+        words = self.group.all_gather((*word, step), "plan")
+        steps = sorted({w[2] for w in words}, key=str)
+        if len(steps) > 1:
+            raise DistributedCheckpointError(
+                f"ranks disagree on the step to save: {[w[2] for w in words]} (rank order); "
+                "saves are collective: every rank saves the same step",
+                ranks=[r for r, w in enumerate(words) if w[2] != words[0][2]],
+                rank=self.group.rank, phase="plan",
+            )  # fmt: skip
+        agree([w[:2] for w in words], error, "plan", self.group.rank)
         signature = tuple(w[1] for w in words)
         plan = self._plans.cached(signature)
         if plan is None:
