@@ -16,9 +16,10 @@ DDP) and a restore target of the same shapes, and measures, inside the ranks:
   writes everything); one manager per mode, reused, warmed up by one save;
 * ``torch.distributed.checkpoint`` ``dcp.save`` of the same tensors as state dicts at
   the same world size, as users run it (default planner: replicated tensors are
-  deduplicated, each written by one rank; which rank is reported from the file sizes),
-  followed by ``fsync_tree`` of its directory on rank 0 inside the timing (DCP fsyncs
-  its files but not the directories: durability parity);
+  deduplicated, each whole tensor written by one rank; recent torch balances them over
+  the ranks by size; the report shows the bytes per file), followed by ``fsync_tree`` of
+  its directory on rank 0 inside the timing (DCP fsyncs its files but not the
+  directories: durability parity; the report gives that fsync's share);
 * pitstop ``restore`` (collective, reused manager) per mode and ``dcp.load`` (+ the
   optimizer's ``load_state_dict``), the page cache dropped first when permitted;
 * the disk's limits, on rank 0 only while the others wait: a raw O_DIRECT write of the
@@ -33,8 +34,11 @@ measured in the same run, never absolute figures to compare across runs. Restore
 the checkpoint the warm-up saved (or, when newer, the repetition's save of the same
 bytes).
 
-Memory at the default size: per rank about 2 GB (state + restore target) plus pitstop's
-arenas; rank 0 also holds the raw buffer (1 GB) and root's whole arena. Disk: about 5 GB.
+Memory at the default size: about 6 GB per rank (state, restore target, the arenas of
+two pitstop managers, which a restore grows to the whole state on every rank, DCP's
+copies; rank 0 also the raw buffer): 12 GB at world 2, ~24 GB at world 4 (use
+``--layers`` to shrink). Disk: about 6 GB. The table's +RSS/state column gives the
+memory each call adds once warm.
 
 stdout: a table per world size (method, median seconds, GB/s, ratio to the raw write),
 the split/root and split/DCP ratios, and, as the last line, one JSON object with every
@@ -61,6 +65,7 @@ import torch
 
 from _common import (
     AlignedBuffer,
+    PeakRSS,
     build_state,
     drop_caches,
     fsync_tree,
@@ -151,6 +156,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     info: dict[str, Any] = {"state_bytes": state_bytes, "file_bytes": file_bytes}
     verified: dict[str, bool] = {}
+    warmup_rss: dict[str, int] = {}  # peak resident memory added by each first call
 
     def restored_ok(restore: Any) -> bool:
         scramble(fresh_tensors)
@@ -167,11 +173,16 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for m in MODES:
         say(f"warm-up: pitstop save + restore, {m}")
         t0 = perf()
-        h = managers[m].save(0, state)
+        with PeakRSS() as rss:
+            h = managers[m].save(0, state)
         info[f"pitstop_{m}_warmup_secs"] = perf() - t0
         info[f"pitstop_{m}_direct_io"] = bool(h.stats.direct_io)
-        info[f"pitstop_{m}_host_bytes"] = managers[m].host_bytes
-        verified[f"pitstop_restore_{m}"] = restored_ok(lambda m=m: managers[m].restore(fresh))
+        info[f"pitstop_{m}_host_bytes_after_save"] = managers[m].host_bytes
+        warmup_rss[f"pitstop_save_{m}"] = rss.added
+        with PeakRSS() as rss:
+            verified[f"pitstop_restore_{m}"] = restored_ok(lambda m=m: managers[m].restore(fresh))
+        warmup_rss[f"pitstop_restore_{m}"] = rss.added
+        info[f"pitstop_{m}_host_bytes_after_restore"] = managers[m].host_bytes
         dist.barrier()
         if lead:
             keep[m] = set(os.listdir(dirs[m]))
@@ -182,7 +193,9 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dcp_src = os.path.join(base, "dcp-src")
     say("warm-up: DCP save + load")
     t0 = perf()
-    dcp.save(_state_dicts(model, opt), checkpoint_id=dcp_src)
+    with PeakRSS() as rss:
+        dcp.save(_state_dicts(model, opt), checkpoint_id=dcp_src)
+    warmup_rss["dcp_save"] = rss.added
     if lead:
         fsync_tree(dcp_src)
     info["dcp_warmup_secs"] = perf() - t0
@@ -192,7 +205,9 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         dcp.load(sd, checkpoint_id=dcp_src)
         fresh_opt.load_state_dict(sd["optimizer"])
 
-    verified["dcp_load"] = restored_ok(dcp_load)
+    with PeakRSS() as rss:
+        verified["dcp_load"] = restored_ok(dcp_load)
+    warmup_rss["dcp_load"] = rss.added
     dist.barrier()
     if lead:
         info["dcp_files"] = _file_sizes(dcp_src)
@@ -234,7 +249,9 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             path = os.path.join(dcp_dir, f"step{step}")
             dcp.save(_state_dicts(model, opt), checkpoint_id=path)
             if lead:
+                t1 = perf()
                 fsync_tree(path)
+                fsync_secs.append(perf() - t1)  # its share of the DCP row, for the report
         elif key == "dcp_load":
             dcp_load()
         elif key == "raw_write":
@@ -248,6 +265,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         return perf() - t0
 
     samples: dict[str, list[float | None]] = {k: [] for k in METHODS}
+    rss_added: dict[str, list[int | None]] = {k: [] for k in METHODS}
+    fsync_secs: list[float] = []
     orders: list[list[str]] = []
     for rep in range(cfg["reps"]):
         step = rep + 1
@@ -261,8 +280,10 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 if key in COLD and not drop_caches():
                     info["cache"] = "warm"
             dist.barrier()
-            secs = run(key, step)
+            with PeakRSS() as rss:
+                secs = run(key, step)
             samples[key].append(secs)
+            rss_added[key].append(None if secs is None else rss.added)
             if secs is not None:
                 say(f"  {key:24s} {secs:7.3f} s (rank 0)")
         dist.barrier()  # every rank done with this round: delete its outputs, untimed
@@ -278,8 +299,17 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if pool is not None:
         pool.shutdown(wait=True)
     info["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    info["rss_method"] = PeakRSS().method
+    info["dcp_fsync_tree_secs"] = fsync_secs
     info["threads"] = torch.get_num_threads()
-    return {"samples": samples, "orders": orders, "info": info, "verified": verified}
+    return {
+        "samples": samples,
+        "rss_added": rss_added,
+        "warmup_rss": warmup_rss,
+        "orders": orders,
+        "info": info,
+        "verified": verified,
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -289,13 +319,13 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or math.isnan(x) else format(x, spec)
 
 
-def _per_rep_max(per_rank: list[dict[str, Any]], key: str) -> list[float]:
-    """Each repetition's time: the maximum over the ranks that ran the method."""
-    reps = len(per_rank[0]["samples"][key])
+def _per_rep_max(per_rank: list[dict[str, Any]], key: str, what: str = "samples") -> list[float]:
+    """Each repetition's figure: the maximum over the ranks that ran the method."""
+    reps = len(per_rank[0][what][key])
     out = []
     for i in range(reps):
-        xs = [r["samples"][key][i] for r in per_rank if r["samples"][key][i] is not None]
-        out.append(max(xs) if xs else math.nan)
+        xs = [r[what][key][i] for r in per_rank if r[what][key][i] is not None]
+        out.append(float(max(xs)) if xs else math.nan)
     return out
 
 
@@ -310,6 +340,10 @@ def report_world(world: int, per_rank: list[dict[str, Any]], wall: float) -> dic
     nb = info0["state_bytes"]
     maxes = {k: _per_rep_max(per_rank, k) for k in METHODS}
     med = {k: median(v) for k, v in maxes.items()}
+    rss = {k: median(_per_rep_max(per_rank, k, "rss_added")) / nb for k in METHODS}
+    first = {
+        k: max(r["warmup_rss"].get(k, 0) for r in per_rank) / nb for k in per_rank[0]["warmup_rss"]
+    }
     raw_w, raw_r = med["raw_write"], med["raw_read"]
 
     def out(*parts: object) -> None:
@@ -320,7 +354,10 @@ def report_world(world: int, per_rank: list[dict[str, Any]], wall: float) -> dic
         f"== world {world}: {nb:,} B replicated state per rank, {len(maxes['raw_write'])} "
         f"repetition(s), interleaved; restores: page cache {info0['cache']}; wall {wall:.1f} s"
     )
-    header = f"{'method':34s} {'median s':>9s} {'min':>7s} {'max':>7s} {'GB/s':>6s}  {'vs raw write':>12s}  {'vs raw read':>11s}"
+    header = (
+        f"{'method':34s} {'median s':>9s} {'min':>7s} {'max':>7s} {'GB/s':>6s}  "
+        f"{'vs raw write':>12s}  {'vs raw read':>11s}  {'+RSS/state':>10s}"
+    )
     out(header)
     out("-" * len(header))
     for key, (label, group) in METHODS.items():
@@ -330,8 +367,18 @@ def report_world(world: int, per_rank: list[dict[str, Any]], wall: float) -> dic
         out(
             f"{label:34s} {_fmt(m):>9s} {_fmt(min(xs) if xs else math.nan):>7s} "
             f"{_fmt(max(xs) if xs else math.nan):>7s} {_fmt(gbps(nb, m), '.2f'):>6s}  "
-            f"{_fmt(raw_w / m, '.2f') + 'x':>12s}  {vs_read:>11s}"
+            f"{_fmt(raw_w / m, '.2f') + 'x':>12s}  {vs_read:>11s}  {_fmt(rss[key], '.2f'):>10s}"
         )
+    fsyncs = info0.get("dcp_fsync_tree_secs") or []
+    out(
+        f"+RSS/state: median over repetitions of the max over ranks of the peak resident memory "
+        f"added during the call / state bytes ({info0.get('rss_method')}); first calls (warm-up, "
+        f"arenas allocated): " + ", ".join(f"{k} {v:.2f}" for k, v in first.items())
+    )
+    out(
+        f"DCP save row includes rank 0's fsync_tree of its directory: median "
+        f"{_fmt(median(fsyncs))} s of it"
+    )
     ratios = {
         "save_split_vs_root": med["pitstop_save_root"] / med["pitstop_save_split"],
         "save_split_vs_dcp": med["dcp_save"] / med["pitstop_save_split"],
@@ -354,12 +401,12 @@ def report_world(world: int, per_rank: list[dict[str, Any]], wall: float) -> dic
         + _writers(info0.get("dcp_files", {}))
     )
     bad = [k for r in per_rank for k, ok in r["verified"].items() if not ok]
-    rss = ", ".join(f"{r['info']['peak_rss_bytes'] / 1e9:.2f}" for r in per_rank)
+    peak = ", ".join(f"{r['info']['peak_rss_bytes'] / 1e9:.2f}" for r in per_rank)
     direct = {m: info0.get(f"pitstop_{m}_direct_io") for m in MODES}
     out(
         f"verified (warm-up restores equal the saved state, every rank): {'yes' if not bad else 'NO: ' + ', '.join(sorted(set(bad)))}; "
         f"pitstop O_DIRECT {direct}; raw O_DIRECT {info0.get('raw_direct_io')}; "
-        f"peak RSS per rank {rss} GB"
+        f"peak RSS per rank {peak} GB"
     )
     return {
         "world": world,
@@ -370,6 +417,8 @@ def report_world(world: int, per_rank: list[dict[str, Any]], wall: float) -> dic
         "gbps": {k: gbps(nb, v) for k, v in med.items()},
         "vs_raw_write": {k: raw_w / v for k, v in med.items()},
         "ratios": ratios,
+        "rss_added_per_state": rss,
+        "warmup_rss_added_per_state": first,
         "samples_max_over_ranks": maxes,
         "samples_per_rank": [r["samples"] for r in per_rank],
         "orders": per_rank[0]["orders"],
