@@ -46,6 +46,7 @@ from pitstop.errors import (
 from pitstop.faults import killpoint
 from pitstop.format.manifest import Lineage, Manifest
 from pitstop.format.names import MANIFEST, aside_dir_name, parse_aside_dir, parse_step_dir
+from pitstop.io.locks import DirLock
 from pitstop.log import get_logger
 from pitstop.policy.retention import CheckpointInfo, RetentionPolicy
 from pitstop.storage.base import Storage
@@ -294,12 +295,8 @@ class Catalog:
         """Move ``entry`` out of the restore candidates and out of a new save's way
         (``kind``: abandoned or damaged). Returns the new name; None if it is pinned."""
         assert entry.step is not None
-        try:
-            lock = self.storage.lock(entry.name, exclusive=True)
-        except CheckpointNotFoundError:
-            return None
+        lock = self._hold(entry.name, "in use elsewhere; not set aside", phase="restore", warn=True)
         if lock is None:
-            _log.warning("%s is in use elsewhere; not set aside", entry.name, phase="restore")
             return None
         target = aside_dir_name(kind, entry.step, uuid.uuid4().hex[:8])
         with lock:
@@ -356,12 +353,8 @@ class Catalog:
         """Uncommit ``name`` (manifest first, durably) and move it to ``.retired-step-N-ID``: from
         here it is no checkpoint. The files are deleted by :meth:`purge`, after ``save()``
         returned. None if it is pinned."""
-        try:
-            lock = self.storage.lock(name, exclusive=True)
-        except CheckpointNotFoundError:
-            return None
+        lock = self._hold(name, "pinned; retention leaves it for later")
         if lock is None:
-            _log.info("%s is pinned; retention leaves it for later", name, phase="gc")
             return None
         target = aside_dir_name("retired", step, uuid.uuid4().hex[:8])
         with lock:
@@ -369,6 +362,20 @@ class Catalog:
             killpoint("retention.mid")
             self.storage.rename(name, target)
         return target
+
+    def _hold(
+        self, name: str, busy: str, *, phase: str = "gc", warn: bool = False
+    ) -> DirLock | None:
+        """``name`` held exclusively, without waiting; None if it is gone, or if someone holds
+        it (logged with ``busy``, as a warning if ``warn``)."""
+        try:
+            lock = self.storage.lock(name, exclusive=True)
+        except CheckpointNotFoundError:
+            return None
+        if lock is None:
+            log = _log.warning if warn else _log.info
+            log("%s is %s", name, busy, phase=phase)
+        return lock
 
     def purge_later(self, names: list[str]) -> None:
         """Delete what retention retired on this catalog's own thread: deleting a large
@@ -394,12 +401,8 @@ class Catalog:
     ) -> bool:
         """Remove ``name`` if nobody holds it; False if pinned or being written. ``debris``:
         only if it still has no manifest once held (a save may have committed since the scan)."""
-        try:
-            lock = self.storage.lock(name, exclusive=True)
-        except CheckpointNotFoundError:
-            return False
+        lock = self._hold(name, "pinned or being written; left for later")
         if lock is None:
-            _log.info("%s is pinned or being written; left for later", name, phase="gc")
             return False
         with lock:
             if debris and self.storage.has_manifest(name):

@@ -2,8 +2,9 @@
 
 Call sequence (training thread; io pool threads read and hash extents)::
 
-    layout = ReadLayout(manifest, rank)                   # where each needed byte lands
-    load_checkpoint(storage, directory, manifest, state, view, buffer, pool=..., rank=...)
+    load_entry(storage, entry, state, saver=...)          # checks sizes, allocates, then:
+      layout = ReadLayout(manifest, rank)                 #   where each needed byte lands
+      load_checkpoint(storage, directory, manifest, state, view, buffer, layout=layout, ...)
 
 Every file's real size is checked, the objects file of the rank whose state this rank
 takes is read, checked and its tree validated against the manifest, then the data files
@@ -56,26 +57,24 @@ class ReadLayout:
         for t in wanted:
             self.entries.setdefault(t.key, []).append(t)
         data = sorted((f for f in manifest.files if f.name.endswith(".bin")), key=lambda f: f.rank)
+        # a file of one rank (format 1 and 2) is all stream; of several, its first stream_nbytes
+        one = manifest.world_size == 1
+        self._cuts = {
+            f.name: f.nbytes if one and f.stream_nbytes is None else (f.stream_nbytes or 0)
+            for f in data
+        }
         self.regions: list[tuple[str, int, int, int]] = []  # (file, start, end, shift)
         self._shift: dict[tuple[str, bool], int] = {}
         base = 0
         for f in data:  # the replicated stream, slice after slice
-            cut = (
-                f.nbytes
-                if f.stream_nbytes is None and manifest.world_size == 1
-                else (f.stream_nbytes or 0)
-            )
+            cut = self._cuts[f.name]
             self._shift[(f.name, True)] = base
             if cut:
                 self.regions.append((f.name, 0, cut, base))
             base += cut
         needed = {t.file for t in wanted}
         for f in data:  # then each file's own part, where this rank needs something in it
-            cut = (
-                f.nbytes
-                if f.stream_nbytes is None and manifest.world_size == 1
-                else (f.stream_nbytes or 0)
-            )
+            cut = self._cuts[f.name]
             if f.nbytes > cut and f.name in needed:
                 shift = base - cut
                 self._shift[(f.name, False)] = shift
@@ -83,12 +82,6 @@ class ReadLayout:
                 base += -(-(f.nbytes - cut) // ALIGN_BYTES) * ALIGN_BYTES
             self._shift.setdefault((f.name, False), 0)
         self.nbytes = base
-        self._cuts = {
-            f.name: f.nbytes
-            if f.stream_nbytes is None and manifest.world_size == 1
-            else (f.stream_nbytes or 0)
-            for f in data
-        }
 
     def position(self, t: TensorEntry) -> int:
         """Where entry ``t`` lands in the buffer."""
@@ -103,15 +96,13 @@ class ReadLayout:
         whole = first.whole_shape
         if len(chunks) == 1 and first.is_whole:
             return tensor_view(buffer, self.position(first), first.nbytes, dtype, whole)
-        nbytes = sum(c.nbytes for c in chunks)
-        pos = self.position(first)
-        if all(
-            self.position(c) == pos + sum(x.nbytes for x in chunks[:i])
-            for i, c in enumerate(chunks)
-        ) and all(
+        starts = [self.position(first)]  # where each chunk would start if back to back
+        for c in chunks:
+            starts.append(starts[-1] + c.nbytes)
+        if all(self.position(c) == starts[i] for i, c in enumerate(chunks)) and all(
             c.shape[1:] == whole[1:] and not any(c.box_start[1:]) for c in chunks
         ):  # row ranges in order, back to back: one view
-            return tensor_view(buffer, pos, nbytes, dtype, whole)
+            return tensor_view(buffer, starts[0], starts[-1] - starts[0], dtype, whole)
         out = torch.empty(whole, dtype=dtype)
         for c in chunks:
             box = out
@@ -134,14 +125,12 @@ def read_checkpoint(
     *,
     pool: Executor,
 ) -> Any:
-    """Read and verify what ``layout`` needs; returns the tree. Raises CorruptCheckpointError
+    """Read and verify what ``layout`` needs; returns the tree. The caller has checked every
+    file's real size (:func:`load_entry`, before it allocates). Raises CorruptCheckpointError
     listing every problem found."""
     path = f"{storage.url}/{directory}"
     problems: list[str] = []
-    check_sizes(storage, directory, manifest, problems)
-    tree = None
-    if not problems:
-        tree = read_objects(storage, directory, manifest, layout.source_rank, problems)
+    tree = read_objects(storage, directory, manifest, layout.source_rank, problems)
     if not problems:
         for name, start, end, shift in layout.regions:
             read_verified(
@@ -164,25 +153,16 @@ def load_checkpoint(
     allow_pickle: bool = False,
     strict: bool = True,
     key_map: KeyMap | None = None,
-    rank: int = 0,
+    layout: ReadLayout,
     sync: Sync | None = None,
 ) -> tuple[Any, RestoreReport | None]:
     """Restore into ``state`` in place (returns it and what was loaded or skipped), or build
-    fresh objects when ``state`` is None (returns them and None). ``sync(error)`` is called
-    once, after reading and verifying (or with the error that stopped it), before anything
-    live is touched; it raises if another rank failed."""
-    layout = ReadLayout(manifest, rank)
-    synced = False
-    try:
-        tree = read_checkpoint(storage, directory, manifest, view, layout, pool=pool)
-    except BaseException as e:
-        if sync is not None:
-            synced = True
-            sync(e)
-        raise
-    finally:
-        if sync is not None and not synced:
-            sync(None)
+    fresh objects when ``state`` is None (returns them and None). ``sync(None)`` is called
+    after reading and verifying, before anything live is touched; it raises if another rank
+    failed (an error before it is the caller's to report: :func:`load_entry`)."""
+    tree = read_checkpoint(storage, directory, manifest, view, layout, pool=pool)
+    if sync is not None:
+        sync(None)
 
     def source(key: str) -> torch.Tensor:
         return layout.tensor(key, buffer)  # parse_objects checked every key the tree names
@@ -233,15 +213,15 @@ def load_entry(
         problems: list[str] = []
         check_sizes(storage, entry.name, manifest, problems)
         raise_problems(problems, step=manifest.step, path=f"{storage.url}/{entry.name}")
-        nbytes = ReadLayout(manifest, group.rank).nbytes
-        with saver.borrow_buffer(nbytes) as (view, buffer):
+        layout = ReadLayout(manifest, group.rank)
+        with saver.borrow_buffer(layout.nbytes) as (view, buffer):
             return load_checkpoint(
                 storage, entry.name, manifest, state, view, buffer, pool=saver.io_pool,
-                allow_pickle=allow_pickle, strict=strict, key_map=key_map, rank=group.rank,
+                allow_pickle=allow_pickle, strict=strict, key_map=key_map, layout=layout,
                 sync=sync,
             )  # fmt: skip
     except BaseException as e:
-        if not synced:
+        if not synced:  # failed before the agreement: the others learn it there
             sync(e)
         raise
 
