@@ -68,9 +68,14 @@ def agree(words: list[tuple[str, str]], mine: BaseException | None, phase: str, 
     )  # fmt: skip
 
 
-def _error_word(e: BaseException, default_phase: str) -> bytes:
+def _error_word(e: BaseException, default_phase: str, ranks: list[int] | None = None) -> bytes:
+    """What a rank posts instead of its result: the error, its phase, and (the coordinator's
+    word) the ranks that failed."""
     phase = e.phase if isinstance(e, CheckpointError) and e.phase else default_phase
-    return json.dumps({"error": f"{type(e).__name__}: {e}"[:2000], "phase": phase}).encode()
+    word: dict[str, Any] = {"error": f"{type(e).__name__}: {e}"[:2000], "phase": phase}
+    if ranks is not None:
+        word["ranks"] = ranks
+    return json.dumps(word).encode()
 
 
 def _failure(word: bytes, source: str, step_dir: str, rank: int) -> DistributedCheckpointError:
@@ -99,8 +104,7 @@ def commit_together(
         try:
             storage.prepare(directory)
         except BaseException as e:
-            word = json.loads(_error_word(e, "plan"))
-            group.post(f"{key}/prepared", json.dumps({**word, "ranks": [0]}).encode())
+            group.post(f"{key}/prepared", _error_word(e, "plan", [0]))
             raise
         group.post(f"{key}/prepared", b"ok")
     else:
@@ -152,8 +156,7 @@ def _coordinate(
         storage.commit(directory, manifest(results, hosts))
     except BaseException as e:
         ranks = e.ranks if isinstance(e, DistributedCheckpointError) else [0]
-        word = json.loads(_error_word(e, "commit"))
-        group.post(f"{key}/commit", json.dumps({**word, "ranks": ranks}).encode())
+        group.post(f"{key}/commit", _error_word(e, "commit", ranks))
         raise
     group.post(f"{key}/commit", b"ok")
     return results[0]

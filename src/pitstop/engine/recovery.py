@@ -90,7 +90,7 @@ def recover(
     group = group if group is not None else Group()
     t0 = time.perf_counter()
     result = RestoreResult()
-    partial: BaseException | None = None
+    partial = False  # a load failed after overwriting part of the live state
     for _ in range(_RESCANS):
         entries = catalog.scan()
         chain = group.broadcast(_chain(entries, step), "restore")
@@ -134,7 +134,7 @@ def recover(
                 )  # fmt: skip
                 continue
             if "partial" in kinds:
-                partial = error or partial or DistributedCheckpointError("partial")
+                partial = True
                 why = _first(outcomes, "partial")
                 result.skipped.append((entry.name, f"load failed part way: {why}"))
                 continue
@@ -159,7 +159,7 @@ def recover(
     if not result.skipped:
         return result  # no checkpoint at all
     reasons = _reasons(result.skipped)
-    if partial is not None:
+    if partial:
         raise PartialRestoreError(
             f"no checkpoint could be restored and the live state was partly overwritten: "
             f"do not train from it ({reasons})", path=catalog.storage.url, phase="restore",

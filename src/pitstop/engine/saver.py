@@ -229,8 +229,7 @@ class Saver:
         except Exception as e:
             error, word = e, ("error", f"{type(e).__name__}: {e}")
         words = self.group.all_gather((*word, step), "plan")
-        steps = sorted({w[2] for w in words}, key=str)
-        if len(steps) > 1:
+        if len({w[2] for w in words}) > 1:
             raise DistributedCheckpointError(
                 f"ranks disagree on the step to save: {[w[2] for w in words]} (rank order); "
                 "saves are collective: every rank saves the same step",
