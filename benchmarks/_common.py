@@ -8,6 +8,8 @@ limits are measured with the same tools as pitstop itself.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import mmap
 import os
 import shutil
@@ -35,6 +37,7 @@ __all__ = [
     "fsync_dir",
     "fsync_tree",
     "gbps",
+    "json_line",
     "layout",
     "log",
     "median",
@@ -56,6 +59,22 @@ _T0 = time.perf_counter()
 def log(msg: str) -> None:
     """Progress on stderr, so that stdout ends with the JSON line."""
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _strict(obj: object) -> object:
+    """NaN and infinities become null, so the line is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def json_line(result: object) -> str:
+    """A benchmark's final line: compact, strict JSON."""
+    return json.dumps(_strict(result), separators=(",", ":"))
 
 
 def median(xs: Sequence[float]) -> float:

@@ -48,7 +48,6 @@ median and sample. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -70,6 +69,7 @@ from _common import (
     drop_caches,
     fsync_tree,
     gbps,
+    json_line,
     layout,
     log,
     median,
@@ -427,17 +427,6 @@ def report_world(world: int, per_rank: list[dict[str, Any]], wall: float) -> dic
     }
 
 
-def _clean(obj: Any) -> Any:
-    """NaN and infinities become null, so the line is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -521,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {f"world{w['world']}": w["ratios"] for w in worlds},
         "worlds": worlds,
     }
-    print(json.dumps(_clean(result), separators=(",", ":")), flush=True)
+    print(json_line(result), flush=True)
     return 0
 
 

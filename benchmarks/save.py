@@ -36,7 +36,6 @@ goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -62,6 +61,7 @@ from _common import (
     fsync_dir,
     fsync_tree,
     gbps,
+    json_line,
     layout,
     log,
     median,
@@ -1013,17 +1013,6 @@ def report(bench: Bench) -> dict[str, Any]:
     }
 
 
-def _clean(obj: Any) -> Any:
-    """NaN and infinities become null, so the line is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1062,7 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
         result = report(bench)
     finally:
         bench.close()
-    print(json.dumps(_clean(result), separators=(",", ":")), flush=True)
+    print(json_line(result), flush=True)
     return 0
 
 
