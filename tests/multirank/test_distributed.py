@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pitstop
-from pitstop.cli.main import main as cli
 import pitstop.errors
 from conftest import assert_same_tensors, make_state, tensors_of
+from pitstop.cli.main import main as cli
 from pitstop.testing.distributed import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -117,7 +117,7 @@ def _fail_on_rank1(rank: int, world: int, root: str) -> str:
 def test_a_failure_on_rank_1_reaches_rank_0_with_phase_and_rank(tmp_path: Any) -> None:
     root = str(tmp_path / "ck")
     out = run_ranks(_fail_on_rank1, 2, root, timeout_secs=TIMEOUT)
-    phase, ranks, text = out[0].split("|", 2)
+    phase, ranks, _text = out[0].split("|", 2)
     assert phase == "persist" and ranks == "[1]", out[0]
     assert out[1].startswith("own|persist"), out[1]
     assert not pitstop.CheckpointManager(root).steps()  # nothing committed
