@@ -217,3 +217,42 @@ def test_ranks_saving_different_steps_all_get_one_clear_error(tmp_path: Any) -> 
     for text in out:
         assert text.startswith("plan|ranks disagree on the step to save: [2, 3]"), text
     assert not os.path.exists(root) or not pitstop.CheckpointManager(root).steps()
+
+
+def _stage_fails_on_rank1(rank: int, world: int, root: str) -> list[str]:
+    import pitstop.engine.saver as saver
+
+    out = []
+    # the timeout is longer than run_ranks': a rank left waiting for rank 1 would hang the test
+    with pitstop.CheckpointManager(root, dist_timeout_secs=3 * TIMEOUT) as ckpt:
+        for step in (1, 2, 3):
+            real = saver.stage
+            if step == 2 and rank == 1:
+
+                def boom(*args: Any, **kwargs: Any) -> Any:
+                    raise MemoryError("no memory for the arena")
+
+                saver.stage = boom  # type: ignore[assignment]
+            try:
+                ckpt.save(step, _state(rank, seed=step))
+                out.append(f"{step}|saved")
+            except pitstop.errors.DistributedCheckpointError as e:
+                out.append(f"{step}|{e.phase}|{e.ranks}|{e}")
+            except MemoryError as e:
+                out.append(f"{step}|own|{e}")
+            finally:
+                saver.stage = real  # type: ignore[assignment]
+    return out
+
+
+def test_a_rank_failing_to_stage_fails_the_save_at_once_and_the_next_save_works(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path / "ck")
+    out = run_ranks(_stage_fails_on_rank1, 2, root, timeout_secs=TIMEOUT)
+    assert out[1] == ["1|saved", "2|own|no memory for the arena", "3|saved"], out[1]
+    assert out[0][0] == "1|saved" and out[0][2] == "3|saved", out[0]
+    phase, ranks, text = out[0][1].split("|", 3)[1:]
+    assert (phase, ranks) == ("stage", "[1]") and "no memory for the arena" in text, out[0][1]
+    ckpt = pitstop.CheckpointManager(root)
+    assert ckpt.steps() == [1, 3] and not os.path.exists(os.path.join(root, "step-0000000002"))

@@ -74,6 +74,10 @@ class _Meta:
     seq: int = 0
 
 
+def _no_manifest(results: list[PersistResult], hosts: list[str]) -> bytes:
+    raise AssertionError("a failed rank's commit round never commits")
+
+
 class Saver:
     """Owns the arenas, the plan cache, the optimizer hooks and the background threads."""
 
@@ -146,12 +150,17 @@ class Saver:
                     f"step {step} is already being saved", step=step, phase="plan"
                 )
             self._inflight[step] = handle
+        planned = False
         try:
-            job, flat, plan, arena = self._stage(handle, directory, state)
-        except BaseException:
+            flat, plan = self._plan(state, lambda: self._check_new(step, directory), step)
+            planned = True  # every rank agreed: from here a failure takes its commit round
+            job, arena = self._stage(flat, plan)
+        except BaseException as e:
             with self._cond:
                 self._inflight.pop(step, None)
                 self._cond.notify_all()
+            if planned:
+                self._fail_together(directory, e)
             raise
         with self._cond:
             self._staging.append(job)
@@ -166,21 +175,16 @@ class Saver:
         )
         return handle
 
-    def _stage(
-        self, handle: SaveHandle, directory: str, state: Mapping[str, Any]
-    ) -> tuple[StageJob, Flat, SavePlan, Arena]:
-        step = handle.step
+    def _check_new(self, step: int, directory: str) -> None:
+        if self.storage.has_manifest(directory) and not (
+            {"damaged", "abandoned"} & set(self.storage.read_markers(directory))
+        ):  # a marked one is moved out of the way by prepare
+            raise CheckpointExistsError(
+                f"step {step} is already committed; committed checkpoints are never rewritten",
+                step=step, path=f"{self.storage.url}/{directory}", phase="plan",
+            )  # fmt: skip
 
-        def check() -> None:
-            if self.storage.has_manifest(directory) and not (
-                {"damaged", "abandoned"} & set(self.storage.read_markers(directory))
-            ):  # a marked one is moved out of the way by prepare
-                raise CheckpointExistsError(
-                    f"step {step} is already committed; committed checkpoints are never rewritten",
-                    step=step, path=f"{self.storage.url}/{directory}", phase="plan",
-                )  # fmt: skip
-
-        flat, plan = self._plan(state, check, step)
+    def _stage(self, flat: Flat, plan: SavePlan) -> tuple[StageJob, Arena]:
         arena = self._acquire_arena(plan.file_bytes)
         try:
             buffer = self._buffers[id(arena)]
@@ -191,7 +195,7 @@ class Saver:
         except BaseException:
             self._release_arena(arena)
             raise
-        return job, flat, plan, arena
+        return job, arena
 
     def reserve(self, state: Mapping[str, Any]) -> int:
         """Plan ``state`` and allocate its arena now (training thread, before the loop), so that
@@ -458,6 +462,28 @@ class Saver:
                 self._unreported.append(handle)
             self._cond.notify_all()
         handle._finish(error)
+
+    def _fail_together(self, directory: str, error: BaseException) -> None:
+        """This rank failed after every rank agreed to save: it still takes its turn in the
+        save's commit round (reporting ``error``), so that the others fail at once instead of
+        waiting out the timeout, and the next save's round is the next for every rank."""
+        if self.group.size == 1:
+            return
+        self._seq += 1
+        seq = self._seq
+
+        def fail() -> PersistResult:
+            if isinstance(error, CheckpointError) and error.phase:
+                raise error
+            raise CheckpointError(f"staging failed: {type(error).__name__}: {error}", phase="stage")
+
+        def round_() -> None:
+            try:
+                commit_together(self.group, self.storage, directory, seq, fail, _no_manifest)
+            except BaseException:  # the caller already has its error; the debris goes
+                self._abort(directory)
+
+        self._persist_pool.submit(round_)
 
     def _abort(self, directory: str) -> None:
         try:
