@@ -256,3 +256,53 @@ def test_a_rank_failing_to_stage_fails_the_save_at_once_and_the_next_save_works(
     assert (phase, ranks) == ("stage", "[1]") and "no memory for the arena" in text, out[0][1]
     ckpt = pitstop.CheckpointManager(root)
     assert ckpt.steps() == [1, 3] and not os.path.exists(os.path.join(root, "step-0000000002"))
+
+
+def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int, dict[str, Any]]:
+    from pitstop.storage.local import LocalStorage
+    from pitstop.storage.wrap import StorageWrapper
+
+    read = [0]
+
+    class Counting(StorageWrapper):
+        def _call(self, name: str, fn: Any) -> Any:
+            if name != "read_data":
+                return fn
+
+            def counted(directory: str, file: str, view: Any, extents: Any, **kw: Any) -> Any:
+                read[0] += sum(e.end - e.start for e in extents)
+                return fn(directory, file, view, extents, **kw)
+
+            return counted
+
+    fresh = _state(rank, seed=99)
+    with pitstop.CheckpointManager(Counting(LocalStorage(root)), dist_timeout_secs=TIMEOUT) as ck:
+        step = ck.restore(fresh)
+    return step, read[0], _digest(fresh)
+
+
+def test_each_rank_reads_its_part_of_the_replicated_bytes_and_damage_fails_all_back(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path / "ck")
+    run_ranks(_save, 2, root, "split", 1, timeout_secs=TIMEOUT)
+    saved = run_ranks(_save, 2, root, "split", 2, timeout_secs=TIMEOUT)
+    manifest = pitstop.CheckpointManager(root).entries()[-1].manifest
+    assert manifest is not None
+    stream = sum(f.stream_nbytes or 0 for f in manifest.files)
+    out = run_ranks(_restore_counting, 2, root, timeout_secs=TIMEOUT)
+    for rank, (step, nread, digest) in enumerate(out):
+        assert step == 2 and digest == saved[rank]
+        assert nread < 0.75 * stream, (rank, nread, stream)  # its slice, not the whole stream
+    # damage in rank 1's slice: only rank 1 reads it, both ranks go back to step 1 together
+    path = os.path.join(root, "step-0000000002", "rank-00001.bin")
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = run_ranks(_restore_counting, 2, root, timeout_secs=TIMEOUT)
+    assert [o[0] for o in out] == [1, 1]
+    assert [o[2] for o in out] == saved  # (both steps saved the same bytes)
+    statuses = {e.step: e.status for e in pitstop.CheckpointManager(root).entries()}
+    assert statuses == {1: "committed", 2: "damaged"}, statuses

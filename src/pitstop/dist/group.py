@@ -5,6 +5,7 @@ Call sequence::
     group = make_group(timeout_secs)     # every rank, training thread, in the same order
                                          #   (collective: a gloo side group and a store prefix)
     group.all_gather(obj, phase)         # training thread: plan exchange, restore agreement
+    group.broadcast_tensor(t, src)       # training thread: restored bytes from their reader
     group.post(key, data)                # persist thread: this rank's part of a save
     group.collect(key, phase)            # persist thread, coordinator: every rank's part
     group.read(key, phase)               # persist thread: the coordinator's word
@@ -23,11 +24,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pitstop.errors import DistributedCheckpointError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Group", "StoreGroup", "make_group"]
+
+_BROADCAST_ELEMENTS = 64 << 20  # bytes of the uint8 buffers restore broadcasts, per call
 
 
 class Group:
@@ -49,6 +55,11 @@ class Group:
 
     def broadcast(self, obj: Any, phase: str) -> Any:
         return obj
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """Rank ``src``'s bytes of a contiguous CPU ``tensor`` into every rank's (in place)."""
+        if src != self.rank:
+            raise ValueError(f"one process has no rank {src}")
 
     def post(self, key: str, data: bytes) -> None:
         self._posts[key] = data
@@ -102,6 +113,20 @@ class StoreGroup(Group):
 
     def broadcast(self, obj: Any, phase: str) -> Any:
         return self.all_gather(obj if self.rank == 0 else None, phase)[0]
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        import torch.distributed as dist
+
+        flat = tensor.view(-1)
+        try:  # in pieces: gloo would otherwise hold a second copy of a large one
+            for lo in range(0, flat.numel(), _BROADCAST_ELEMENTS):
+                piece = flat[lo : lo + _BROADCAST_ELEMENTS]
+                dist.broadcast(piece, src=src, group=self._pg)
+        except RuntimeError as e:
+            raise DistributedCheckpointError(
+                f"broadcast of restored bytes from rank {src} failed: {_short(e)}",
+                ranks=[src], rank=self.rank, phase="restore",
+            ) from e  # fmt: skip
 
     def post(self, key: str, data: bytes) -> None:
         self._store.set(key, data)  # type: ignore[arg-type]

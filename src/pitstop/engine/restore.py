@@ -23,19 +23,21 @@ the tensor its chunks tile.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from pitstop.engine.verify import check_sizes, raise_problems, read_objects, read_verified
 from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.codec import dtype_from_name, tensor_view
-from pitstop.format.manifest import Manifest, TensorEntry
+from pitstop.format.manifest import FileEntry, Manifest, TensorEntry
 from pitstop.options import ALIGN_BYTES
 
 if TYPE_CHECKING:
+    from pitstop.dist.group import Group
     from pitstop.engine.catalog import Entry
     from pitstop.engine.saver import Saver
 from pitstop.state.restore import RestoreReport, materialize, restore_into
@@ -45,12 +47,28 @@ __all__ = ["ReadLayout", "load_checkpoint", "load_entry"]
 
 KeyMap = Callable[[str], "str | None"]
 Sync = Callable[[BaseException | None], None]
+Broadcast = Callable[[torch.Tensor, int], None]
+
+
+PIECE_BYTES = 64 << 20  # the replicated stream is read and broadcast in pieces of this size
+
+
+class Piece(NamedTuple):
+    """Bytes ``start``-``end`` of data ``file``, at ``shift + start`` in the buffer, read by
+    rank ``reader``."""
+
+    file: str
+    start: int
+    end: int
+    shift: int
+    reader: int
 
 
 class ReadLayout:
     """Which bytes of which files rank ``rank`` reads, and where they land in its buffer."""
 
-    def __init__(self, manifest: Manifest, rank: int = 0) -> None:
+    def __init__(self, manifest: Manifest, rank: int = 0, world: int = 1) -> None:
+        self.rank = rank
         self.source_rank = rank % manifest.world_size
         wanted = [t for t in manifest.tensors if t.owner in (None, self.source_rank)]
         self.entries: dict[str, list[TensorEntry]] = {}
@@ -63,25 +81,54 @@ class ReadLayout:
             f.name: f.nbytes if one and f.stream_nbytes is None else (f.stream_nbytes or 0)
             for f in data
         }
-        self.regions: list[tuple[str, int, int, int]] = []  # (file, start, end, shift)
         self._shift: dict[tuple[str, bool], int] = {}
         base = 0
         for f in data:  # the replicated stream, slice after slice
-            cut = self._cuts[f.name]
             self._shift[(f.name, True)] = base
-            if cut:
-                self.regions.append((f.name, 0, cut, base))
-            base += cut
+            base += self._cuts[f.name]
         needed = {t.file for t in wanted}
+        self.own: list[tuple[str, int, int, int]] = []  # (file, start, end, shift)
         for f in data:  # then each file's own part, where this rank needs something in it
             cut = self._cuts[f.name]
             if f.nbytes > cut and f.name in needed:
                 shift = base - cut
                 self._shift[(f.name, False)] = shift
-                self.regions.append((f.name, cut, f.nbytes, shift))
+                self.own.append((f.name, cut, f.nbytes, shift))
                 base += -(-(f.nbytes - cut) // ALIGN_BYTES) * ALIGN_BYTES
             self._shift.setdefault((f.name, False), 0)
         self.nbytes = base
+        self.pieces = self._stream_pieces(manifest, data, world)
+
+    def _stream_pieces(self, manifest: Manifest, data: list[FileEntry], world: int) -> list[Piece]:
+        """The replicated stream cut into pieces of whole entries (up to ``PIECE_BYTES``
+        unless one entry is larger), each read by one rank and broadcast to the others, in
+        the order they are broadcast (the readers' pieces interleaved, so that every rank
+        reads while the others' pieces are sent). Restored on the world size it was saved
+        on, every rank reads the slice it wrote (``root``: rank 0 reads it all); otherwise
+        the stream is cut into ``world`` parts of about equal bytes."""
+        stream = sorted(
+            (t for t in manifest.tensors if t.offset < self._cuts.get(t.file, 0)),
+            key=lambda t: self._shift[(t.file, True)] + t.offset,
+        )
+        rank_of = {f.name: f.rank for f in data}
+        total = max(1, sum(self._cuts.values()))
+        by_reader: dict[int, list[Piece]] = {}
+        for t in stream:
+            at = self._shift[(t.file, True)] + t.offset
+            same = world == manifest.world_size
+            reader = rank_of[t.file] if same else min(world - 1, at * world // total)
+            pieces = by_reader.setdefault(reader, [])
+            last = pieces[-1] if pieces else None
+            end = t.offset + t.nbytes
+            if last and last.file == t.file and end - last.start <= PIECE_BYTES:
+                pieces[-1] = last._replace(end=end)
+            else:
+                pieces.append(Piece(t.file, t.offset, end, self._shift[(t.file, True)], reader))
+        order: list[Piece] = []
+        queues = [by_reader[r] for r in sorted(by_reader)]
+        for i in range(max((len(q) for q in queues), default=0)):
+            order.extend(q[i] for q in queues if i < len(q))
+        return order
 
     def position(self, t: TensorEntry) -> int:
         """Where entry ``t`` lands in the buffer."""
@@ -124,20 +171,59 @@ def read_checkpoint(
     layout: ReadLayout,
     *,
     pool: Executor,
+    buffer: torch.Tensor | None = None,
+    broadcast: Broadcast | None = None,
 ) -> Any:
-    """Read and verify what ``layout`` needs; returns the tree. The caller has checked every
-    file's real size (:func:`load_entry`, before it allocates). Raises CorruptCheckpointError
-    listing every problem found."""
-    path = f"{storage.url}/{directory}"
+    """Read and verify what ``layout`` gives this rank to read; returns the tree. The caller
+    has checked every file's real size (:func:`load_entry`, before it allocates). Raises
+    CorruptCheckpointError listing every problem found.
+
+    With ``broadcast`` (several ranks; a collective): each stream piece read here is sent
+    to every other rank from a thread of its own as soon as it is verified, while this rank
+    reads on, and the other ranks' pieces arrive into ``buffer``. Whatever fails, every
+    piece is sent (a failed rank sends what its buffer holds: the agreement that follows
+    discards it) before this returns or raises, so no rank is left waiting in a broadcast."""
     problems: list[str] = []
-    tree = read_objects(storage, directory, manifest, layout.source_rank, problems)
-    if not problems:
-        for name, start, end, shift in layout.regions:
+
+    def read(name: str, start: int, end: int, shift: int) -> None:
+        if not problems:  # after the first problem the outcome is known: stop reading
             read_verified(
-                storage, directory, manifest, name, view[shift:], pool=pool, problems=problems,
-                region=(start, end),
+                storage, directory, manifest, name, view[shift:], pool=pool,
+                problems=problems, region=(start, end),
             )  # fmt: skip
-    raise_problems(problems, step=manifest.step, path=path)
+
+    ready = [threading.Event() for _ in layout.pieces]
+    sent: list[BaseException] = []
+
+    def send() -> None:
+        assert broadcast is not None and buffer is not None
+        try:
+            for i, p in enumerate(layout.pieces):
+                if p.reader == layout.rank:
+                    ready[i].wait()
+                broadcast(buffer[p.shift + p.start : p.shift + p.end], p.reader)
+        except BaseException as e:
+            sent.append(e)
+
+    sender = threading.Thread(target=send, name="pitstop-exchange", daemon=True)
+    if broadcast is not None:
+        sender.start()
+    try:
+        tree = read_objects(storage, directory, manifest, layout.source_rank, problems)
+        for i, p in enumerate(layout.pieces):
+            if p.reader == layout.rank:
+                read(p.file, p.start, p.end, p.shift)
+                ready[i].set()
+        for region in layout.own:
+            read(*region)
+    finally:
+        for event in ready:
+            event.set()
+        if broadcast is not None:
+            sender.join()
+    if sent:
+        raise sent[0]
+    raise_problems(problems, step=manifest.step, path=f"{storage.url}/{directory}")
     return tree
 
 
@@ -155,12 +241,21 @@ def load_checkpoint(
     key_map: KeyMap | None = None,
     layout: ReadLayout,
     sync: Sync | None = None,
+    broadcast: Broadcast | None = None,
 ) -> tuple[Any, RestoreReport | None]:
     """Restore into ``state`` in place (returns it and what was loaded or skipped), or build
-    fresh objects when ``state`` is None (returns them and None). ``sync(None)`` is called
-    after reading and verifying, before anything live is touched; it raises if another rank
-    failed (an error before it is the caller's to report: :func:`load_entry`)."""
-    tree = read_checkpoint(storage, directory, manifest, view, layout, pool=pool)
+    fresh objects when ``state`` is None (returns them and None). ``sync(error)`` is called
+    after reading and verifying (with this rank's error, if any), before anything live is
+    touched; it raises if another rank failed."""
+    try:
+        tree = read_checkpoint(
+            storage, directory, manifest, view, layout, pool=pool, buffer=buffer,
+            broadcast=broadcast,
+        )  # fmt: skip
+    except BaseException as e:
+        if sync is not None:
+            sync(e)
+        raise
     if sync is not None:
         sync(None)
 
@@ -201,29 +296,41 @@ def load_entry(
     Under torch.distributed, every rank agrees before the live state is touched."""
     assert entry.manifest is not None
     manifest, group = entry.manifest, saver.group
-    synced = False
-
-    def sync(error: BaseException | None) -> None:
-        nonlocal synced
-        synced = True
-        if group.size > 1:
-            _agree_loaded(group.all_gather(_word(error), "restore"), error, group.rank)
-
+    agreement = _Agreement(group)
     try:
         problems: list[str] = []
         check_sizes(storage, entry.name, manifest, problems)
         raise_problems(problems, step=manifest.step, path=f"{storage.url}/{entry.name}")
-        layout = ReadLayout(manifest, group.rank)
+        layout = ReadLayout(manifest, group.rank, group.size)
         with saver.borrow_buffer(layout.nbytes) as (view, buffer):
+            agreement(None)  # every rank can read: the exchange of pieces may start
             return load_checkpoint(
                 storage, entry.name, manifest, state, view, buffer, pool=saver.io_pool,
                 allow_pickle=allow_pickle, strict=strict, key_map=key_map, layout=layout,
-                sync=sync,
+                sync=agreement, broadcast=group.broadcast_tensor if group.size > 1 else None,
             )  # fmt: skip
     except BaseException as e:
-        if not synced:  # failed before the agreement: the others learn it there
-            sync(e)
+        if not agreement.ended:  # failed between agreements: the others learn it at the next
+            agreement(e)
         raise
+
+
+class _Agreement:
+    """The points where the ranks of a restore agree to go on (each rank's error, if any,
+    is gathered; all stop at the first point where any rank failed). One process: nothing."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.ended = False  # an agreement failed (or reported this rank's error)
+
+    def __call__(self, error: BaseException | None) -> None:
+        if self.group.size == 1:
+            self.ended = error is not None
+            return
+        self.ended = True  # if the gather raises, the others have no agreement to come to
+        words = self.group.all_gather(_word(error), "restore")
+        _agree_loaded(words, error, self.group.rank)
+        self.ended = error is not None
 
 
 def _word(error: BaseException | None) -> tuple[str, str]:
