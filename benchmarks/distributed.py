@@ -24,7 +24,9 @@ DDP) and a restore target of the same shapes, and measures, inside the ranks:
   optimizer's ``load_state_dict``), the page cache dropped first when permitted;
 * the disk's limits, on rank 0 only while the others wait: a raw O_DIRECT write of the
   same bytes (2 threads, 64 MiB requests, from a transparent-huge-page buffer, fsync)
-  and a raw O_DIRECT read of them (cold).
+  and a raw O_DIRECT read of them (cold); and, on every rank at once, a raw O_DIRECT
+  write of its 1/N share of those bytes to a file of its own (what the disk gives N
+  concurrent writers: the limit for ``split``, which is N writers).
 
 Each method starts after a ``torch.distributed.barrier()``; its time is the maximum over
 the ranks of that rank's wall time of the call. The disk's speed drifts, so the methods
@@ -91,6 +93,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "pitstop_save_root": ("pitstop save, root", "save"),
     "dcp_save": ("DCP save + fsync_tree", "save"),
     "raw_write": ("raw O_DIRECT write, 1 process", "limit"),
+    "raw_write_ranks": ("raw O_DIRECT write, every rank 1/N", "limit"),
     "pitstop_restore_split": ("pitstop restore, split", "restore"),
     "pitstop_restore_root": ("pitstop restore, root", "restore"),
     "dcp_load": ("DCP load", "restore"),
@@ -213,15 +216,21 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         info["dcp_files"] = _file_sizes(dcp_src)
         os.makedirs(dcp_dir, exist_ok=True)
 
-    # Raw limits (rank 0): the state packed 4 KiB-aligned in a huge-page buffer.
-    pool = ThreadPoolExecutor(2, thread_name_prefix="raw-io") if lead else None
+    # Raw limits (rank 0): the state packed 4 KiB-aligned in a huge-page buffer; and every
+    # rank writing its 1/N share of those bytes to a file of its own at the same time (the
+    # disk's limit for N writers, which split is).
+    pool = ThreadPoolExecutor(2, thread_name_prefix="raw-io")
+    share = -(-file_bytes // world // MIB) * MIB
+    share_bytes = max(0, min(share, file_bytes - rank * share))
+    share_buf = AlignedBuffer(max(share_bytes, MIB))
+    share_buf.tensor.copy_(torch.randint(0, 256, share_buf.tensor.shape, dtype=torch.uint8))
+    share_out = os.path.join(base, "raw", f"share{rank}.bin")
     raw_dir = os.path.join(base, "raw")
     raw_src = os.path.join(raw_dir, "src.bin")
     raw_out = os.path.join(raw_dir, "write.bin")
     buf: AlignedBuffer | None = None
     if lead:
         say("warm-up: raw write + read")
-        assert pool is not None
         os.makedirs(raw_dir, exist_ok=True)
         buf = AlignedBuffer(file_bytes)
         with torch.no_grad():
@@ -255,10 +264,12 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         elif key == "dcp_load":
             dcp_load()
         elif key == "raw_write":
-            assert buf is not None and pool is not None
+            assert buf is not None
             raw_write(raw_out, buf.view, file_bytes, request=64 * MIB, pool=pool)
+        elif key == "raw_write_ranks":
+            raw_write(share_out, share_buf.view, share_bytes, request=64 * MIB, pool=pool)
         elif key == "raw_read":
-            assert buf is not None and pool is not None
+            assert buf is not None
             raw_read(raw_src, buf.view, file_bytes, request=64 * MIB, pool=pool)
         else:
             raise KeyError(key)
@@ -292,12 +303,12 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 _remove_new(dirs[m], keep[m])
             remove_path(os.path.join(dcp_dir, f"step{step}"))
             remove_path(raw_out)
+        remove_path(share_out)
         dist.barrier()
 
     for m in MODES:
         managers[m].close()
-    if pool is not None:
-        pool.shutdown(wait=True)
+    pool.shutdown(wait=True)
     info["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     info["rss_method"] = PeakRSS().method
     info["dcp_fsync_tree_secs"] = fsync_secs
@@ -383,6 +394,7 @@ def report_world(world: int, per_rank: list[dict[str, Any]], wall: float) -> dic
         "save_split_vs_root": med["pitstop_save_root"] / med["pitstop_save_split"],
         "save_split_vs_dcp": med["dcp_save"] / med["pitstop_save_split"],
         "save_split_vs_raw_write": raw_w / med["pitstop_save_split"],
+        "save_split_vs_raw_write_ranks": med["raw_write_ranks"] / med["pitstop_save_split"],
         "restore_split_vs_root": med["pitstop_restore_root"] / med["pitstop_restore_split"],
         "restore_split_vs_dcp": med["dcp_load"] / med["pitstop_restore_split"],
         "restore_split_vs_raw_read": raw_r / med["pitstop_restore_split"],

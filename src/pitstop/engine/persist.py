@@ -66,15 +66,14 @@ def persist(
 ) -> PersistResult:
     """Write this rank's data and objects files durably; return their manifest entries.
 
-    ``before_extent`` runs in the writer thread before an extent is hashed and written
-    (the saver waits there for the extent's tensors to be copied into the arena)."""
+    ``before_extent`` runs in the writer thread before an extent is written (the saver
+    waits there for the extent's tensors to be copied into the arena); the extent is
+    hashed after its write is done, while the other writers' requests are in flight."""
     hasher = get_checksum(algorithm)
     sums: dict[tuple[int, int], str] = {}
     lock = threading.Lock()
 
     def on_extent(extent: Extent) -> None:
-        if before_extent is not None:
-            before_extent(extent)
         local = {
             tag: hasher(view[start : start + length]) for start, length, tag in extent.segments
         }
@@ -86,7 +85,13 @@ def persist(
     if prepare:  # several ranks: the coordinator prepared it for all
         storage.prepare(directory)
     result = storage.write_data(
-        directory, data_name, view[: plan.file_bytes], plan.extents, pool=pool, on_extent=on_extent
+        directory,
+        data_name,
+        view[: plan.file_bytes],
+        plan.extents,
+        pool=pool,
+        before_extent=before_extent,
+        on_extent=on_extent,
     )
     killpoint("persist.after_data")
     objects_name = objects_file_name(rank)

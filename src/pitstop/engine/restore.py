@@ -1,24 +1,35 @@
 """restore: read and verify one checkpoint into a buffer, then copy it into the live state.
 
-Call sequence (training thread; io pool threads read and hash extents)::
+Call sequence (training thread; io pool threads read and hash extents; under
+torch.distributed one more thread sends and receives the replicated pieces)::
 
     load_entry(storage, entry, state, saver=...)          # checks sizes, allocates, then:
-      layout = ReadLayout(manifest, rank)                 #   where each needed byte lands
+      layout = ReadLayout(manifest, rank, world)          #   where each needed byte lands
+      agreement 1                                         #   every rank can read
       load_checkpoint(storage, directory, manifest, state, view, buffer, layout=layout, ...)
+        read_checkpoint(...)                              #   read, verify, exchange pieces
+        agreement 2                                       #   every rank verified its part
+        restore_into(...)                                 #   only now the live state
 
 Every file's real size is checked, the objects file of the rank whose state this rank
 takes is read, checked and its tree validated against the manifest, then the data files
 are read with large parallel reads into ``view`` and every segment's checksum checked;
-only then (after ``sync``: under torch.distributed every rank must have got this far) is
-anything in the live state touched. Tensors are views of the buffer until they are
-copied into the live objects.
+only then (after the agreement: under torch.distributed every rank must have got this
+far) is anything in the live state touched. Tensors are views of the buffer until they
+are copied into the live objects.
 
-A checkpoint of several ranks is read by any number of ranks: the replicated slices of
-all data files are read back to back (the stream one process would have written, so a
-replicated tensor cut between two files is one view again), then each file's sharded
-and own pieces this rank needs. Rank ``r`` of a job of ``M`` takes the per-rank values
-(RNG streams, data position) of saved rank ``r mod N``; a DTensor takes its own box of
-the tensor its chunks tile.
+A checkpoint of several ranks is read by any number of ranks. The replicated slices of
+all data files form one stream (the bytes one process would have written, so a replicated
+tensor cut between two files is one view again); it is cut into pieces of whole entries,
+and each piece is read and verified by one rank (on the world size it was saved on, the
+rank that wrote it: ``split`` spreads the reads, ``root`` is rank 0 reading and
+broadcasting, the classic baseline; on another world size, equal shares) and broadcast
+to the others on pitstop's gloo group while the reader goes on reading: the disk is read
+once per job, not once per rank. A rank that received a piece trusts its reader's
+verification, which agreement 2 reports. Then each rank reads the sharded and own pieces
+it needs itself. Rank ``r`` of a job of ``M`` takes the per-rank values (RNG streams,
+data position) of saved rank ``r mod N``; a DTensor takes its own box of the tensor its
+chunks tile.
 """
 
 from __future__ import annotations

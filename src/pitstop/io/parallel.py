@@ -171,10 +171,13 @@ def write_file(
     pool: Executor,
     direct: DirectMode = "auto",
     fsync: bool = True,
+    before_extent: Callable[[Extent], None] | None = None,
     on_extent: Callable[[Extent], None] | None = None,
     dir_fd: int | None = None,
 ) -> IOResult:
     """Write ``view[e.start:e.end]`` at ``e.start`` for every extent, in parallel, then fsync.
+    In the writer thread, ``before_extent(e)`` runs before ``e`` is written and
+    ``on_extent(e)`` (once per extent, even if a fallback writes it again) after.
     With ``dir_fd``, ``path`` is a name in that directory (held open by the writer, so a
     directory swapped for a symlink meanwhile is not followed); the file is never a symlink."""
     t0 = time.perf_counter()
@@ -193,8 +196,12 @@ def write_file(
 
     def write_all(fd: int) -> None:
         def job(extent: Extent) -> None:
-            hash_once(extent)
+            if before_extent is not None:
+                before_extent(extent)
+            # the disk first: it starts as soon as the first extent is staged, and this
+            # thread hashes while the other writers' requests are in flight
             _pwrite_all(fd, view[extent.start : extent.end], extent.start)
+            hash_once(extent)
 
         _run_extents(pool, extents, job, midpoint="persist.mid")
         if fsync:

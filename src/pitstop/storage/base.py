@@ -68,8 +68,13 @@ class Storage(Protocol):
         extents: Sequence[Extent],
         *,
         pool: Executor,
+        before_extent: Callable[[Extent], None] | None = None,
         on_extent: Callable[[Extent], None] | None = None,
-    ) -> IOResult: ...
+    ) -> IOResult:
+        """Write the extents of ``view`` to data file ``name``, in parallel, durably.
+        ``before_extent(e)`` runs in the writer thread before ``e`` is written (the bytes may
+        still be arriving), ``on_extent(e)`` after (the checksums)."""
+        ...
 
     def write_object(self, directory: str, name: str, data: bytes) -> None: ...
 
@@ -95,8 +100,13 @@ class Storage(Protocol):
         extents: Sequence[Extent],
         *,
         pool: Executor,
+        before_extent: Callable[[Extent], None] | None = None,
         on_extent: Callable[[Extent], None] | None = None,
-    ) -> IOResult: ...
+    ) -> IOResult:
+        """Write the extents of ``view`` to data file ``name``, in parallel, durably.
+        ``before_extent(e)`` runs in the writer thread before ``e`` is written (the bytes may
+        still be arriving), ``on_extent(e)`` after (the checksums)."""
+        ...
 
     def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:
         """Pin (shared) or hold (exclusive) ``directory`` without waiting; None if held."""

@@ -258,12 +258,13 @@ class LocalStorage:
         extents: Sequence[Extent],
         *,
         pool: Executor,
+        before_extent: Callable[[Extent], None] | None = None,
         on_extent: Callable[[Extent], None] | None = None,
     ) -> IOResult:
         path, dir_fd = self._target(directory, name)
         return write_file(
             path, view, extents, pool=pool, direct=self.io.direct, fsync=self.io.fsync,
-            on_extent=on_extent, dir_fd=dir_fd,
+            before_extent=before_extent, on_extent=on_extent, dir_fd=dir_fd,
         )  # fmt: skip
 
     def _target(self, directory: str, name: str) -> tuple[str, int | None]:

@@ -11,8 +11,8 @@
 
     losses = run_ranks(train, 2, root, timeout_secs=60)     # [loss of rank 0, of rank 1]
 
-Each call gets its own FileStore in a fresh temporary directory (no ports, no
-interference between tests), ``timeout_secs`` bounds the process group's collectives and
+Each call gets its own TCPStore, served by the calling process on a port the system
+picks (as torchrun's agent serves one: no interference between tests), ``timeout_secs`` bounds the process group's collectives and
 the whole run (a hung rank is killed, and the error says which), every rank uses one
 CPU thread. A rank that raises makes :class:`RankError` carry its traceback; a rank that
 dies (``PITSTOP_KILL_AT``, SIGKILL) is reported with its exit code. ``env`` adds
@@ -49,6 +49,7 @@ def _child(
     rank: int,
     world: int,
     workdir: str,
+    port: int,
     timeout_secs: float,
     env: dict[str, str],
     args: tuple[Any, ...],
@@ -60,10 +61,9 @@ def _child(
     torch.set_num_threads(1)
     out = os.path.join(workdir, f"result-{rank}.pkl")
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank,
-            world_size=world, timeout=datetime.timedelta(seconds=timeout_secs),
-        )  # fmt: skip
+        timeout = datetime.timedelta(seconds=timeout_secs)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             value: Any = ("ok", fn(rank, world, *args))
         finally:
@@ -86,13 +86,28 @@ def run_ranks(
     """``fn(rank, world, *args)`` on ``world`` spawned ranks; their return values in rank
     order. Raises RankError if any failed (with ``allow_failures``: their entries are the
     RankError's ``failures`` texts instead)."""
+    import torch.distributed as dist
+
     ctx = multiprocessing.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="pitstop-ranks-")
+    server = dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_secs),
+    )  # fmt: skip
     try:
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world, workdir, timeout_secs, dict((env or {}).get(r, {})), args),
+                args=(
+                    fn,
+                    r,
+                    world,
+                    workdir,
+                    server.port,
+                    timeout_secs,
+                    dict((env or {}).get(r, {})),
+                    args,
+                ),
                 name=f"pitstop-rank-{r}",
             )
             for r in range(world)
@@ -124,4 +139,5 @@ def run_ranks(
             raise RankError(failures, results)
         return [results[r] if r in results else failures[r] for r in range(world)]
     finally:
+        del server
         shutil.rmtree(workdir, ignore_errors=True)
