@@ -193,13 +193,26 @@ def test_dtensor_state_round_trips_and_reshards(tmp_path: Any) -> None:
         ("sharded/cols", (0, 0)), ("sharded/cols", (0, 5)), ("sharded/rep", (0,)),
         ("sharded/rows", (0, 0)), ("sharded/rows", (5, 0)),
     ]  # fmt: skip
-    for world in (2, 3):  # the same mesh size, and another one
+    for world in (2, 3, 4):  # the same mesh size, and others (2 -> 4)
         out = run_ranks(_dtensor_restore, world, root, timeout_secs=TIMEOUT)
         assert all(o == want for o in out)
     plain = {k: torch.zeros_like(v) for k, v in expected.items()}  # one process, plain tensors
     with pitstop.CheckpointManager(root) as ckpt:
         assert ckpt.restore({"sharded": plain}) == 1
     assert_same_tensors(plain, expected)
+
+
+def test_dtensor_state_of_four_ranks_restores_on_two(tmp_path: Any) -> None:
+    root = str(tmp_path / "ck")
+    run_ranks(_dtensor_save, 4, root, timeout_secs=TIMEOUT)
+    manifest = pitstop.CheckpointManager(root).entries()[0].manifest
+    assert manifest is not None and manifest.world_size == 4
+    rows = sorted(t.start for t in manifest.tensors if t.key == "sharded/rows")
+    assert rows == [(0, 0), (3, 0), (6, 0), (9, 0)]  # 10 rows over 4 ranks: 3, 3, 3, 1
+    torch.manual_seed(3)
+    expected = {"rows": torch.randn(10, 7), "cols": torch.randn(6, 9), "rep": torch.randn(5)}
+    out = run_ranks(_dtensor_restore, 2, root, timeout_secs=TIMEOUT)
+    assert out == [{k: v.flatten().tolist() for k, v in expected.items()}] * 2
 
 
 def _save_other_steps(rank: int, world: int, root: str) -> str:
