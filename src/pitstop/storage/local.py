@@ -197,8 +197,8 @@ class LocalStorage:
                     ) from None  # fmt: skip
                 raise
             self._writing[directory] = lock
-            if self.io.fsync:
-                fsync_dir(self.root)
+            # not made durable here: commit syncs the root once the manifest is in (a crash
+            # before that may lose the empty claim, which was not a checkpoint anyway)
         except CheckpointError:
             raise
         except OSError as e:
@@ -293,6 +293,8 @@ class LocalStorage:
             write_bytes_durable(tmp, manifest, fsync=self.io.fsync, dir_fd=dir_fd)
             killpoint("commit.before_rename")
             link_no_replace(tmp, name, fsync=self.io.fsync, dir_fd=dir_fd)
+            if self.io.fsync:
+                fsync_dir(self.root)  # the step directory's own name, from prepare
         except FileExistsError:
             raise CheckpointExistsError(
                 f"{directory} was committed by another writer", path=final, phase="commit"
