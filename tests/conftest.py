@@ -35,6 +35,15 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     opt.step()
 
 
+def flip_byte(path: str, offset: int) -> None:
+    """Damage one byte of ``path`` in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
 def make_state(seed: int = 0, steps: int = 1) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = Net()

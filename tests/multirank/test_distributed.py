@@ -11,7 +11,7 @@ import torch
 
 import pitstop
 import pitstop.errors
-from conftest import assert_same_tensors, make_state, tensors_of
+from conftest import assert_same_tensors, flip_byte, make_state, tensors_of
 from pitstop.cli.main import main as cli
 from pitstop.testing.distributed import run_ranks
 
@@ -309,11 +309,7 @@ def test_each_rank_reads_its_part_of_the_replicated_bytes_and_damage_fails_all_b
         assert nread < 0.75 * stream, (rank, nread, stream)  # its slice, not the whole stream
     # damage in rank 1's slice: only rank 1 reads it, both ranks go back to step 1 together
     path = os.path.join(root, "step-0000000002", "rank-00001.bin")
-    with open(path, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, 100)
     out = run_ranks(_restore_counting, 2, root, timeout_secs=TIMEOUT)
     assert [o[0] for o in out] == [1, 1]
     assert [o[2] for o in out] == saved  # (both steps saved the same bytes)

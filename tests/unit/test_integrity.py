@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pitstop
-from conftest import assert_same_tensors, make_state, tensors_of
+from conftest import assert_same_tensors, flip_byte, make_state, tensors_of
 from pitstop.cli.main import main
 from pitstop.errors import CorruptCheckpointError
 
@@ -28,24 +28,16 @@ def _save_steps(root: str, steps: list[int]) -> dict[int, dict[str, torch.Tensor
     return saved
 
 
-def _flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def _corruptions() -> list[tuple[str, Any]]:
     def flip_data(d: str) -> None:
-        _flip_byte(os.path.join(d, "rank-00000.bin"), 5)
+        flip_byte(os.path.join(d, "rank-00000.bin"), 5)
 
     def truncate_data(d: str) -> None:
         path = os.path.join(d, "rank-00000.bin")
         os.truncate(path, os.path.getsize(path) - 4096)
 
     def flip_objects(d: str) -> None:
-        _flip_byte(os.path.join(d, "objects-00000.json"), 20)
+        flip_byte(os.path.join(d, "objects-00000.json"), 20)
 
     def delete_data(d: str) -> None:
         os.unlink(os.path.join(d, "rank-00000.bin"))
@@ -90,14 +82,14 @@ def test_flipped_byte_named_in_verify_output(root: str, capsys: pytest.CaptureFi
     manifest = pitstop.CheckpointManager(root).entries()[0].manifest
     assert manifest is not None
     target = manifest.tensors[3]
-    _flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), target.offset + target.nbytes - 1)
+    flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), target.offset + target.nbytes - 1)
     assert main(["verify", root, "--step", "1"]) == 1
     assert f"tensor {target.key!r} segment 0" in capsys.readouterr().out
 
 
 def test_every_checkpoint_corrupt_raises_instead_of_starting_over(root: str) -> None:
     _save_steps(root, [1])
-    _flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), 0)
+    flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), 0)
     with pytest.raises(
         CorruptCheckpointError, match="no checkpoint passed verification.*checksum mismatch"
     ):
@@ -110,7 +102,7 @@ def test_segments_cover_large_tensors(root: str) -> None:
         ckpt.save(1, big)
         entry = ckpt.entries()[0].manifest.tensors[0]  # type: ignore[union-attr]
         assert len(entry.checksum) == 4
-    _flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), 16384 * 2 + 7)
+    flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), 16384 * 2 + 7)
     assert main(["verify", root]) == 1
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pitstop
-from conftest import assert_same_tensors, make_state, tensors_of
+from conftest import assert_same_tensors, flip_byte, make_state, tensors_of
 from pitstop.errors import CheckpointIOError
 from pitstop.format.names import DAMAGED_MARKER
 from pitstop.loop import StepResult
@@ -70,11 +70,7 @@ def test_persistent_read_error_raises_and_marks_nothing(root: str, call: str) ->
 def test_damage_is_marked_not_moved_and_shown(root: str, capsys: Any) -> None:
     _saved(root, range(1, 3)).close()
     data = os.path.join(root, "step-0000000002", "rank-00000.bin")
-    with open(data, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(data, 100)
     assert pitstop.load(root, make_state(seed=99)) == 1  # read-only load: falls back, moves nothing
     assert os.path.isdir(os.path.join(root, "step-0000000002"))
     assert os.path.exists(os.path.join(root, "step-0000000002", DAMAGED_MARKER))
