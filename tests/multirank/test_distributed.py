@@ -315,3 +315,58 @@ def test_each_rank_reads_its_part_of_the_replicated_bytes_and_damage_fails_all_b
     assert [o[2] for o in out] == saved  # (both steps saved the same bytes)
     statuses = {e.step: e.status for e in pitstop.CheckpointManager(root).entries()}
     assert statuses == {1: "committed", 2: "damaged"}, statuses
+
+
+def _restore_mismatched(rank: int, world: int, root: str, steps: list[int | None]) -> str:
+    fresh = _state(rank, seed=99)
+    if rank == 1 and steps == [None, None]:
+        fresh["big"] = torch.nn.Linear(512, 301)  # fits on rank 0 only
+    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+        try:
+            return f"restored {ckpt.restore(fresh, step=steps[rank])}"
+        except pitstop.errors.DistributedCheckpointError as e:
+            return f"dist|{e.phase}|{e.ranks}|{e}"
+        except pitstop.errors.CheckpointError as e:
+            return f"own|{type(e).__name__}|{e}"
+
+
+def test_a_restore_failing_on_one_rank_or_asked_for_other_steps_fails_on_every_rank(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path / "ck")
+    run_ranks(_save, 2, root, "split", 3, timeout_secs=TIMEOUT)
+    run_ranks(_save, 2, root, "split", 5, timeout_secs=TIMEOUT)
+    # the live state of rank 1 does not fit: rank 0 must not report success
+    out = run_ranks(_restore_mismatched, 2, root, [None, None], timeout_secs=TIMEOUT)
+    assert out[0].startswith("dist|restore|[1]|"), out[0]
+    assert out[1].startswith("own|StateMismatchError|"), out[1]
+    # ranks asking for different steps: one clear error everywhere, nothing set aside
+    for steps in ([None, 3], [3, None], [3, 5]):
+        out = run_ranks(_restore_mismatched, 2, root, steps, timeout_secs=TIMEOUT)
+        for text in out:
+            assert text.startswith("dist|restore|") and "ranks disagree on the step" in text, text
+    assert pitstop.CheckpointManager(root).steps() == [3, 5]
+
+
+def _save_empty_own(rank: int, world: int, root: str) -> str:
+    state = _state(rank)
+    state["extra"] = torch.empty(0)  # a per-rank tensor with no bytes
+    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+        try:
+            ckpt.save(1, state)
+        except pitstop.errors.DistributedCheckpointError as e:
+            return f"dist|{e.phase}|{e.ranks}|{e}"
+        fresh = _state(rank, seed=99)
+        fresh["extra"] = torch.ones(0)
+        return f"restored {ckpt.restore(fresh)}"
+
+
+def test_an_empty_per_rank_tensor_saves_and_ranks_with_other_settings_are_refused(
+    tmp_path: Any,
+) -> None:
+    out = run_ranks(_save_empty_own, 2, str(tmp_path / "a"), timeout_secs=TIMEOUT)
+    assert out == ["restored 1", "restored 1"]
+    env = {1: {"PITSTOP_REPLICATED": "root", "PITSTOP_CHUNK_BYTES": str(8 << 20)}}
+    out = run_ranks(_save_empty_own, 2, str(tmp_path / "b"), env=env, timeout_secs=TIMEOUT)
+    for text in out:
+        assert text.startswith("dist|plan|[1]|ranks save with different settings"), text

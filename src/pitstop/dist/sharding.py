@@ -169,7 +169,7 @@ def assign(ranks: list[list[LocalItem]], mode: str = "split") -> list[RankLayout
             owner = None if item.kind == "dtensor" else r
             pieces.append(
                 Piece(
-                    item.key, item.dtype, item.shape, end if item.nbytes else 0, item.nbytes,
+                    item.key, item.dtype, item.shape, end, item.nbytes,
                     item.deferrable, local=item.kind == "dtensor",
                     global_shape=item.global_shape, start=item.start, owner=owner,
                 )

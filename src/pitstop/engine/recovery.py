@@ -93,7 +93,18 @@ def recover(
     partial = False  # a load failed after overwriting part of the live state
     for _ in range(_RESCANS):
         entries = catalog.scan()
-        chain = group.broadcast(_chain(entries, step), "restore")
+        words = group.all_gather(
+            (step, _chain(entries, step) if group.coordinator else []), "restore"
+        )
+        asked = [w[0] for w in words]
+        if len(set(asked)) > 1:
+            raise DistributedCheckpointError(
+                f"ranks disagree on the step to restore: {asked} (rank order; None: the newest); "
+                "restores are collective: every rank asks for the same step",
+                ranks=[r for r, a in enumerate(asked) if a != asked[0]], rank=group.rank,
+                phase="restore",
+            )  # fmt: skip
+        chain = words[0][1]
         if step is not None and not any(e.status != "damaged" for e in chain):
             why = f" ({chain[0].error})" if chain else ""
             raise CheckpointNotFoundError(

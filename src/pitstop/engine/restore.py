@@ -306,6 +306,11 @@ def load_entry(
     later saves); the data files' real sizes are checked before the arena is allocated.
     Under torch.distributed, every rank agrees before the live state is touched."""
     assert entry.manifest is not None
+    if state is not None and not isinstance(state, Mapping):  # the caller's mistake, not damage
+        raise TypeError(
+            f"the state to restore into must be a dict of named objects, such as "
+            f'{{"model": model}}, not a {type(state).__name__}'
+        )
     manifest, group = entry.manifest, saver.group
     agreement = _Agreement(group)
     try:
@@ -330,18 +335,21 @@ class _Agreement:
     """The points where the ranks of a restore agree to go on (each rank's error, if any,
     is gathered; all stop at the first point where any rank failed). One process: nothing."""
 
+    POINTS = 2  # every rank can read; every rank verified what it read
+
     def __init__(self, group: Group) -> None:
         self.group = group
-        self.ended = False  # an agreement failed (or reported this rank's error)
+        self.reached = 0
+        self.ended = False  # no agreement is to come: all were reached, or one failed
 
     def __call__(self, error: BaseException | None) -> None:
-        if self.group.size == 1:
-            self.ended = error is not None
-            return
-        self.ended = True  # if the gather raises, the others have no agreement to come to
-        words = self.group.all_gather(_word(error), "restore")
-        _agree_loaded(words, error, self.group.rank)
-        self.ended = error is not None
+        self.reached += 1
+        self.ended = True  # if the gather raises, the others expect no later point either
+        if self.group.size > 1:
+            words = self.group.all_gather(_word(error), "restore")
+            _agree_loaded(words, error, self.group.rank)
+        # after the last point, an error reaches the others through recover's outcome gather
+        self.ended = error is not None or self.reached >= self.POINTS
 
 
 def _word(error: BaseException | None) -> tuple[str, str]:

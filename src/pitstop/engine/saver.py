@@ -43,7 +43,7 @@ from pitstop.engine.plan import PlanCache, SavePlan, plan_from_layout
 from pitstop.engine.stage import StageJob, arena_tensor, pin_arena, stage, unpin_arena
 from pitstop.errors import CheckpointError, CheckpointExistsError, DistributedCheckpointError
 from pitstop.format.checksum import default_algorithm
-from pitstop.format.manifest import Lineage
+from pitstop.format.manifest import Lineage, Manifest
 from pitstop.format.names import step_dir_name
 from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent
@@ -232,7 +232,16 @@ class Saver:
             word: tuple[str, str] = ("ok", digest)
         except Exception as e:
             error, word = e, ("error", f"{type(e).__name__}: {e}")
-        words = self.group.all_gather((*word, step), "plan")
+        settings = (self.options.replicated, chunk, self.algorithm)
+        words = self.group.all_gather((*word, step, settings), "plan")
+        if len({w[3] for w in words}) > 1:
+            raise DistributedCheckpointError(
+                "ranks save with different settings (replicated, chunk_bytes, checksum): "
+                f"{[w[3] for w in words]} (rank order); give every rank the same options "
+                "and PITSTOP_* environment",
+                ranks=[r for r, w in enumerate(words) if w[3] != words[0][3]],
+                rank=self.group.rank, phase="plan",
+            )  # fmt: skip
         if len({w[2] for w in words}) > 1:
             raise DistributedCheckpointError(
                 f"ranks disagree on the step to save: {[w[2] for w in words]} (rank order); "
@@ -416,7 +425,7 @@ class Saver:
                 return result
 
             def manifest(results: list[PersistResult], hosts: list[str]) -> bytes:
-                return manifest_for(
+                data = manifest_for(
                     handle.step,
                     results,
                     algorithm=self.algorithm,
@@ -426,6 +435,14 @@ class Saver:
                     metrics=meta.metrics,
                     hosts=hosts,
                 ).dumps()
+                try:  # what no reader would accept is never committed
+                    Manifest.loads(data, path=f"{self.storage.url}/{directory}")
+                except CheckpointError as e:
+                    raise CheckpointError(
+                        f"the manifest of step {handle.step} would not load ({e}); not committed",
+                        step=handle.step, phase="commit",
+                    ) from e  # fmt: skip
+                return data
 
             if self.group.size == 1:
                 result = write()

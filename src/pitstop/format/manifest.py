@@ -424,8 +424,11 @@ def _check_chunks(
     for t in tensors:
         if t.owner is None:
             shared.setdefault(t.key, []).append(t)
-        elif t.owner >= world_size:
-            raise ManifestError(f"tensor {t.key!r} has owner rank {t.owner}", path=path, step=step)
+        elif t.owner >= world_size or t.owner != t.rank:
+            raise ManifestError(
+                f"tensor {t.key!r} in the file of rank {t.rank} has owner rank {t.owner}",
+                path=path, step=step,
+            )  # fmt: skip
         elif (t.key, t.owner) in owned:
             raise ManifestError(f"manifest.tensors names {t.key!r} twice", path=path, step=step)
         else:
@@ -494,6 +497,7 @@ def _check_layout(
         cut = streams.get(t.file)
         if (
             cut is not None
+            and t.nbytes  # an empty tensor occupies nothing: any offset will do
             and t.offset < cut
             and (t.offset + t.nbytes > cut or t.owner is not None)
         ):
