@@ -426,3 +426,19 @@ def test_a_state_that_is_not_a_dict_is_the_callers_error_and_marks_nothing(root:
         with pytest.raises(TypeError, match="not a Linear"):
             ckpt.restore(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
         assert [e.status for e in ckpt.entries()] == ["committed", "committed"]
+
+
+def test_a_rank_joins_only_the_directory_its_rank_0_created(tmp_path: Any) -> None:
+    root = str(tmp_path / "ck")
+    coordinator, other = LocalStorage(root), LocalStorage(root)
+    token = coordinator.prepare("step-0000000005")
+    other.join("step-0000000005", token)  # the right directory: written through its handle
+    other.write_object("step-0000000005", "objects-00001.json", b"{}")
+    other.leave("step-0000000005")
+    assert os.path.exists(os.path.join(root, "step-0000000005", "objects-00001.json"))
+    # the first job died; a restarted job took the step: the old job's rank never writes there
+    coordinator.abort("step-0000000005")
+    LocalStorage(root).prepare("step-0000000005")
+    with pytest.raises(pitstop.CheckpointExistsError, match="no longer the directory"):
+        other.join("step-0000000005", token)
+    assert os.listdir(os.path.join(root, "step-0000000005")) == [".owner"]

@@ -102,18 +102,26 @@ def commit_together(
     key = f"save/{seq}"
     if group.coordinator:
         try:
-            storage.prepare(directory)
+            token = storage.prepare(directory)
         except BaseException as e:
             group.post(f"{key}/prepared", _error_word(e, "plan", [0]))
             raise
-        group.post(f"{key}/prepared", b"ok")
+        group.post(f"{key}/prepared", json.dumps({"ok": token}).encode())
     else:
         word = group.read(f"{key}/prepared", "plan")
-        if word != b"ok":
-            raise _failure(word, "rank 0 could not create it", directory, group.rank)
+        try:
+            token = json.loads(word)["ok"]
+        except (ValueError, KeyError, TypeError):
+            raise _failure(word, "rank 0 could not create it", directory, group.rank) from None
     result: PersistResult | None = None
     try:
-        result = write()
+        if not group.coordinator:  # into the very directory rank 0 created, or not at all
+            storage.join(directory, str(token))
+        try:
+            result = write()
+        finally:
+            if not group.coordinator:
+                storage.leave(directory)
         report = json.dumps({"ok": result_to_json(result)}).encode()
     except BaseException as e:
         report = _error_word(e, "persist")

@@ -56,9 +56,17 @@ class Storage(Protocol):
         """Newest modification time in ``directory`` (gc keeps recently written debris)."""
         ...
 
-    def prepare(self, directory: str) -> None:
-        """Create ``directory`` for a new checkpoint and hold it until commit or abort."""
+    def prepare(self, directory: str) -> str:
+        """Create ``directory`` for a new checkpoint and hold it until commit or abort; returns
+        a token naming this very directory, for the other ranks' ``join``."""
         ...
+
+    def join(self, directory: str, token: str) -> None:
+        """Another rank's save: write into the ``directory`` its coordinator prepared (checked
+        by ``token``; a replaced one is refused) until ``leave``."""
+        ...
+
+    def leave(self, directory: str) -> None: ...
 
     def write_data(
         self,

@@ -76,6 +76,7 @@ class LocalStorage:
         self.url = self.root
         self.io = io if io is not None else IOOptions.from_env()
         self._writing: dict[str, DirLock] = {}
+        self._joined: dict[str, int] = {}  # directories of other ranks' saves, held open
         self._pinned: dict[str, list[int]] = {}  # directory -> fds of pins held (reads use them)
         self._pin_lock = threading.Lock()
 
@@ -167,8 +168,9 @@ class LocalStorage:
         return max(times)
 
     # ------------------------------------------------------------------ save
-    def prepare(self, directory: str) -> None:
-        """Create ``directory`` exclusively and hold it until ``commit`` or ``abort``."""
+    def prepare(self, directory: str) -> str:
+        """Create ``directory`` exclusively and hold it until ``commit`` or ``abort``; returns
+        its token, by which the other ranks of the save find this very directory (``join``)."""
         final = self._path(directory)
         step = parse_step_dir(directory)
         try:
@@ -181,7 +183,11 @@ class LocalStorage:
             os.mkdir(tmp)
             lock = try_lock(tmp, exclusive=True)
             assert lock is not None  # nobody else knows the name yet
-            owner = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+            token = uuid.uuid4().hex
+            owner = {
+                "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                "token": token,
+            }  # fmt: skip
             write_bytes_durable(
                 os.path.join(tmp, OWNER_FILE), json.dumps(owner).encode(), fsync=False
             )
@@ -197,6 +203,7 @@ class LocalStorage:
                     ) from None  # fmt: skip
                 raise
             self._writing[directory] = lock
+            return token
             # not made durable here: commit syncs the root once the manifest is in (a crash
             # before that may lose the empty claim, which was not a checkpoint anyway)
         except CheckpointError:
@@ -267,12 +274,46 @@ class LocalStorage:
             before_extent=before_extent, on_extent=on_extent, dir_fd=dir_fd,
         )  # fmt: skip
 
+    def join(self, directory: str, token: str) -> None:
+        """Another rank's ``prepare``d ``directory``: open it and check that it is the one
+        with ``token``, then write into that open directory until ``leave``. A directory
+        replaced meanwhile (a restarted job took the step of a dead one) is never written."""
+        path = self._path(directory)
+        try:
+            fd = os.open(
+                path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
+            )
+        except OSError as e:
+            raise _io_error(e, f"open {directory}", path, "persist") from e
+        try:
+            owner = json.loads(read_regular(OWNER_FILE, 4096, fd))
+            mine = isinstance(owner, dict) and owner.get("token") == token
+        except (OSError, CheckpointError, ValueError) as e:
+            os.close(fd)
+            raise _io_error(
+                OSError(errno.EIO, str(e)), f"check {directory}", path, "persist"
+            ) from e
+        if not mine:
+            os.close(fd)
+            raise CheckpointExistsError(
+                f"{directory} is no longer the directory this save's rank 0 created (another "
+                "writer replaced it): not written", path=path, phase="persist",
+            )  # fmt: skip
+        self._joined[directory] = fd
+
+    def leave(self, directory: str) -> None:
+        fd = self._joined.pop(directory, None)
+        if fd is not None:
+            os.close(fd)
+
     def _target(self, directory: str, name: str) -> tuple[str, int | None]:
         """Where a save writes ``name``: relative to the directory it holds open (a directory
         swapped for a symlink after ``prepare`` is not followed), else a checked path."""
         lock = self._writing.get(directory)
         if lock is not None:
             return name, lock.fd
+        if directory in self._joined:
+            return name, self._joined[directory]
         self._dir(directory, "persist")
         return self._path(directory, name), None
 
