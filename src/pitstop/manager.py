@@ -18,7 +18,7 @@ persist thread right after each commit, before ``save()`` or ``wait()`` returns.
 
 Under torch.distributed (torchrun; gloo or NCCL) the same calls are collective: every rank
 constructs the manager, and calls ``save``/``async_save``/``step``/``restore``/``load``/
-``close`` at the same steps. Ranks split the writing (:mod:`pitstop.dist.sharding`), one
+``close`` at the same steps. Ranks split the writing (:mod:`pitstop.ranks.sharding`), one
 manifest is committed when every rank's files are durable, retention and gc run on rank 0,
 and a rank that fails or does not arrive within ``dist_timeout_secs`` makes every rank
 raise DistributedCheckpointError. The background threads never use the training's
@@ -31,7 +31,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pitstop.dist import make_group
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.recovery import RestoreResult, recover
@@ -43,6 +42,7 @@ from pitstop.loop import LoopDriver, StepResult
 from pitstop.options import SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
 from pitstop.profiler import ProfileStats
+from pitstop.ranks import make_group
 from pitstop.state.keys import KeyMap
 from pitstop.storage.base import Storage
 from pitstop.storage.local import open_root

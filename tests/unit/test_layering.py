@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "pitstop.format": 1,
     "pitstop.io": 2,
     "pitstop.storage": 3,
-    "pitstop.dist": 4, "pitstop.state": 4,
+    "pitstop.ranks": 4, "pitstop.state": 4,
     "pitstop.engine": 5, "pitstop.multilevel": 5,
     "pitstop.policy": SIDE,
     "pitstop.manager": 6, "pitstop.oneshot": 6, "pitstop.profiler": 6, "pitstop.loop": 6,
@@ -32,13 +32,13 @@ LAYERS: dict[str, int] = {
 # decisions: the engine (retention), the manager and loop (schedules), the tools and simulator
 ALLOWED: dict[str, set[int]] = {
     "pitstop.format": {0}, "pitstop.io": {0}, "pitstop.storage": {0, 1, 2},
-    "pitstop.dist": {0, 1, 2, 3}, "pitstop.state": {0},
+    "pitstop.ranks": {0, 1, 2, 3}, "pitstop.state": {0},
     "pitstop.engine": {0, 1, 2, 3, 4, SIDE}, "pitstop.multilevel": {0, 1, 2, 3, 4, SIDE},
     "pitstop.policy": {0},
 }  # fmt: skip
 # modules that may import torch (DESIGN: policy, sim, format.manifest/checksum and the
 # torch-free CLI commands must not)
-TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.dist", "pitstop.engine", "pitstop.manager",
+TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.ranks", "pitstop.engine", "pitstop.manager",
             "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
             "pitstop.testing.crash", "pitstop.testing.fuzz", "pitstop.testing.distributed",
             "pitstop.cli.convert",

@@ -22,11 +22,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pitstop.dist.group import Group
-from pitstop.dist.sharding import LocalItem
 from pitstop.engine.persist import PersistResult, result_from_json, result_to_json
 from pitstop.errors import CheckpointError, DistributedCheckpointError
 from pitstop.format.codec import dtype_name
+from pitstop.ranks.group import Group
+from pitstop.ranks.sharding import LocalItem
 from pitstop.state.dtensor import local_box
 from pitstop.state.tree import Flat
 from pitstop.storage.base import Storage
@@ -35,7 +35,7 @@ __all__ = ["agree", "commit_together", "local_items"]
 
 
 def local_items(flat: Flat, *, overlap: bool) -> list[LocalItem]:
-    """What this rank holds, for the global plan (``dist.sharding.assign``)."""
+    """What this rank holds, for the global plan (``ranks.sharding.assign``)."""
     out = []
     for key, t in flat.tensors.items():
         deferrable = overlap and key in flat.deferrable

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pitstop.dist.sharding import RankLayout
 from pitstop.format.checksum import segments
 from pitstop.format.codec import dtype_from_name, dtype_name
 from pitstop.io.arena import align_up
 from pitstop.io.parallel import Extent, plan_extents
 from pitstop.options import ALIGN_BYTES
+from pitstop.ranks.sharding import RankLayout
 
 __all__ = ["PlanCache", "PlanItem", "SavePlan", "make_plan", "plan_from_layout"]
 
@@ -101,7 +101,7 @@ def make_plan(
 def plan_from_layout(
     layout: RankLayout, chunk_bytes: int, signature: tuple[object, ...]
 ) -> SavePlan:
-    """This rank's plan from its part of the global plan (``dist.sharding.assign``)."""
+    """This rank's plan from its part of the global plan (``ranks.sharding.assign``)."""
     items = [
         PlanItem(
             key=p.key, dtype=dtype_from_name(p.dtype), dtype_name=p.dtype, shape=p.shape,

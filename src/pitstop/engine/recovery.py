@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pitstop.dist.group import Group
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.errors import (
     CheckpointNotFoundError,
@@ -37,6 +36,7 @@ from pitstop.errors import (
 )
 from pitstop.format.manifest import Manifest
 from pitstop.log import get_logger
+from pitstop.ranks.group import Group
 
 __all__ = ["RestoreResult", "recover"]
 

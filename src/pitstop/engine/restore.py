@@ -48,9 +48,9 @@ from pitstop.format.manifest import FileEntry, Manifest, TensorEntry
 from pitstop.options import ALIGN_BYTES
 
 if TYPE_CHECKING:
-    from pitstop.dist.group import Group
     from pitstop.engine.catalog import Entry
     from pitstop.engine.saver import Saver
+    from pitstop.ranks.group import Group
 from pitstop.state.restore import RestoreReport, materialize, restore_into
 from pitstop.storage.base import Storage
 

@@ -34,8 +34,6 @@ from typing import Any
 
 import torch
 
-from pitstop.dist.group import Group
-from pitstop.dist.sharding import assign
 from pitstop.engine.collective import agree, commit_together, local_items
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.persist import PersistResult, encode_objects, manifest_for, persist
@@ -49,6 +47,8 @@ from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent
 from pitstop.log import get_logger
 from pitstop.options import SaveOptions
+from pitstop.ranks.group import Group
+from pitstop.ranks.sharding import assign
 from pitstop.state.tree import Flat, flatten
 from pitstop.storage.base import Storage
 

@@ -1,11 +1,11 @@
 """Layer 4: torch.distributed, seen from pitstop: who is running, how ranks talk without the
-training process group (:mod:`pitstop.dist.group`) and who writes what
-(:mod:`pitstop.dist.sharding`). In one process all of it is a no-op.
+training process group (:mod:`pitstop.ranks.group`) and who writes what
+(:mod:`pitstop.ranks.sharding`). In one process all of it is a no-op.
 """
 
 from __future__ import annotations
 
-from pitstop.dist.group import Group, StoreGroup, make_group
+from pitstop.ranks.group import Group, StoreGroup, make_group
 
 __all__ = ["Group", "StoreGroup", "make_group", "world"]
 
