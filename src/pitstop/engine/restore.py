@@ -221,10 +221,15 @@ def read_checkpoint(
         sender.start()
     try:
         tree = read_objects(storage, directory, manifest, layout.source_rank, problems)
-        for i, p in enumerate(layout.pieces):
-            if p.reader == layout.rank:
-                read(p.file, p.start, p.end, p.shift)
-                ready[i].set()
+        if broadcast is None:  # nothing to hand on: each file's stream in one parallel read
+            for name in dict.fromkeys(p.file for p in layout.pieces):
+                mine = [p for p in layout.pieces if p.file == name]
+                read(name, mine[0].start, mine[-1].end, mine[0].shift)
+        else:
+            for i, p in enumerate(layout.pieces):
+                if p.reader == layout.rank:
+                    read(p.file, p.start, p.end, p.shift)
+                    ready[i].set()
         for region in layout.own:
             read(*region)
     finally:
