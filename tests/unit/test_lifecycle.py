@@ -420,10 +420,12 @@ def test_partial_restore_that_matches_no_top_level_key_is_an_error(root: str) ->
 
 def test_a_state_that_is_not_a_dict_is_the_callers_error_and_marks_nothing(root: str) -> None:
     _saved(root, range(1, 3)).close()
-    with pytest.raises(TypeError, match=r'dict of named objects, such as \{"model": model\}'):
+    with pytest.raises(
+        pitstop.StateMismatchError, match=r'dict of named objects, such as \{"model": model\}'
+    ):
         pitstop.load(root, torch.nn.Linear(2, 2), strict=False)  # type: ignore[arg-type]
     with pitstop.CheckpointManager(root) as ckpt:
-        with pytest.raises(TypeError, match="not a Linear"):
+        with pytest.raises(pitstop.StateMismatchError, match="not a Linear"):
             ckpt.restore(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
         assert [e.status for e in ckpt.entries()] == ["committed", "committed"]
 

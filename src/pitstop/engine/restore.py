@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from pitstop.engine.verify import check_sizes, raise_problems, read_objects, read_verified
-from pitstop.errors import CheckpointError, CorruptCheckpointError
+from pitstop.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from pitstop.format.codec import dtype_from_name, tensor_view
 from pitstop.format.manifest import FileEntry, Manifest, TensorEntry
 from pitstop.options import ALIGN_BYTES
@@ -312,9 +312,10 @@ def load_entry(
     Under torch.distributed, every rank agrees before the live state is touched."""
     assert entry.manifest is not None
     if state is not None and not isinstance(state, Mapping):  # the caller's mistake, not damage
-        raise TypeError(
+        raise StateMismatchError(
             f"the state to restore into must be a dict of named objects, such as "
-            f'{{"model": model}}, not a {type(state).__name__}'
+            f'{{"model": model}}, not a {type(state).__name__}',
+            phase="restore",
         )
     manifest, group = entry.manifest, saver.group
     agreement = _Agreement(group)
