@@ -52,7 +52,10 @@ __all__ = [
 
 
 class CheckpointError(Exception):
-    """Root of every error pitstop raises."""
+    """Root of every error pitstop raises. ``live_overwritten``: a restore failed after
+    writing part of the live state (its message says so)."""
+
+    live_overwritten: bool = False
 
     def __init__(
         self,

@@ -279,12 +279,13 @@ def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int
 
     class Counting(StorageWrapper):
         def _call(self, name: str, fn: Any) -> Any:
-            if name != "read_data":
+            if name != "read_into":
                 return fn
 
-            def counted(directory: str, file: str, view: Any, extents: Any, **kw: Any) -> Any:
-                read[0] += sum(e.end - e.start for e in extents)
-                return fn(directory, file, view, extents, **kw)
+            def counted(offset: int, out: Any) -> int:
+                n = int(fn(offset, out))
+                read[0] += n
+                return n
 
             return counted
 

@@ -423,16 +423,16 @@ def test_a_pinned_step_swapped_for_a_symlink_is_still_read_from_the_root(
     import shutil
 
     shutil.copytree(os.path.join(root, S1), decoy)  # what a swap would make restore read
-    gate = GateStorage(LocalStorage(root), hold={"read_data"})
+    gate = GateStorage(LocalStorage(root), hold={"open_data"})
     fresh = make_state(seed=99)
     out: dict[str, Any] = {}
     with pitstop.CheckpointManager(gate) as ckpt:
         t = threading.Thread(target=lambda: out.update(step=ckpt.restore(fresh, rollback=False)))
         t.start()
-        assert gate.arrived["read_data"].wait(20)  # step 2 pinned, about to read its data
+        assert gate.arrived["open_data"].wait(20)  # step 2 pinned, about to read its data
         os.rename(os.path.join(root, S2), os.path.join(root, ".moved"))
         os.symlink(decoy, os.path.join(root, S2))
-        gate.open("read_data")
+        gate.open("open_data")
         t.join(30)
     assert out.get("step") == 2
     assert_same_tensors(tensors_of(make_state(seed=2)), tensors_of(fresh))

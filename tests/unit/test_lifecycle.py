@@ -20,7 +20,15 @@ from pitstop.policy import EveryN, KeepBest, KeepEvery, KeepLast
 from pitstop.storage.local import LocalStorage
 from pitstop.testing import FaultyStorage, GateStorage
 
-READ_CALLS = ["entries", "has_manifest", "read_manifest", "file_size", "read_object", "read_data"]
+READ_CALLS = [
+    "entries",
+    "has_manifest",
+    "read_manifest",
+    "file_size",
+    "read_object",
+    "open_data",
+    "read_into",
+]
 
 
 def _until(pred: Any, secs: float = 20.0) -> None:
@@ -90,7 +98,7 @@ def test_damage_is_marked_not_moved_and_shown(root: str, capsys: Any) -> None:
 # ---------------------------------------------------------------- 2. pins: restore vs retention
 def test_restore_concurrent_with_retention_keeps_the_pinned_checkpoint(root: str) -> None:
     saver = _saved(root, range(1, 2), keep_last=1)
-    gate = GateStorage(LocalStorage(root), hold={"read_data"})
+    gate = GateStorage(LocalStorage(root), hold={"open_data"})
     reader = pitstop.CheckpointManager(gate)
     fresh = make_state(seed=99)
     out: dict[str, Any] = {}
@@ -103,10 +111,10 @@ def test_restore_concurrent_with_retention_keeps_the_pinned_checkpoint(root: str
 
     t = threading.Thread(target=restore)
     t.start()
-    assert gate.arrived["read_data"].wait(20)  # restore is reading step 1, pinned
+    assert gate.arrived["open_data"].wait(20)  # restore is reading step 1, pinned
     saver.save(2, make_state(seed=2))  # its retention wants step 1 gone: it is pinned, kept
     assert saver.steps() == [1, 2]
-    gate.open("read_data")
+    gate.open("open_data")
     t.join(30)
     assert "error" not in out, out.get("error")
     assert out["step"] == 1
@@ -284,7 +292,7 @@ def test_restore_while_a_save_of_the_same_manager_commits_and_retires(root: str)
     s1, s2 = "step-0000000001", "step-0000000002"
     gate = GateStorage(
         LocalStorage(root),
-        hold={"commit", "read_data"},
+        hold={"commit", "open_data"},
         when=lambda name, args: args[0] == (s2 if name == "commit" else s1),
     )
     ckpt = pitstop.CheckpointManager(gate, keep_last=1)
@@ -295,11 +303,11 @@ def test_restore_while_a_save_of_the_same_manager_commits_and_retires(root: str)
     out: dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.update(step=ckpt.restore(fresh)))
     t.start()
-    assert gate.arrived["read_data"].wait(20)  # restore reads step 1, pinned
+    assert gate.arrived["open_data"].wait(20)  # restore reads step 1, pinned
     gate.open("commit")
     handle.wait()  # committed; retention ran and left the pinned step alone
     assert ckpt.steps() == [1, 2]
-    gate.open("read_data")
+    gate.open("open_data")
     t.join(30)
     assert out.get("step") == 1
     assert_same_tensors(tensors_of(make_state(seed=1)), tensors_of(fresh))

@@ -248,7 +248,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
             bad += 1
             continue
-        data_bytes = sum(f.nbytes for f in e.manifest.files if f.name.endswith(".bin"))
+        data_bytes = sum(t.nbytes for t in e.manifest.tensors)  # what is read and checked
         progress = _Progress(f"verify {e.name}", data_bytes, enabled=args.progress)
         with catalog.pin(e.name) as alive:
             if not alive:

@@ -2,8 +2,9 @@
 
 Every stored tensor gets a 4 KiB-aligned offset in the rank's data file; the
 host arena has exactly this layout, so the arena *is* the file. Tensors are
-hashed in segments of ``segment_bytes``, and segments are packed into extents
-(one I/O request each) of about ``chunk_bytes``.
+hashed in segments of ``segment_bytes`` (at most 16 MiB, so a reader checks each in one
+read buffer), and segments are packed into extents (one write request each) of about
+``chunk_bytes``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pitstop.format.checksum import segments
 from pitstop.format.codec import dtype_from_name, dtype_name
 from pitstop.io.arena import align_up
 from pitstop.io.parallel import Extent, plan_extents
-from pitstop.options import ALIGN_BYTES
+from pitstop.options import ALIGN_BYTES, SEGMENT_BYTES
 from pitstop.ranks.sharding import RankLayout
 
 __all__ = ["PlanCache", "PlanItem", "SavePlan", "make_plan", "plan_from_layout"]
@@ -120,17 +121,18 @@ def _finish(
     signature: tuple[object, ...],
     stream_nbytes: int | None = None,
 ) -> SavePlan:
+    segment_bytes = min(chunk_bytes, SEGMENT_BYTES)
     segs = [  # empty tensors have one empty segment, hashed without I/O
         (start, length, (i, j))
         for i, item in enumerate(items)
-        for j, (start, length) in enumerate(segments(item.offset, item.nbytes, chunk_bytes))
+        for j, (start, length) in enumerate(segments(item.offset, item.nbytes, segment_bytes))
         if length
     ]
     extents = plan_extents(segs, file_bytes, chunk_bytes) if file_bytes else []
     return SavePlan(
         items=tuple(items),
         file_bytes=file_bytes,
-        segment_bytes=chunk_bytes,
+        segment_bytes=segment_bytes,
         extents=tuple(extents),
         signature=signature,
         stream_nbytes=stream_nbytes,

@@ -1,300 +1,380 @@
-"""restore: read and verify one checkpoint into a buffer, then copy it into the live state.
+"""restore: stream one checkpoint, verified, straight into the live state.
 
-Call sequence (training thread; io pool threads read and hash extents; under
-torch.distributed one more thread sends and receives the replicated pieces)::
+Call sequence (training thread; reader threads read and hash; under torch.distributed
+one more thread sends and receives the replicated pieces)::
 
-    load_entry(storage, entry, state, saver=...)          # checks sizes, allocates, then:
-      layout = ReadLayout(manifest, rank, world)          #   where each needed byte lands
-      agreement 1                                         #   every rank can read
-      load_checkpoint(storage, directory, manifest, state, view, buffer, layout=layout, ...)
-        read_checkpoint(...)                              #   read, verify, exchange pieces
-        agreement 2                                       #   every rank verified its part
-        restore_into(...)                                 #   only now the live state
+    load_entry(storage, entry, state, saver=...)
+      check_sizes(...)                                  # every file's real size
+      layout = ReadLayout(manifest, rank, world)        # who reads which bytes
+      tree = read_objects(...)                          # checked and validated
+      plan = plan_restore(state, tree, ...)             # pairs live state and tree, compares
+                                                        #   shapes and dtypes: nothing touched
+      landing = Landing(layout, plan.targets)           # where each saved byte lands
+      agreement 1                                       # every rank can read, its state fits
+      read_all(...)                                     # read, verify, land (and exchange)
+      agreement 2                                       # every rank verified what it read
+      plan.apply(landing.tensor)                        # load_state_dict & co.
 
-Every file's real size is checked, the objects file of the rank whose state this rank
-takes is read, checked and its tree validated against the manifest, then the data files
-are read with large parallel reads into ``view`` and every segment's checksum checked;
-only then (after the agreement: under torch.distributed every rank must have got this
-far) is anything in the live state touched. Tensors are views of the buffer until they
-are copied into the live objects.
+No buffer of the checkpoint's size exists: reader threads read pieces of each data file
+into a few reused aligned buffers (``io.read_buffers`` x ``io.read_chunk_bytes``), check
+every checksum segment, and copy the verified bytes to where they belong: into the live
+tensor that will hold them (parameters, buffers, optimizer state: the check pass names
+them), or into a fresh tensor where the state has none (an optimizer that has not
+stepped yet, ``pitstop.load`` without a state), which the state then keeps. A restarted
+process therefore needs no more host memory than its state plus the read buffers.
 
-A checkpoint of several ranks is read by any number of ranks. The replicated slices of
-all data files form one stream (the bytes one process would have written, so a replicated
-tensor cut between two files is one view again); it is cut into pieces of whole entries,
-and each piece is read and verified by one rank (on the world size it was saved on, the
-rank that wrote it: ``split`` spreads the reads, ``root`` is rank 0 reading and
-broadcasting, the classic baseline; on another world size, equal shares) and broadcast
-to the others on pitstop's gloo group while the reader goes on reading: the disk is read
-once per job, not once per rank. A rank that received a piece trusts its reader's
-verification, which agreement 2 reports. Then each rank reads the sharded and own pieces
-it needs itself. Rank ``r`` of a job of ``M`` takes the per-rank values (RNG streams,
-data position) of saved rank ``r mod N``; a DTensor takes its own box of the tensor its
-chunks tile.
+What is guaranteed (docs/restore.md): a checkpoint that fails verification is never
+reported as restored. Its bytes may already have landed in the live state (a segment
+lands once verified, but a checkpoint is verified only when its last segment is); then
+recovery falls back to the next older checkpoint, which overwrites everything it loads,
+and if none can be restored the error says the live state was partly overwritten
+(PartialRestoreError; ``error.live_overwritten`` on any error after a byte landed). A
+state that does not fit the checkpoint is refused before anything is read.
+
+Several ranks: the replicated slices of all data files form one stream (the bytes one
+process would have written); it is cut into pieces of whole checksum segments (at most
+``PIECE_BYTES``), each read and verified by one rank (on the world size it was saved on,
+the rank that wrote it: ``split`` spreads the reads, ``root`` is rank 0 reading and
+broadcasting; otherwise equal shares) and broadcast on pitstop's gloo group, with one
+status byte, while the reader goes on reading: the disk is read once per job. Each rank
+then reads the sharded and own entries it needs itself. Rank ``r`` of a job of ``M``
+takes the per-rank values (RNG streams, data position) of saved rank ``r mod N``; a
+DTensor takes its own box of the tensor its chunks tile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from pitstop.engine.verify import check_sizes, raise_problems, read_objects, read_verified
-from pitstop.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from pitstop.format.codec import dtype_from_name, tensor_view
+from pitstop.engine.verify import (
+    ReadBuffers,
+    Seg,
+    check_empty,
+    check_sizes,
+    raise_problems,
+    read_buffers,
+    read_objects,
+    segments_of,
+    stream_verified,
+)
+from pitstop.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    PartialRestoreError,
+    StateMismatchError,
+)
+from pitstop.format.codec import dtype_from_name
 from pitstop.format.manifest import FileEntry, Manifest, TensorEntry
-from pitstop.options import ALIGN_BYTES
+from pitstop.io.arena import Arena
 
 if TYPE_CHECKING:
     from pitstop.engine.catalog import Entry
     from pitstop.engine.saver import Saver
     from pitstop.ranks.group import Group
-from pitstop.state.restore import RestoreReport, materialize, restore_into
+from pitstop.state.restore import RestoreReport, materialize, plan_restore
 from pitstop.storage.base import Storage
 
-__all__ = ["ReadLayout", "load_checkpoint", "load_entry"]
+__all__ = ["Landing", "ReadLayout", "load_entry"]
 
 KeyMap = Callable[[str], "str | None"]
-Sync = Callable[[BaseException | None], None]
 Broadcast = Callable[[torch.Tensor, int], None]
 
 
-PIECE_BYTES = 64 << 20  # the replicated stream is read and broadcast in pieces of this size
+PIECE_BYTES = 32 << 20  # the replicated stream is broadcast in pieces of at most this
+_OWN_PIECES = 2  # pieces a rank may have read ahead of their broadcast
 
 
 class Piece(NamedTuple):
-    """Bytes ``start``-``end`` of data ``file``, at ``shift + start`` in the buffer, read by
-    rank ``reader``."""
+    """Bytes ``start``-``end`` of data ``file`` (whole checksum segments ``segs``), read by
+    rank ``reader`` and broadcast to the others."""
 
     file: str
     start: int
     end: int
-    shift: int
     reader: int
+    segs: tuple[Seg, ...]
 
 
 class ReadLayout:
-    """Which bytes of which files rank ``rank`` reads, and where they land in its buffer."""
+    """Which saved entries rank ``rank`` needs, and which of them it reads itself."""
 
     def __init__(self, manifest: Manifest, rank: int = 0, world: int = 1) -> None:
         self.rank = rank
         self.source_rank = rank % manifest.world_size
+        self.segment_bytes = manifest.segment_bytes
         wanted = [t for t in manifest.tensors if t.owner in (None, self.source_rank)]
         self.entries: dict[str, list[TensorEntry]] = {}
         for t in wanted:
             self.entries.setdefault(t.key, []).append(t)
+        self.wanted = wanted
         data = sorted((f for f in manifest.files if f.name.endswith(".bin")), key=lambda f: f.rank)
         # a file of one rank (format 1 and 2) is all stream; of several, its first stream_nbytes
         one = manifest.world_size == 1
-        self._cuts = {
+        cuts = {
             f.name: f.nbytes if one and f.stream_nbytes is None else (f.stream_nbytes or 0)
             for f in data
         }
-        self._shift: dict[tuple[str, bool], int] = {}
-        base = 0
-        for f in data:  # the replicated stream, slice after slice
-            self._shift[(f.name, True)] = base
-            base += self._cuts[f.name]
-        needed = {t.file for t in wanted}
-        self.own: list[tuple[str, int, int, int]] = []  # (file, start, end, shift)
-        for f in data:  # then each file's own part, where this rank needs something in it
-            cut = self._cuts[f.name]
-            if f.nbytes > cut and f.name in needed:
-                shift = base - cut
-                self._shift[(f.name, False)] = shift
-                self.own.append((f.name, cut, f.nbytes, shift))
-                base += -(-(f.nbytes - cut) // ALIGN_BYTES) * ALIGN_BYTES
-            self._shift.setdefault((f.name, False), 0)
-        self.nbytes = base
-        self.pieces = self._stream_pieces(manifest, data, world)
+        shared = world > 1
+        self.pieces = self._stream_pieces(manifest, data, cuts, world) if shared else []
+        # what this rank reads itself: everything (one process), else what is past the stream
+        self.own: dict[str, list[TensorEntry]] = {}
+        for t in wanted:
+            if t.nbytes and not (shared and t.offset < cuts.get(t.file, 0)):
+                self.own.setdefault(t.file, []).append(t)
 
-    def _stream_pieces(self, manifest: Manifest, data: list[FileEntry], world: int) -> list[Piece]:
-        """The replicated stream cut into pieces of whole entries (up to ``PIECE_BYTES``
-        unless one entry is larger), each read by one rank and broadcast to the others, in
-        the order they are broadcast (the readers' pieces interleaved, so that every rank
-        reads while the others' pieces are sent). Restored on the world size it was saved
-        on, every rank reads the slice it wrote (``root``: rank 0 reads it all); otherwise
-        the stream is cut into ``world`` parts of about equal bytes."""
-        stream = sorted(
-            (t for t in manifest.tensors if t.offset < self._cuts.get(t.file, 0)),
-            key=lambda t: self._shift[(t.file, True)] + t.offset,
-        )
+    def _stream_pieces(
+        self, manifest: Manifest, data: list[FileEntry], cuts: dict[str, int], world: int
+    ) -> list[Piece]:
+        """The replicated stream cut into pieces of whole segments (at most ``PIECE_BYTES``
+        unless one segment is longer), in the order they are broadcast: the readers' pieces
+        interleaved, so that every rank reads while the others' pieces are sent. On the
+        world size it was saved on, every rank reads the slice it wrote; otherwise the
+        stream is cut into ``world`` parts of about equal bytes."""
+        base, shift = 0, {}
+        for f in data:  # the replicated stream, slice after slice
+            shift[f.name] = base
+            base += cuts[f.name]
+        total = max(1, base)
         rank_of = {f.name: f.rank for f in data}
-        total = max(1, sum(self._cuts.values()))
+        stream = [t for t in manifest.tensors if t.nbytes and t.offset < cuts.get(t.file, 0)]
+        segs = sorted(
+            segments_of(stream, manifest.segment_bytes),
+            key=lambda s: (shift[s[2].file], s[0]),
+        )
+        same = world == manifest.world_size
         by_reader: dict[int, list[Piece]] = {}
-        for t in stream:
-            at = self._shift[(t.file, True)] + t.offset
-            same = world == manifest.world_size
+        for seg in segs:
+            start, n, t, _ = seg
+            at = shift[t.file] + t.offset  # an entry's segments all go to one reader
             reader = rank_of[t.file] if same else min(world - 1, at * world // total)
             pieces = by_reader.setdefault(reader, [])
             last = pieces[-1] if pieces else None
-            end = t.offset + t.nbytes
-            if last and last.file == t.file and end - last.start <= PIECE_BYTES:
-                pieces[-1] = last._replace(end=end)
+            if last and last.file == t.file and start + n - last.start <= PIECE_BYTES:
+                pieces[-1] = last._replace(end=start + n, segs=(*last.segs, seg))
             else:
-                pieces.append(Piece(t.file, t.offset, end, self._shift[(t.file, True)], reader))
+                pieces.append(Piece(t.file, start, start + n, reader, (seg,)))
         order: list[Piece] = []
         queues = [by_reader[r] for r in sorted(by_reader)]
         for i in range(max((len(q) for q in queues), default=0)):
             order.extend(q[i] for q in queues if i < len(q))
         return order
 
-    def position(self, t: TensorEntry) -> int:
-        """Where entry ``t`` lands in the buffer."""
-        in_stream = t.offset < self._cuts.get(t.file, 0)
-        return self._shift[(t.file, in_stream)] + t.offset
-
-    def tensor(self, key: str, buffer: torch.Tensor) -> torch.Tensor:
-        """The saved tensor ``key`` (a view of the buffer where its chunks lie back to back)."""
-        chunks = sorted(self.entries[key], key=lambda c: c.box_start)
-        first = chunks[0]
-        dtype = dtype_from_name(first.dtype)
-        whole = first.whole_shape
-        if len(chunks) == 1 and first.is_whole:
-            return tensor_view(buffer, self.position(first), first.nbytes, dtype, whole)
-        starts = [self.position(first)]  # where each chunk would start if back to back
-        for c in chunks:
-            starts.append(starts[-1] + c.nbytes)
-        if all(self.position(c) == starts[i] for i, c in enumerate(chunks)) and all(
-            c.shape[1:] == whole[1:] and not any(c.box_start[1:]) for c in chunks
-        ):  # row ranges in order, back to back: one view
-            return tensor_view(buffer, starts[0], starts[-1] - starts[0], dtype, whole)
-        out = torch.empty(whole, dtype=dtype)
-        for c in chunks:
-            box = out
-            for dim, (s0, n) in enumerate(zip(c.box_start, c.shape, strict=True)):
-                box = box.narrow(dim, s0, n)
-            box.copy_(tensor_view(buffer, self.position(c), c.nbytes, dtype, c.shape))
-        return out
-
     def meta(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         first = self.entries[key][0]
         return dtype_from_name(first.dtype), first.whole_shape
 
 
-def read_checkpoint(
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of contiguous ``t`` (no autograd: the bytes are overwritten)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class Landing:
+    """Where the bytes of each saved entry this rank needs land: the live tensor of its key
+    (``targets``: the check pass found one of the same dtype and shape), else a fresh tensor
+    that the restored state then keeps. Chunks of a tensor that are whole rows land in place;
+    other boxes through a tensor of their own, copied in by :meth:`finish`.
+
+    ``deliver`` is called from reader threads (disjoint bytes); ``touched`` says whether any
+    byte of the live state was overwritten."""
+
+    def __init__(self, layout: ReadLayout, targets: Mapping[str, torch.Tensor]) -> None:
+        self.touched = False
+        self._dest: dict[str, torch.Tensor] = {}
+        self._live: set[str] = set()
+        self._sink: dict[tuple[str, int], tuple[torch.Tensor, int, bool]] = {}
+        self._boxes: list[tuple[str, TensorEntry, torch.Tensor]] = []
+        for key, chunks in layout.entries.items():
+            dtype, whole = layout.meta(key)
+            live = targets.get(key)
+            dest = live if live is not None else torch.empty(whole, dtype=dtype)
+            self._dest[key] = dest
+            if live is not None:
+                self._live.add(key)
+            flat = _bytes(dest)
+            row = dtype.itemsize * int(torch.Size(whole[1:]).numel()) if whole else 0
+            for c in chunks:
+                if c.is_whole:
+                    self._sink[(c.file, c.offset)] = (flat, 0, live is not None)
+                elif c.shape[1:] == whole[1:] and not any(c.box_start[1:]):
+                    self._sink[(c.file, c.offset)] = (flat, c.box_start[0] * row, live is not None)
+                else:
+                    box = torch.empty(c.shape, dtype=dtype)
+                    self._boxes.append((key, c, box))
+                    self._sink[(c.file, c.offset)] = (_bytes(box), 0, False)
+
+    def deliver(self, entry: TensorEntry, lo: int, data: memoryview | torch.Tensor) -> None:
+        flat, base, live = self._sink[(entry.file, entry.offset)]
+        src = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
+        if live:
+            self.touched = True
+        flat[base + lo : base + lo + src.numel()].copy_(src)
+
+    def finish(self) -> None:
+        """Copy the chunks that are not whole rows into their tensors."""
+        for key, c, box in self._boxes:
+            target = self._dest[key]
+            for dim, (s0, n) in enumerate(zip(c.box_start, c.shape, strict=True)):
+                target = target.narrow(dim, s0, n)
+            if key in self._live:
+                self.touched = True
+            with torch.no_grad():
+                target.copy_(box)
+        self._boxes.clear()
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The restored tensor of ``key`` (after :meth:`finish`)."""
+        return self._dest[key]
+
+    def owned(self, key: str) -> bool:
+        """Whether ``key``'s tensor is fresh (the state may keep it without a copy)."""
+        return key not in self._live
+
+
+def _read_own(
     storage: Storage,
     directory: str,
     manifest: Manifest,
-    view: memoryview,
     layout: ReadLayout,
-    *,
-    pool: Executor,
-    buffer: torch.Tensor | None = None,
-    broadcast: Broadcast | None = None,
-) -> Any:
-    """Read and verify what ``layout`` gives this rank to read; returns the tree. The caller
-    has checked every file's real size (:func:`load_entry`, before it allocates). Raises
-    CorruptCheckpointError listing every problem found.
-
-    With ``broadcast`` (several ranks; a collective): each stream piece read here is sent
-    to every other rank from a thread of its own as soon as it is verified, while this rank
-    reads on, and the other ranks' pieces arrive into ``buffer``. Whatever fails, every
-    piece is sent (a failed rank sends what its buffer holds: the agreement that follows
-    discards it) before this returns or raises, so no rank is left waiting in a broadcast."""
-    problems: list[str] = []
-
-    def read(name: str, start: int, end: int, shift: int) -> None:
-        if not problems:  # after the first problem the outcome is known: stop reading
-            read_verified(
-                storage, directory, manifest, name, view[shift:], pool=pool,
-                problems=problems, region=(start, end),
+    landing: Landing,
+    buffers: ReadBuffers,
+    problems: list[str],
+) -> None:
+    for name, entries in layout.own.items():
+        if problems:
+            return
+        with contextlib.closing(storage.open_data(directory, name)) as reader:
+            stream_verified(
+                reader, manifest, name, segments_of(entries, manifest.segment_bytes),
+                buffers=buffers, problems=problems, deliver=landing.deliver,
             )  # fmt: skip
 
-    ready = [threading.Event() for _ in layout.pieces]
-    sent: list[BaseException] = []
 
-    def send() -> None:
-        assert broadcast is not None and buffer is not None
-        try:
-            for i, p in enumerate(layout.pieces):
-                if p.reader == layout.rank:
-                    ready[i].wait()
-                broadcast(buffer[p.shift + p.start : p.shift + p.end], p.reader)
-        except BaseException as e:
-            sent.append(e)
-
-    sender = threading.Thread(target=send, name="pitstop-exchange", daemon=True)
-    if broadcast is not None:
-        sender.start()
-    try:
-        tree = read_objects(storage, directory, manifest, layout.source_rank, problems)
-        if broadcast is None:  # nothing to hand on: each file's stream in one parallel read
-            for name in dict.fromkeys(p.file for p in layout.pieces):
-                mine = [p for p in layout.pieces if p.file == name]
-                read(name, mine[0].start, mine[-1].end, mine[0].shift)
-        else:
-            for i, p in enumerate(layout.pieces):
-                if p.reader == layout.rank:
-                    read(p.file, p.start, p.end, p.shift)
-                    ready[i].set()
-        for region in layout.own:
-            read(*region)
-    finally:
-        for event in ready:
-            event.set()
-        if broadcast is not None:
-            sender.join()
-    if sent:
-        raise sent[0]
-    raise_problems(problems, step=manifest.step, path=f"{storage.url}/{directory}")
-    return tree
-
-
-def load_checkpoint(
+def _exchange(
     storage: Storage,
     directory: str,
     manifest: Manifest,
-    state: Mapping[str, Any] | None,
-    view: memoryview,
-    buffer: torch.Tensor,
-    *,
-    pool: Executor,
-    allow_pickle: bool = False,
-    strict: bool = True,
-    key_map: KeyMap | None = None,
     layout: ReadLayout,
-    sync: Sync | None = None,
+    landing: Landing,
+    buffers: ReadBuffers,
+    problems: list[str],
+    broadcast: Broadcast,
+) -> None:
+    """Read this rank's pieces of the replicated stream and broadcast every piece in order
+    (a sender thread), landing the others' pieces as they arrive; then read the own part.
+    Whatever fails, every piece is sent (with a failed status byte) before this returns, so
+    no rank is left waiting in a broadcast and nobody lands bytes that were not verified."""
+    largest = max((p.end - p.start for p in layout.pieces), default=0) + 1
+    mine = [i for i, p in enumerate(layout.pieces) if p.reader == layout.rank]
+    arenas = [Arena(largest) for _ in range(1 + (_OWN_PIECES if mine else 0))]
+    try:
+        bufs = [torch.frombuffer(a.view, dtype=torch.uint8) for a in arenas]
+        receive, free = bufs[0], queue.SimpleQueue[torch.Tensor]()
+        for b in bufs[1:]:
+            free.put(b)
+        ready: dict[int, queue.SimpleQueue[torch.Tensor]] = {i: queue.SimpleQueue() for i in mine}
+        sent: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                for i, p in enumerate(layout.pieces):
+                    n = p.end - p.start
+                    buf = ready[i].get() if p.reader == layout.rank else receive
+                    broadcast(buf[: n + 1], p.reader)
+                    if p.reader == layout.rank:
+                        free.put(buf)
+                    elif buf[n].item() == 1:  # verified by its reader: land it
+                        for s, length, t, _ in p.segs:
+                            landing.deliver(
+                                t, s - t.offset, buf[s - p.start : s - p.start + length]
+                            )
+            except BaseException as e:
+                sent.append(e)
+
+        sender = threading.Thread(target=send, name="pitstop-exchange", daemon=True)
+        sender.start()
+
+        def take() -> torch.Tensor | None:
+            """A free piece buffer (None: the sender is gone and frees none any more)."""
+            while True:
+                try:
+                    return free.get(timeout=0.1)
+                except queue.Empty:
+                    if not sender.is_alive():
+                        return None
+
+        handed = 0
+        try:
+            for i in mine:
+                p, buf = layout.pieces[i], take()
+                if buf is None:
+                    break
+                ok = False
+                try:
+                    if not problems:
+
+                        def land(
+                            t: TensorEntry, lo: int, data: memoryview,
+                            p: Piece = p, out: torch.Tensor = buf,
+                        ) -> None:  # fmt: skip
+                            at = t.offset + lo - p.start
+                            out[at : at + len(data)].copy_(
+                                torch.frombuffer(data, dtype=torch.uint8)
+                            )
+                            landing.deliver(t, lo, data)
+
+                        with contextlib.closing(storage.open_data(directory, p.file)) as reader:
+                            stream_verified(
+                                reader, manifest, p.file, list(p.segs), buffers=buffers,
+                                problems=problems, deliver=land,
+                            )  # fmt: skip
+                        ok = not problems
+                finally:
+                    buf[p.end - p.start] = 1 if ok else 0
+                    ready[i].put(buf)
+                    handed += 1
+            _read_own(storage, directory, manifest, layout, landing, buffers, problems)
+        finally:
+            for i in mine[handed:]:  # after a failure the rest go out marked failed
+                buf = take()
+                if buf is None:
+                    break
+                buf[layout.pieces[i].end - layout.pieces[i].start] = 0
+                ready[i].put(buf)
+            sender.join()
+        if sent:
+            raise sent[0]
+    finally:
+        for a in arenas:
+            a.close()
+
+
+def read_all(
+    storage: Storage,
+    directory: str,
+    manifest: Manifest,
+    layout: ReadLayout,
+    landing: Landing,
+    buffers: ReadBuffers,
+    *,
     broadcast: Broadcast | None = None,
-) -> tuple[Any, RestoreReport | None]:
-    """Restore into ``state`` in place (returns it and what was loaded or skipped), or build
-    fresh objects when ``state`` is None (returns them and None). ``sync(error)`` is called
-    after reading and verifying (with this rank's error, if any), before anything live is
-    touched; it raises if another rank failed."""
-    try:
-        tree = read_checkpoint(
-            storage, directory, manifest, view, layout, pool=pool, buffer=buffer,
-            broadcast=broadcast,
-        )  # fmt: skip
-    except BaseException as e:
-        if sync is not None:
-            sync(e)
-        raise
-    if sync is not None:
-        sync(None)
-
-    def source(key: str) -> torch.Tensor:
-        return layout.tensor(key, buffer)  # parse_objects checked every key the tree names
-
-    path = f"{storage.url}/{directory}"
-    try:
-        if state is None:
-            return materialize(tree, source, allow_pickle=allow_pickle), None
-        report = restore_into(
-            state, tree, source, layout.meta, allow_pickle=allow_pickle, strict=strict,
-            key_map=key_map,
-        )  # fmt: skip
-    except CheckpointError as e:
-        e.step, e.path = manifest.step, e.path or path
-        raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError) as e:
-        # a verified tree that still cannot be built: damage the checks did not name
-        raise CorruptCheckpointError(
-            f"cannot load: {e!r}", step=manifest.step, path=path, phase="restore"
-        ) from e
-    return state, report
+) -> None:
+    """Read, verify and land everything ``layout`` gives this rank. Raises
+    CorruptCheckpointError listing every problem found."""
+    problems: list[str] = []
+    check_empty(manifest, layout.wanted, problems)
+    if broadcast is None:
+        _read_own(storage, directory, manifest, layout, landing, buffers, problems)
+    else:
+        _exchange(storage, directory, manifest, layout, landing, buffers, problems, broadcast)
+    raise_problems(problems, step=manifest.step, path=f"{storage.url}/{directory}")
+    landing.finish()
 
 
 def load_entry(
@@ -307,9 +387,9 @@ def load_entry(
     strict: bool = True,
     key_map: KeyMap | None = None,
 ) -> tuple[Any, RestoreReport | None]:
-    """:func:`load_checkpoint` of a catalog entry into an arena the saver lends (kept for
-    later saves); the data files' real sizes are checked before the arena is allocated.
-    Under torch.distributed, every rank agrees before the live state is touched."""
+    """Restore a catalog entry into ``state`` in place (returns it and what was loaded or
+    skipped), or build fresh objects when ``state`` is None (returns them and None). Under
+    torch.distributed, every rank agrees before reading and before the state is loaded."""
     assert entry.manifest is not None
     if state is not None and not isinstance(state, Mapping):  # the caller's mistake, not damage
         raise StateMismatchError(
@@ -318,23 +398,79 @@ def load_entry(
             phase="restore",
         )
     manifest, group = entry.manifest, saver.group
+    path = f"{storage.url}/{entry.name}"
     agreement = _Agreement(group)
+    landing: Landing | None = None
     try:
         problems: list[str] = []
         check_sizes(storage, entry.name, manifest, problems)
-        raise_problems(problems, step=manifest.step, path=f"{storage.url}/{entry.name}")
+        raise_problems(problems, step=manifest.step, path=path)
         layout = ReadLayout(manifest, group.rank, group.size)
-        with saver.borrow_buffer(layout.nbytes) as (view, buffer):
-            agreement(None)  # every rank can read: the exchange of pieces may start
-            return load_checkpoint(
-                storage, entry.name, manifest, state, view, buffer, pool=saver.io_pool,
-                allow_pickle=allow_pickle, strict=strict, key_map=key_map, layout=layout,
-                sync=agreement, broadcast=group.broadcast_tensor if group.size > 1 else None,
-            )  # fmt: skip
+        tree = read_objects(storage, entry.name, manifest, layout.source_rank, problems)
+        raise_problems(problems, step=manifest.step, path=path)
+        try:
+            plan = None
+            if state is not None:  # nothing is touched if the state does not fit
+                plan = plan_restore(
+                    state, tree, layout.meta, allow_pickle=allow_pickle, strict=strict,
+                    key_map=key_map,
+                )  # fmt: skip
+            landing = Landing(layout, plan.targets if plan is not None else {})
+        except (OSError, MemoryError, RuntimeError) as e:
+            raise CheckpointError(
+                f"cannot allocate the tensors to restore into: {e}", phase="restore"
+            ) from e
+        agreement(None)  # every rank can read, and its state fits: the exchange may start
+        total = sum(t.nbytes for t in layout.wanted)
+        with read_buffers(storage, total) as buffers:
+            try:
+                read_all(
+                    storage, entry.name, manifest, layout, landing, buffers,
+                    broadcast=group.broadcast_tensor if group.size > 1 else None,
+                )  # fmt: skip
+            except BaseException as e:
+                agreement(e)
+                raise
+        agreement(None)  # every rank verified its part: the state is loaded
+        return _apply(plan, state, tree, landing, allow_pickle, manifest.step, path)
     except BaseException as e:
         if not agreement.ended:  # failed between agreements: the others learn it at the next
             agreement(e)
+        if landing is not None and landing.touched and isinstance(e, CheckpointError):
+            _overwritten(e)
         raise
+
+
+def _overwritten(e: CheckpointError) -> None:
+    if not e.live_overwritten and not isinstance(e, PartialRestoreError):
+        e.message += "; the live state was partly overwritten: do not train from it"
+        e.args = (e.message,)
+    e.live_overwritten = True
+
+
+def _apply(
+    plan: Any,
+    state: Mapping[str, Any] | None,
+    tree: Any,
+    landing: Landing,
+    allow_pickle: bool,
+    step: int,
+    path: str,
+) -> tuple[Any, RestoreReport | None]:
+    """Load the landed tensors into the state (or build fresh objects around them)."""
+    try:
+        if state is None:
+            value = materialize(tree, landing.tensor, allow_pickle=allow_pickle, clone=False)
+            return value, None
+        return state, plan.apply(landing.tensor, owned=landing.owned, touched=landing.touched)
+    except CheckpointError as e:
+        e.step, e.path = step, e.path or path
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError) as e:
+        # a verified tree that still cannot be built: damage the checks did not name
+        raise CorruptCheckpointError(
+            f"cannot load: {e!r}", step=step, path=path, phase="restore"
+        ) from e
 
 
 class _Agreement:

@@ -13,8 +13,7 @@ writes, commits and runs ``on_commit`` (retention) for one save at a time, in
 step order, before the save's handle reports it done (so when ``save()`` or
 ``wait()`` returns, retention for that commit has run); ``pitstop-io`` threads write the extents of a file in parallel.
 Memory: at most ``max_in_flight`` arenas exist; a save that finds them all busy
-waits for the oldest persist to finish. Arenas are reused across saves (and
-borrowed by restore), never allocated per save.
+waits for the oldest persist to finish. Arenas are reused across saves, never allocated per save.
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,22 +288,6 @@ class Saver:
             err = h.take_error()
             if err is not None:
                 raise err
-
-    @contextmanager
-    def borrow_buffer(self, nbytes: int) -> Iterator[tuple[memoryview, torch.Tensor]]:
-        """An arena of at least ``nbytes`` for a restore; it stays for later saves."""
-        self._check_open()
-        try:
-            arena = self._acquire_arena(nbytes)
-        except (OSError, MemoryError) as e:  # a huge (valid) checkpoint this host cannot hold
-            raise CheckpointError(
-                f"cannot allocate {nbytes} bytes of host memory to restore into: {e}",
-                phase="restore",
-            ) from e
-        try:
-            yield arena.view, self._buffers[id(arena)]
-        finally:
-            self._release_arena(arena)
 
     def close(self) -> None:
         """Wait for saves in flight, unhook optimizers, free arenas. Raises a pending error."""

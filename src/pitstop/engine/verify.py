@@ -1,39 +1,44 @@
 """verify: every file present and regular, every size right, every checksum equal. No torch.
 
-Call sequence: the restore path (training thread) calls :func:`read_objects` and
-:func:`read_verified` to read a checkpoint into a buffer and check it in one pass;
-``pitstop verify`` calls :func:`verify_checkpoint`, which checks every real size
-before it allocates its buffer. The io pool's threads read extents and hash their
-segments in parallel. Every problem found is evidence of damage; an I/O error is
+Call sequence: the restore path (training thread) calls :func:`read_objects`, then
+:func:`stream_verified` per data file: reader threads read pieces of the file into a
+few reused aligned buffers (:class:`ReadBuffers`), hash each checksum segment and hand
+the verified bytes on (the caller copies them where they belong); ``pitstop verify``
+calls :func:`verify_checkpoint`: the same reads with nowhere to deliver to, after every
+real size is checked. Every problem found is evidence of damage; an I/O error is
 raised as the CheckpointIOError it is (after the storage's retries).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-import typing
-from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from pitstop.errors import CheckpointError, CorruptCheckpointError
-from pitstop.format.checksum import get_checksum, segments
+from pitstop.format.checksum import get_checksum, get_hasher, segments
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import objects_file_name
 from pitstop.format.objects import check_state_tree, parse_objects
 from pitstop.io.arena import Arena
-from pitstop.io.parallel import Extent, plan_extents
-from pitstop.storage.base import Storage
+from pitstop.options import ALIGN_BYTES
+from pitstop.storage.base import DataReader, Storage
 
 __all__ = [
+    "ReadBuffers",
     "VerifyReport",
+    "check_empty",
     "check_sizes",
     "raise_problems",
+    "read_buffers",
     "read_objects",
-    "read_verified",
+    "segments_of",
+    "stream_verified",
     "verify_checkpoint",
 ]
 
@@ -96,89 +101,202 @@ def read_objects(
         return None
 
 
-def read_verified(
-    storage: Storage,
-    directory: str,
+Seg = tuple[int, int, TensorEntry, int]
+"""A checksum segment: (file offset, length, its tensor entry, its index in the entry)."""
+
+Deliver = Callable[[TensorEntry, int, memoryview], None]
+"""``deliver(entry, lo, data)``: bytes ``lo``..``lo+len(data)`` of ``entry`` (a reader thread;
+the view is valid only during the call)."""
+
+_GAP_BYTES = 1 << 20  # a read does not span more than this of bytes nobody asked for
+
+
+def segments_of(entries: Iterable[TensorEntry], segment_bytes: int) -> list[Seg]:
+    """The non-empty checksum segments of ``entries``, in file order."""
+    out = [
+        (start, length, t, j)
+        for t in entries
+        for j, (start, length) in enumerate(segments(t.offset, t.nbytes, segment_bytes))
+        if length
+    ]
+    return sorted(out, key=lambda s: s[0])
+
+
+class ReadBuffers:
+    """``count`` aligned read buffers of ``nbytes`` (allocated as first needed, so a small
+    checkpoint takes little) and as many reader threads: all the host memory a streaming
+    read uses, whatever the size of the checkpoint. Close it when done."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.count = max(1, count)
+        self.nbytes = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        self.pool = ThreadPoolExecutor(self.count, thread_name_prefix="pitstop-read")
+        self._free: list[Arena] = []
+        self._all: list[Arena] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def buffer(self) -> Iterator[memoryview]:
+        """A free buffer (a reader thread; there is one per thread, so none waits)."""
+        with self._lock:
+            arena = self._free.pop() if self._free else None
+        if arena is None:
+            try:
+                arena = Arena(self.nbytes)
+            except (OSError, MemoryError) as e:
+                raise CheckpointError(
+                    f"cannot allocate a {self.nbytes}-byte read buffer: {e}", phase="restore"
+                ) from e
+            with self._lock:
+                self._all.append(arena)
+        try:
+            yield arena.view
+        finally:
+            with self._lock:
+                self._free.append(arena)
+
+    @property
+    def host_bytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for a in self._all)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        with self._lock:
+            for arena in self._all:
+                arena.close()
+            self._all.clear()
+            self._free.clear()
+
+    def __enter__(self) -> ReadBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_buffers(storage: Storage, total: int, count: int | None = None) -> ReadBuffers:
+    """Read buffers for reading ``total`` bytes from ``storage``: ``io.read_buffers`` (or
+    ``count``) of ``io.read_chunk_bytes`` each, smaller when the checkpoint is."""
+    return ReadBuffers(
+        count or storage.io.read_buffers, min(storage.io.read_chunk_bytes, max(total, 1))
+    )
+
+
+def _tasks(segs: list[Seg], unit: int) -> list[tuple[int, int, list[Seg]]]:
+    """Group segments into reads of at most ``unit`` bytes: (start, end, segments). A
+    segment longer than ``unit`` is a task of its own, read in pieces."""
+    tasks: list[tuple[int, int, list[Seg]]] = []
+    group: list[Seg] = []
+    start = end = 0
+    for seg in segs:
+        s, n = seg[0], seg[1]
+        if group and (s + n - start > unit or s - end > _GAP_BYTES):
+            tasks.append((start, end, group))
+            group = []
+        if not group:
+            start = s - s % ALIGN_BYTES
+        group.append(seg)
+        end = s + n
+        if end - start > unit:  # one long segment alone
+            tasks.append((start, end, group))
+            group = []
+    if group:
+        tasks.append((start, end, group))
+    return tasks
+
+
+def stream_verified(
+    reader: DataReader,
     manifest: Manifest,
     file: str,
-    view: memoryview,
+    segs: list[Seg],
     *,
-    pool: Executor,
+    buffers: ReadBuffers,
     problems: list[str],
+    deliver: Deliver | None = None,
     on_bytes: Callable[[int], None] | None = None,
-    region: tuple[int, int] | None = None,
 ) -> int:
-    """Read data ``file`` (or bytes ``region`` of it) into ``view`` at the file's own offsets
-    and check every segment of the tensors in it.
+    """Read the segments ``segs`` of data ``file`` through ``buffers`` and check each one's
+    checksum; each verified segment is handed to ``deliver``. A segment longer than a buffer
+    is hashed and handed on piece by piece, so its pieces land before its digest is known
+    (a caller that delivers into live state must say so when the read fails).
 
-    The caller has checked the file's real size (:func:`check_sizes`). Appends a line per
-    problem to ``problems``; returns the bytes read. ``on_bytes(n)`` is called from the
-    reader threads as each extent is checked (for progress reports).
+    Requests are at most one buffer long, ``buffers.count`` of them in flight. A line per
+    problem goes to ``problems``; after the first, nothing more is read or delivered. An I/O
+    error is raised once every request in flight has ended. Returns the bytes checked.
     """
-    entry = manifest.file(file)
-    lo, hi = region if region is not None else (0, entry.nbytes)
-    if hi <= lo:
-        return 0
-    tensors = [
-        t
-        for t in manifest.tensors
-        if t.file == file and lo <= t.offset and t.offset + t.nbytes <= hi
-    ]
     hasher = get_checksum(manifest.checksum_algorithm)
-    segs: list[tuple[int, int, object]] = []
-    for t in tensors:
-        for j, (start, length) in enumerate(segments(t.offset, t.nbytes, manifest.segment_bytes)):
-            if length:
-                segs.append((start, length, (t, j)))
-    results: dict[tuple[str, int], str | None] = {}  # a retried read overwrites its results
+    new_hasher = get_hasher(manifest.checksum_algorithm)
+    unit = buffers.nbytes
     lock = threading.Lock()
 
-    def on_extent(extent: Extent) -> None:
-        for start, length, tag in extent.segments:
-            t, j = typing.cast("tuple[TensorEntry, int]", tag)
-            digest = hasher(view[start : start + length])
-            bad = None
-            if digest != t.checksum[j]:
-                bad = f"{file}: tensor {t.key!r} segment {j} (bytes {start}-{start + length}) checksum mismatch"
-            with lock:
-                results[(t.key, j)] = bad
+    def problem(text: str) -> None:
+        with lock:
+            problems.append(text)
+
+    def read(buf: memoryview, at: int, need: int) -> bool:
+        span = -(-need // ALIGN_BYTES) * ALIGN_BYTES if reader.direct else need
+        got = reader.read_into(at, buf[: min(span, len(buf))])
+        if got < need:
+            problem(f"{file} ends at byte {at + got}, before its recorded size")
+            return False
+        return True
+
+    def mismatch(seg: Seg) -> None:
+        s, n, t, j = seg
+        problem(f"{file}: tensor {t.key!r} segment {j} (bytes {s}-{s + n}) checksum mismatch")
+
+    def run(task: tuple[int, int, list[Seg]]) -> None:
+        start, end, group = task
+        if problems:
+            return  # the outcome is known: stop reading
+        with buffers.buffer() as buf:
+            if end - start > unit:  # one long segment, in pieces
+                s, n, t, j = group[0]
+                h, at = new_hasher(), s
+                while at < s + n:
+                    m = min(unit, s + n - at)
+                    if problems or not read(buf, at, m):
+                        return
+                    h.update(buf[:m])
+                    if deliver is not None:
+                        deliver(t, at - t.offset, buf[:m])
+                    at += m
+                if h.hexdigest() != t.checksum[j]:
+                    mismatch(group[0])
+            else:
+                if not read(buf, start, end - start):
+                    return
+                for seg in group:
+                    s, n, t, j = seg
+                    data = buf[s - start : s - start + n]
+                    if hasher(data) != t.checksum[j]:
+                        mismatch(seg)
+                    elif deliver is not None and not problems:
+                        deliver(t, s - t.offset, data)
         if on_bytes is not None:
-            on_bytes(extent.nbytes)
+            on_bytes(sum(seg[1] for seg in group))
 
-    extents = plan_extents(
-        [(a - lo, n, tag) for a, n, tag in segs], hi - lo, storage.io.read_chunk_bytes
-    )
-    if lo:
-        extents = [
-            Extent(e.start + lo, e.end + lo, tuple((a + lo, n, tag) for a, n, tag in e.segments))
-            for e in extents
-        ]
-    try:
-        storage.read_data(directory, file, view, extents, pool=pool, on_extent=on_extent)
-    except CorruptCheckpointError as e:
-        problems.append(f"{file}: {e.message}")
-        return 0
-    empty = hasher(b"")
-    bad = sorted(b for b in results.values() if b)
-    bad += [
-        f"{file}: empty tensor {t.key!r} has a wrong checksum"
-        for t in tensors
+    futures = [buffers.pool.submit(run, task) for task in _tasks(segs, unit)]
+    first: BaseException | None = None
+    for f in futures:  # every one ends before the caller may close the reader
+        error = f.exception()
+        if error is not None and first is None:
+            first = error
+    if first is not None:
+        raise first
+    return sum(n for _, n, _, _ in segs)
+
+
+def check_empty(manifest: Manifest, entries: Iterable[TensorEntry], problems: list[str]) -> None:
+    """An empty tensor has no bytes to read; its checksum must be that of nothing."""
+    empty = get_checksum(manifest.checksum_algorithm)(b"")
+    problems.extend(
+        f"{t.file}: empty tensor {t.key!r} has a wrong checksum"
+        for t in entries
         if t.nbytes == 0 and t.checksum != (empty,)
-    ]
-    problems.extend(bad)
-    return hi - lo
-
-
-@contextmanager
-def _own_buffer(nbytes: int) -> Iterator[memoryview]:
-    try:
-        arena = Arena(nbytes)
-    except (OSError, MemoryError) as e:
-        raise CheckpointError(f"cannot allocate {nbytes} bytes to verify into: {e}") from e
-    try:
-        yield arena.view
-    finally:
-        arena.close()
+    )
 
 
 def verify_checkpoint(
@@ -189,8 +307,9 @@ def verify_checkpoint(
     threads: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    """Check every file and every checksum of one checkpoint, reading it in full. Sizes are
-    checked before a buffer is allocated, so a manifest's claims allocate nothing."""
+    """Check every file and every checksum of one checkpoint, reading it in full through a
+    few read buffers (``threads`` of them; host memory does not grow with the checkpoint).
+    Every real size is checked before anything is read."""
     t0 = time.perf_counter()
     report = VerifyReport(step=manifest.step)
     check_sizes(storage, directory, manifest, report.problems)
@@ -200,18 +319,19 @@ def verify_checkpoint(
     for rank in sorted({f.rank for f in manifest.files}):
         read_objects(storage, directory, manifest, rank, report.problems)
     data_files = [f for f in manifest.files if f.name.endswith(".bin")]
-    largest = max((f.nbytes for f in data_files), default=0)
-    with (
-        ThreadPoolExecutor(
-            threads or storage.io.threads, thread_name_prefix="pitstop-verify"
-        ) as pool,
-        _own_buffer(largest) as view,
-    ):
+    total = max((f.nbytes for f in data_files), default=0)
+    with read_buffers(storage, total, threads) as buffers:
         for f in data_files:
-            report.nbytes += read_verified(
-                storage, directory, manifest, f.name, view,
-                pool=pool, problems=report.problems, on_bytes=on_bytes,
-            )  # fmt: skip
+            entries = [t for t in manifest.tensors if t.file == f.name]
+            check_empty(manifest, entries, report.problems)
+            try:
+                with contextlib.closing(storage.open_data(directory, f.name)) as reader:
+                    report.nbytes += stream_verified(
+                        reader, manifest, f.name, segments_of(entries, manifest.segment_bytes),
+                        buffers=buffers, problems=report.problems, on_bytes=on_bytes,
+                    )  # fmt: skip
+            except CorruptCheckpointError as e:
+                report.problems.append(f"{f.name}: {e.message}")
     report.secs = time.perf_counter() - t0
     return report
 

@@ -7,7 +7,9 @@ xxhash is missing. A checkpoint records its algorithm; verifying it needs that
 algorithm, and a missing one is named with the package that provides it.
 
 A tensor's bytes are hashed in *segments* of at most ``segment_bytes`` so that
-parallel writers and readers hash disjoint pieces without a shared stream.
+parallel writers and readers hash disjoint pieces without a shared stream. A reader
+whose buffers are smaller than a segment hashes it piece by piece with
+:func:`get_hasher` (same digest as the one-shot function).
 """
 
 from __future__ import annotations
@@ -20,12 +22,41 @@ from pitstop.errors import MissingExtraError
 __all__ = [
     "ALGORITHMS",
     "Checksum",
+    "Hasher",
     "default_algorithm",
     "get_checksum",
+    "get_hasher",
     "segments",
 ]
 
 Checksum = Callable[[memoryview | bytes], str]
+
+
+class Hasher:
+    """An incremental digest: ``update`` with consecutive pieces, then ``hexdigest``."""
+
+    def __init__(self, step: Callable[[memoryview | bytes, int], int], width: int) -> None:
+        self._step, self._width, self._value = step, width, 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._value = self._step(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:0{self._width}x}"
+
+
+class _Xxh3Hasher:
+    def __init__(self) -> None:
+        import xxhash
+
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return f"{self._h.intdigest():016x}"
+
 
 ALGORITHMS: dict[str, str] = {
     "xxh3_64": "xxhash",
@@ -78,6 +109,18 @@ def get_checksum(algorithm: str) -> Checksum:
         ) from None
     _cache[algorithm] = fn
     return fn
+
+
+def get_hasher(algorithm: str) -> Callable[[], Hasher | _Xxh3Hasher]:
+    """A factory of incremental hashers of ``algorithm`` (checked like :func:`get_checksum`)."""
+    get_checksum(algorithm)  # unknown or missing: the same errors
+    if algorithm == "xxh3_64":
+        return _Xxh3Hasher
+    if algorithm == "crc32c":
+        import crc32c
+
+        return lambda: Hasher(lambda data, value: crc32c.crc32c(data, value), 8)
+    return lambda: Hasher(lambda data, value: zlib.crc32(data, value), 8)
 
 
 def default_algorithm() -> str:

@@ -12,9 +12,11 @@ lengths, which the arena and the 4 KiB layout give. Where a file system
 refuses O_DIRECT (tmpfs, some network file systems) the file is written with
 buffered I/O and fsync instead, and the fallback is logged once per device.
 
-Call sequence: the engine's persist thread calls :func:`write_file` (or the
-restore path :func:`read_file`) once per file; the pool's threads run the
-extents. Nothing here is called from the training thread.
+Call sequence: the engine's persist thread calls :func:`write_file` once per file; the
+pool's threads run the extents. Reads go through a :class:`FileReader` (the restore
+path's reader threads request pieces into their own buffers; :func:`read_file` reads
+extents into a buffer laid out as the file). Nothing here is called from the training
+thread.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pitstop.io.files import READ_FLAGS, check_regular
 from pitstop.log import get_logger
 from pitstop.options import ALIGN_BYTES, DirectMode
 
-__all__ = ["Extent", "IOResult", "plan_extents", "read_file", "write_file"]
+__all__ = ["Extent", "FileReader", "IOResult", "plan_extents", "read_file", "write_file"]
 
 _log = get_logger("pitstop.io")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -235,8 +237,6 @@ def _with_fd(
         try:
             fd = _open(path, flags, use_direct, dir_fd)
             try:
-                if flags == READ_FLAGS:
-                    check_regular(os.fstat(fd), path)  # never read a FIFO or device
                 body(fd)
             finally:
                 os.close(fd)
@@ -244,10 +244,6 @@ def _with_fd(
         except CheckpointIOError:
             raise
         except OSError as e:
-            if e.errno == errno.ELOOP and flags == READ_FLAGS:
-                raise UnsafePathError(
-                    f"{os.path.basename(path)} is a symbolic link: not followed", path=path
-                ) from None
             if use_direct and e.errno == errno.EINVAL and direct == "auto":
                 if on_fallback is not None:
                     on_fallback(path, e)
@@ -264,6 +260,80 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+class FileReader:
+    """Positional reads of one file, O_DIRECT where the file system accepts it (``direct``
+    says whether requests must then be aligned: offsets, lengths and addresses to
+    ``ALIGN_BYTES``). Safe to use from several threads at once. Where O_DIRECT is refused
+    (at open, or with EINVAL at the first request) and ``mode`` is auto, the file is read
+    buffered instead. With ``dir_fd``, ``path`` is a name in that open directory; a
+    symbolic link is never followed and only a regular file is read."""
+
+    def __init__(self, path: str, mode: DirectMode = "auto", *, dir_fd: int | None = None) -> None:
+        self.path, self._mode, self._dir_fd = path, mode, dir_fd
+        self._lock = threading.Lock()
+        self.direct = _want_direct(mode)
+        self._fd = self._open()
+
+    def _open(self) -> int:
+        while True:
+            try:
+                fd = _open(self.path, READ_FLAGS, self.direct, self._dir_fd)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise UnsafePathError(
+                        f"{os.path.basename(self.path)} is a symbolic link: not followed",
+                        path=self.path,
+                    ) from None
+                if self.direct and e.errno == errno.EINVAL and self._mode == "auto":
+                    self.direct = False
+                    continue
+                raise _io_error(e, self.path, "restore") from e
+            try:
+                check_regular(os.fstat(fd), self.path)  # never read a FIFO or device
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        """Fill ``out`` with the bytes at ``offset``; returns how many there were (fewer only
+        at the end of the file)."""
+        done = 0
+        while done < len(out):
+            fd = self._fd
+            try:
+                n = os.preadv(fd, [out[done:]], offset + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and self.direct and self._mode == "auto":
+                    self._buffered(fd)  # O_DIRECT refused at the first request
+                    continue
+                raise _io_error(e, self.path, "restore") from e
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def _buffered(self, fd: int) -> None:
+        with self._lock:
+            if self._fd != fd or not self.direct:
+                return  # another thread switched already
+            self.direct = False
+            self._fd = self._open()
+        _note_fallback(self.path, OSError(errno.EINVAL, "Invalid argument"), self._dir_fd)
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def read_file(
     path: str,
     view: memoryview,
@@ -277,26 +347,18 @@ def read_file(
     """Read every extent of ``path`` into the same range of ``view``, in parallel (with
     ``dir_fd``: ``path`` is a name in that open directory)."""
     t0 = time.perf_counter()
+    with FileReader(path, direct, dir_fd=dir_fd) as reader:
 
-    def read_all(fd: int) -> None:
         def job(extent: Extent) -> None:
-            _pread_all(fd, view[extent.start : extent.end], extent.start, path)
+            if reader.read_into(extent.start, view[extent.start : extent.end]) < extent.nbytes:
+                raise CorruptCheckpointError(
+                    f"{os.path.basename(path)} ends before byte {extent.end}, its recorded size",
+                    path=path,
+                )
             if on_extent is not None:
                 on_extent(extent)
 
         _run_extents(pool, extents, job, midpoint=None)
-
-    used_direct = _with_fd(path, READ_FLAGS, direct, "restore", read_all, dir_fd=dir_fd)
+        used_direct = reader.direct
     total = sum(e.nbytes for e in extents)
     return IOResult(nbytes=total, secs=time.perf_counter() - t0, direct=used_direct)
-
-
-def _pread_all(fd: int, out: memoryview, offset: int, path: str) -> None:
-    while out:
-        n = os.preadv(fd, [out], offset)
-        if n == 0:
-            raise CorruptCheckpointError(
-                f"{os.path.basename(path)} ends at byte {offset}, before its recorded size",
-                path=path,
-            )
-        out, offset = out[n:], offset + n

@@ -65,15 +65,18 @@ class Builder:
 
     A saved tensor goes into the live tensor at the same (live) key path when
     ``live`` has one of its shape and dtype (then ``on_copy`` is called), else it
-    is cloned (or returned as a view with ``clone=False``); a tensor stored once
-    is built once, so shared tensors stay shared.
+    is cloned, unless ``clone`` (a bool, or a predicate of the stored key) says the
+    source's tensor may be kept as it is; a tensor stored once is built once, so
+    shared tensors stay shared.
     """
 
     def __init__(
-        self, source: TensorSource, keys: KeyMapper, *, allow_pickle: bool, clone: bool = True,
+        self, source: TensorSource, keys: KeyMapper, *, allow_pickle: bool,
+        clone: bool | Callable[[str], bool] = True,
         live: dict[str, torch.Tensor | None] | None = None, on_copy: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
-        self.source, self.keys, self.allow_pickle, self.clone = source, keys, allow_pickle, clone
+        self.source, self.keys, self.allow_pickle = source, keys, allow_pickle
+        self.clone = clone if callable(clone) else (lambda _stored: clone)
         self.live, self.on_copy = live or {}, on_copy
         self.built: dict[str, torch.Tensor] = {}
 
@@ -130,11 +133,11 @@ class Builder:
         if target is not None and target.shape == saved.shape and target.dtype == saved.dtype:
             if self.on_copy is not None:
                 self.on_copy()
-            copy_into(target, saved)
+            copy_into(target, saved)  # nothing to copy where the bytes landed in place
             self.built.setdefault(stored, target)
             return target
         if stored not in self.built:
-            self.built[stored] = saved.clone() if self.clone else saved
+            self.built[stored] = saved.clone() if self.clone(stored) else saved
         return self.built[stored]
 
     def leaf(self, node: Node, kind: str, key: str) -> Any:
@@ -175,8 +178,8 @@ def _npscalar(value: list[Any], key: str) -> Any:
 
 
 def materialize(
-    node: Node, source: TensorSource, *, allow_pickle: bool, key: str = "", clone: bool = True,
-    key_map: KeyMap | None = None,
+    node: Node, source: TensorSource, *, allow_pickle: bool, key: str = "",
+    clone: bool | Callable[[str], bool] = True, key_map: KeyMap | None = None,
 ) -> Any:  # fmt: skip
     """Build Python objects from a saved tree; tensors are cloned unless ``clone=False``.
 

@@ -22,8 +22,13 @@ With ``strict=True`` keys must match both ways at every level. With
 checkpoint lacks are left as they are (``missing``) and saved keys the state
 lacks are ignored (``skipped``), at every level, nn.Modules included.
 
-Call sequence: the engine's restore (training thread) calls ``restore_into``
-or ``materialize`` once per load.
+The check pass also names, for each stored tensor, the live tensor of the same dtype
+and shape its bytes may be read straight into (``RestorePlan.targets``): the engine's
+streaming restore lands them there, and the apply pass then has nothing left to copy.
+
+Call sequence: the engine's restore (training thread) calls ``plan_restore`` before it
+reads any data, then ``RestorePlan.apply`` (or ``materialize``) once the data is in;
+``restore_into`` is the two at once.
 """
 
 from __future__ import annotations
@@ -42,15 +47,17 @@ from pitstop.errors import (
     StateMismatchError,
 )
 from pitstop.state.build import Builder, TensorSource, materialize, scan
-from pitstop.state.dtensor import copy_into
+from pitstop.state.dtensor import copy_into, is_dtensor
 from pitstop.state.keys import KeyMap, KeyMapper, wrapper_renames
 from pitstop.state.tree import is_stateful, join_key, node_kind
 
 __all__ = [
+    "RestorePlan",
     "RestoreReport",
     "TensorMeta",
     "TensorSource",
     "materialize",
+    "plan_restore",
     "restore_into",
 ]
 
@@ -130,6 +137,10 @@ class _Restorer:
         self.allow_pickle, self.strict = allow_pickle, strict
         self.report, self.problems = RestoreReport(), _Problems()
         self.pairings: dict[int, list[_Pair]] = {}  # id(saved dict node) -> its pairs
+        self.targets: dict[
+            str, torch.Tensor
+        ] = {}  # stored key -> live tensor its bytes may land in
+        self.owned: Callable[[str], bool] = lambda _stored: False
         self.touched = False  # something live was overwritten
         self.where = "<state>"
 
@@ -185,6 +196,8 @@ class _Restorer:
             self.problems.mismatched.append(
                 f"{key}: state has {live.dtype} {list(live.shape)}, checkpoint has {dtype} {list(shape)}"
             )
+        elif _landable(live):
+            self.targets.setdefault(stored, live)  # the first of tied ones; the rest are copied
 
     def _check_stateful(self, live: Any, node: Node, kind: str, key: str, skey: str) -> None:
         state = node["state"] if kind == "stateful" else node if kind == "dict" else None
@@ -245,8 +258,9 @@ class _Restorer:
     # ---- pass 2: apply
     def _builder(self, live: dict[str, torch.Tensor | None] | None = None) -> Builder:
         return Builder(
-            self.source, self.keys, allow_pickle=self.allow_pickle, live=live, on_copy=self._touch
-        )
+            self.source, self.keys, allow_pickle=self.allow_pickle, live=live, on_copy=self._touch,
+            clone=lambda stored: not self.owned(stored),
+        )  # fmt: skip
 
     def _touch(self) -> None:
         self.touched = True
@@ -337,6 +351,20 @@ def _describe(node: Node) -> str:
     return f"a {kind}" if kind != "value" else f"the value {str(node)[:60]!r}"
 
 
+def _landable(t: torch.Tensor) -> bool:
+    """Whether restored bytes can be copied straight into live tensor ``t`` (a plain dense
+    tensor on the host or a GPU; a DTensor takes its box from the whole tensor later)."""
+    return (
+        not is_dtensor(t)
+        and t.layout == torch.strided
+        and t.device.type in ("cpu", "cuda")
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_quantized
+    )
+
+
 def _holds_live(value: Any) -> bool:
     """Whether a live container holds tensors or Statefuls (then it is restored element-wise)."""
     stack, seen = [value], set()
@@ -363,26 +391,56 @@ def _live_tensors(obj: Any, key: str, out: dict[str, torch.Tensor | None]) -> No
             _live_tensors(v, join_key(key, i), out)
 
 
-def restore_into(
+class RestorePlan:
+    """A restore checked against the live state, not yet applied (:func:`plan_restore`).
+
+    ``targets`` maps stored tensor keys to the live tensors of the same dtype and shape
+    that their bytes may be read straight into; ``report`` says what will be loaded.
+    """
+
+    def __init__(self, state: Mapping[str, Any], tree: Node, restorer: _Restorer) -> None:
+        self._state, self._tree, self._restorer = state, tree, restorer
+        self.targets = restorer.targets
+        self.report = restorer.report
+
+    def apply(
+        self,
+        source: TensorSource,
+        *,
+        owned: Callable[[str], bool] | None = None,
+        touched: bool = False,
+    ) -> RestoreReport:
+        """Load into the live state. ``source(stored)`` returns the saved tensor (a target
+        itself where its bytes were read into one); ``owned(stored)``: the state may keep
+        that tensor without a copy; ``touched``: the live state was written already.
+        Raises PartialRestoreError after something was overwritten."""
+        restorer = self._restorer
+        restorer.source, restorer.touched = source, touched
+        if owned is not None:
+            restorer.owned = owned
+        try:
+            with torch.no_grad():
+                restorer.apply(self._state, self._tree, "", "")
+        except Exception as e:
+            raise restorer.failure(e) from e
+        return restorer.report
+
+
+def plan_restore(
     state: Mapping[str, Any],
     tree: Node,
-    source: TensorSource,
     meta: TensorMeta,
     *,
     allow_pickle: bool = False,
     strict: bool = True,
     key_map: KeyMap | None = None,
-) -> RestoreReport:
-    """Restore a saved tree into the live ``state`` in place (see the module docstring).
-
-    ``source(stored_key)`` returns the saved tensor (a view of the read buffer);
-    ``meta(stored_key)`` its dtype and shape, so the check pass reads nothing.
-    ``key_map`` (see ``state.keys``) renames or drops saved entries. Raises
-    StateMismatchError before anything is touched, PartialRestoreError after.
-    """
+) -> RestorePlan:
+    """Pair the live ``state`` with a saved tree and check it (see the module docstring);
+    raises StateMismatchError (or PickleRefusedError, a bad key map) before anything is
+    touched. ``meta(stored_key)`` gives a stored tensor's dtype and shape."""
     keys = KeyMapper(key_map)
     scan(tree, "", allow_pickle, keys)
-    restorer = _Restorer(source, meta, keys, allow_pickle, strict)
+    restorer = _Restorer(_unread, meta, keys, allow_pickle, strict)
     try:
         restorer.check(state, tree, "", "")
     except RecursionError:
@@ -397,10 +455,32 @@ def restore_into(
             f"checkpoint (it has {', '.join(str(k) for k, _ in tree['dict'][:5])}): nothing to load"
         )
     restorer.problems.raise_if_any()
-    restorer.report.loaded = [str(pair[0]) for pair in restorer.pairings.get(id(tree), [])]
-    try:
-        with torch.no_grad():
-            restorer.apply(state, tree, "", "")
-    except Exception as e:
-        raise restorer.failure(e) from e
-    return restorer.report
+    restorer.report.loaded = [str(pair[0]) for pair in top]
+    return RestorePlan(state, tree, restorer)
+
+
+def _unread(stored: str) -> torch.Tensor:  # pragma: no cover - the check pass reads no tensor
+    raise AssertionError(f"tensor {stored!r} read before the restore was applied")
+
+
+def restore_into(
+    state: Mapping[str, Any],
+    tree: Node,
+    source: TensorSource,
+    meta: TensorMeta,
+    *,
+    allow_pickle: bool = False,
+    strict: bool = True,
+    key_map: KeyMap | None = None,
+) -> RestoreReport:
+    """Restore a saved tree into the live ``state`` in place (see the module docstring).
+
+    ``source(stored_key)`` returns the saved tensor (copied, never kept);
+    ``meta(stored_key)`` its dtype and shape, so the check pass reads nothing.
+    ``key_map`` (see ``state.keys``) renames or drops saved entries. Raises
+    StateMismatchError before anything is touched, PartialRestoreError after.
+    """
+    plan = plan_restore(
+        state, tree, meta, allow_pickle=allow_pickle, strict=strict, key_map=key_map
+    )
+    return plan.apply(source)

@@ -18,7 +18,8 @@ Call sequence of a save, on the persist thread of each writing rank::
 
 of a restore, on the calling thread: ``entries()``, ``entry_kind(n)``,
 ``read_manifest(d)``, ``lock(d, exclusive=False)`` (a pin, held while reading),
-``file_size``, ``read_object``, ``read_data``; ``mark(d, "damaged", why)`` when
+``file_size``, ``read_object``, ``open_data`` (a reader whose ``read_into`` the reader
+threads call with their own buffers); ``mark(d, "damaged", why)`` when
 verification fails (``read_markers(d)`` reads them back). Retention and gc take ``lock(d, exclusive=True)`` (None:
 pinned, skip it), then ``uncommit(d)`` (the manifest goes first, so a crash leaves
 debris, never a half-deleted checkpoint that looks committed) and ``remove(d)``.
@@ -34,7 +35,22 @@ from pitstop.io.locks import DirLock
 from pitstop.io.parallel import Extent, IOResult
 from pitstop.options import IOOptions
 
-__all__ = ["Storage"]
+__all__ = ["DataReader", "Storage"]
+
+
+@runtime_checkable
+class DataReader(Protocol):
+    """Positional reads of one data file, safe from several threads at once."""
+
+    direct: bool
+    """True when offsets, lengths and buffer addresses must be multiples of ALIGN_BYTES."""
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        """Fill ``out`` with the bytes at ``offset``; how many there were (fewer only at the
+        end of the file). CheckpointIOError on an I/O error."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -100,20 +116,9 @@ class Storage(Protocol):
 
     def file_size(self, directory: str, name: str) -> int: ...
 
-    def read_data(
-        self,
-        directory: str,
-        name: str,
-        view: memoryview,
-        extents: Sequence[Extent],
-        *,
-        pool: Executor,
-        before_extent: Callable[[Extent], None] | None = None,
-        on_extent: Callable[[Extent], None] | None = None,
-    ) -> IOResult:
-        """Write the extents of ``view`` to data file ``name``, in parallel, durably.
-        ``before_extent(e)`` runs in the writer thread before ``e`` is written (the bytes may
-        still be arriving), ``on_extent(e)`` after (the checksums)."""
+    def open_data(self, directory: str, name: str) -> DataReader:
+        """A reader of data file ``name`` (close it when done; the caller has checked its
+        size). ``reader.direct`` says whether its requests must be aligned."""
         ...
 
     def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:

@@ -56,7 +56,7 @@ from pitstop.io.files import (
     write_bytes_durable,
 )
 from pitstop.io.locks import DirLock, try_lock
-from pitstop.io.parallel import Extent, IOResult, read_file, write_file
+from pitstop.io.parallel import Extent, FileReader, IOResult, write_file
 from pitstop.options import IOOptions
 
 __all__ = ["LocalStorage", "RamStorage", "open_root"]
@@ -394,21 +394,18 @@ class LocalStorage:
         except OSError as e:
             raise _io_error(e, f"{what} {name}", path, phase) from e
 
-    def read_data(
-        self,
-        directory: str,
-        name: str,
-        view: memoryview,
-        extents: Sequence[Extent],
-        *,
-        pool: Executor,
-        on_extent: Callable[[Extent], None] | None = None,
-    ) -> IOResult:
+    def open_data(self, directory: str, name: str) -> FileReader:
         source, dir_fd = self._source(directory, name)
-        return read_file(
-            source, view, extents, pool=pool, direct=self.io.direct, on_extent=on_extent,
-            dir_fd=dir_fd,
-        )  # fmt: skip
+        try:
+            return FileReader(source, self.io.direct, dir_fd=dir_fd)
+        except CorruptCheckpointError:
+            raise
+        except CheckpointIOError as e:
+            if e.errno == errno.ENOENT:
+                raise CorruptCheckpointError(
+                    f"{name} is missing", path=self._path(directory, name)
+                ) from None
+            raise
 
     # ------------------------------------------------------------------ lifecycle
     def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:

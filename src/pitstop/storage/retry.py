@@ -33,7 +33,7 @@ TRANSIENT_ERRNOS = frozenset(
 )  # fmt: skip
 _RETRY_ANY = frozenset(
     {"entries", "entry_kind", "has_manifest", "mtime", "read_manifest", "read_object",
-     "file_size", "read_data", "write_object", "commit", "mark", "read_markers",
+     "file_size", "open_data", "read_into", "write_object", "commit", "mark", "read_markers",
      "uncommit", "remove"}
 )  # fmt: skip
 _RETRY_TRANSIENT = frozenset({"prepare", "write_data"})

@@ -2,6 +2,8 @@
 
 A subclass implements ``_call(name, fn)``, which returns what stands for the inner
 storage's method ``name`` (``fn``); ``url`` and ``io`` and everything else pass through.
+A reader returned by ``open_data`` is wrapped too: its ``read_into`` goes through
+``_call("read_into", ...)``.
 :class:`~pitstop.storage.retry.RetryingStorage` retries; the test doubles in
 ``pitstop.testing`` fail or hold calls.
 
@@ -33,7 +35,31 @@ class StorageWrapper:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
-        return self._call(name, attr) if callable(attr) else attr
+        if not callable(attr):
+            return attr
+        fn = self._call(name, attr)
+        if name != "open_data":
+            return fn
+
+        def open_data(*args: Any, **kwargs: Any) -> _Reader:
+            reader = fn(*args, **kwargs)
+            return _Reader(reader, self._call("read_into", reader.read_into))
+
+        return open_data
 
     def _call(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
+
+
+class _Reader:
+    """A data reader whose ``read_into`` is the wrapper's."""
+
+    def __init__(self, inner: Any, read_into: Callable[..., int]) -> None:
+        self.inner, self.read_into = inner, read_into
+
+    @property
+    def direct(self) -> bool:
+        return bool(self.inner.direct)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -43,7 +43,8 @@ CALLS: dict[str, str] = {
     "lock": "restore",
     "file_size": "restore",
     "read_object": "restore",
-    "read_data": "restore",
+    "open_data": "restore",
+    "read_into": "restore",
     "mark": "verify",
     "mtime": "gc",
     "uncommit": "gc",
@@ -55,7 +56,7 @@ CALLS: dict[str, str] = {
 PHASES = ("plan", "persist", "commit", "restore", "verify", "gc")
 """Phases whose storage calls FaultyStorage can fail: ``prepare`` is plan; data and objects
 writes are persist; ``commit``/``abort``; every read (listing, manifests, markers, pins,
-sizes, objects and data files) is restore; ``mark`` is verify; mtime, uncommit,
+sizes, objects files, data files opened and each read request) is restore; ``mark`` is verify; mtime, uncommit,
 remove and rename are gc."""
 
 
