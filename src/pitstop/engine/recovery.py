@@ -121,6 +121,7 @@ def recover(
                 result.skipped.append((entry.name, f"damaged: {entry.error}"))
                 continue
             outcome, value, loaded, error = _try(catalog, entry, load)
+            partial = partial or bool(getattr(error, "live_overwritten", False))
             outcomes = group.all_gather(outcome, "restore")
             kinds = {o[0] for o in outcomes}
             if "raise" in kinds:

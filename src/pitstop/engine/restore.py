@@ -442,7 +442,9 @@ def load_entry(
 
 
 def _overwritten(e: CheckpointError) -> None:
-    if not e.live_overwritten and not isinstance(e, PartialRestoreError):
+    """Damage goes to recovery, which tries older checkpoints and says it if none fits;
+    any other error reaches the caller: its message says it."""
+    if not e.live_overwritten and not isinstance(e, PartialRestoreError | CorruptCheckpointError):
         e.message += "; the live state was partly overwritten: do not train from it"
         e.args = (e.message,)
     e.live_overwritten = True

@@ -131,6 +131,10 @@ class ReadBuffers:
         self.count = max(1, count)
         self.nbytes = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
         self.pool = ThreadPoolExecutor(self.count, thread_name_prefix="pitstop-read")
+        started = threading.Barrier(self.count + 1)
+        for _ in range(self.count):  # every thread now: once reads run, starting one is slow
+            self.pool.submit(started.wait)
+        started.wait()
         self._free: list[Arena] = []
         self._all: list[Arena] = []
         self._lock = threading.Lock()
