@@ -8,6 +8,7 @@ limits are measured with the same tools as pitstop itself.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import mmap
@@ -33,10 +34,12 @@ __all__ = [
     "PeakRSS",
     "anon_huge_bytes",
     "build_state",
+    "build_target",
     "drop_caches",
     "fsync_dir",
     "fsync_tree",
     "gbps",
+    "hwm_bytes",
     "json_line",
     "layout",
     "log",
@@ -49,6 +52,7 @@ __all__ = [
     "scramble",
     "state_equal",
     "state_tensors",
+    "tensor_digests",
 ]
 
 ALIGN = 4096
@@ -107,6 +111,22 @@ def build_state(
     return model, opt
 
 
+def build_target(
+    layers: int, width: int, *, seed: int = 1
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A restore target: ``build_state``'s shapes, other values, Adam state allocated and touched.
+
+    A zero-gradient step allocates ``exp_avg``/``exp_avg_sq``/``step`` (DCP needs them to
+    exist), so a restore into it copies into memory that is already resident.
+    """
+    model, opt = build_state(layers, width, seed=seed, step=False)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
 def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor of the model and optimizer state, in a fixed order."""
     out = [t.detach() for t in model.state_dict().values()]
@@ -120,6 +140,18 @@ def state_equal(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     return len(la) == len(lb) and all(
         x.shape == y.shape and torch.equal(x, y) for x, y in zip(la, lb)
     )
+
+
+def _digest(t: torch.Tensor) -> str:
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # releases the GIL
+    return h.hexdigest()
+
+
+def tensor_digests(tensors: Iterable[torch.Tensor], pool: Executor | None = None) -> list[str]:
+    """sha256 of every tensor's dtype, shape and bytes (in ``pool`` when given), in order."""
+    ts = list(tensors)
+    return list(pool.map(_digest, ts)) if pool is not None else [_digest(t) for t in ts]
 
 
 def scramble(tensors: Iterable[torch.Tensor]) -> None:
@@ -208,6 +240,11 @@ def anon_huge_bytes(address: int) -> int:
 
 def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
+
+
+def hwm_bytes() -> int:
+    """VmHWM: the resident high-water mark (since the last reset, see ``PeakRSS``)."""
+    return _status_kib("VmHWM") * 1024
 
 
 def _reset_peak() -> bool:

@@ -36,10 +36,14 @@ goes to stderr.
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
+import json
 import math
 import os
 import platform
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,10 +61,12 @@ from _common import (
     PeakRSS,
     anon_huge_bytes,
     build_state,
+    build_target,
     drop_caches,
     fsync_dir,
     fsync_tree,
     gbps,
+    hwm_bytes,
     json_line,
     layout,
     log,
@@ -73,10 +79,13 @@ from _common import (
     scramble,
     state_equal,
     state_tensors,
+    tensor_digests,
 )
 
 MIB = 1 << 20
 perf = time.perf_counter
+SCRIPT = os.path.abspath(__file__)
+CHILD_TIMEOUT_SECS = 1800
 
 # The issue's targets: ratio name -> comparison and threshold (checked, printed, never asserted).
 TARGETS = {
@@ -86,6 +95,33 @@ TARGETS = {
     "async_stall_vs_dcp_async_stall": "<= 0.25",
     "restore_vs_disk": ">= 0.8",
     "rss_per_arena": "<= 1.1",
+    "restore_process_vs_raw": ">= 0.8",
+    "restore_peak_rss_mib": "<= 256",
+    "save_peak_rss_x_state": "<= 1.1",
+}
+
+# Rows measured in a fresh process (``--child KIND``): kind -> key, label, note.
+PROCESS_ROWS = {
+    "pitstop": (
+        "pitstop_restore_process",
+        "pitstop restore, new process",
+        "fresh process: CheckpointManager(root).restore(state), manager creation timed",
+    ),
+    "torch": (
+        "torch_load_process",
+        "torch.load + load_state_dict, new process",
+        "fresh process: torch.load(weights_only=True) + model/optimizer load_state_dict",
+    ),
+    "dcp": (
+        "dcp_load_process",
+        "DCP load, new process",
+        "fresh process: dcp.load + optimizer load_state_dict",
+    ),
+    "raw": (
+        "raw_read_process",
+        "raw O_DIRECT read 64 MiB, new process",
+        "fresh process: pitstop's rank-00000.bin read into a prefaulted Arena, 2 threads",
+    ),
 }
 
 Metrics = dict[str, float]
@@ -97,10 +133,11 @@ class Row:
 
     key: str
     label: str
-    group: str  # "save", "limit" or "restore"
+    group: str  # "save", "limit", "restore" or "memory"
     run: Callable[[], Metrics]
     after: Callable[[], None] | None = None  # untimed cleanup after every repetition
     cold: bool = False  # drop the page cache before every repetition
+    reps: int | None = None  # run in the first ``reps`` rounds only (None: every round)
     note: str = ""
     skipped: str | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -127,11 +164,7 @@ class Bench:
         self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.offsets, self.file_bytes = layout(self.tensors)
         # The restore target: same shapes, other values, Adam state allocated (as DCP needs).
-        self.fresh_model, self.fresh_opt = build_state(args.layers, args.width, seed=1, step=False)
-        for p in self.fresh_model.parameters():
-            p.grad = torch.zeros_like(p)
-        self.fresh_opt.step()
-        self.fresh_opt.zero_grad(set_to_none=True)
+        self.fresh_model, self.fresh_opt = build_target(args.layers, args.width, seed=1)
         self.fresh_state: dict[str, Any] = {"model": self.fresh_model, "optimizer": self.fresh_opt}
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="raw-io")
         self._buffer: AlignedBuffer | None = None
@@ -143,6 +176,7 @@ class Bench:
         self._dcp_checked = False
         self.orders: list[list[str]] = []
         self._arena: tuple[Any, torch.Tensor] | None = None
+        self._digests: list[str] | None = None
 
     # ------------------------------------------------------------------ helpers
     def next_step(self) -> int:
@@ -338,13 +372,20 @@ class Bench:
             "pitstop_restore", "pitstop restore", "restore", run, cold=True, info={"verified": ok}
         )
 
-    def row_pitstop_restore_fresh(self) -> Row:
+    def pitstop_source(self) -> str:
+        """The checkpoint root the pitstop restores read (saved here unless a row did already)."""
         import pitstop
 
         d = self.subdir("restore_pitstop")
         if not os.listdir(d):
             with pitstop.CheckpointManager(d) as m:
                 m.save(0, self.state)
+        return d
+
+    def row_pitstop_restore_fresh(self) -> Row:
+        import pitstop
+
+        d = self.pitstop_source()
 
         def restore() -> float:
             t0 = perf()
@@ -386,10 +427,16 @@ class Bench:
             "torch_save", "torch.save + fsync", "save", run, after=lambda: remove_children(d)
         )
 
-    def row_torch_load(self) -> Row:
+    def torch_source(self) -> str:
+        """The file the torch.load rows read (written on first use)."""
         path = os.path.join(self.subdir("restore_torch"), "ckpt.pt")
-        with open(path, "wb") as f:
-            torch.save(self.state_dicts(self.model, self.opt), f)
+        if not os.path.exists(path):
+            with open(path, "wb") as f:
+                torch.save(self.state_dicts(self.model, self.opt), f)
+        return path
+
+    def row_torch_load(self) -> Row:
+        path = self.torch_source()
 
         def load() -> None:
             sd = torch.load(path, map_location="cpu", weights_only=True)
@@ -479,10 +526,17 @@ class Bench:
             note="thread executor, default stager (copies the state to new CPU memory)",
         )
 
-    def row_dcp_load(self) -> Row:
+    def dcp_source(self) -> str:
+        """The DCP checkpoint the DCP load rows read (saved on first use)."""
         dcp = self._dcp()
         src = os.path.join(self.subdir("restore_dcp"), "ckpt")
-        dcp.save(self.state_dicts(self.model, self.opt), checkpoint_id=src)
+        if not os.path.exists(src):
+            dcp.save(self.state_dicts(self.model, self.opt), checkpoint_id=src)
+        return src
+
+    def row_dcp_load(self) -> Row:
+        dcp = self._dcp()
+        src = self.dcp_source()
 
         def load() -> None:
             sd = self.state_dicts(self.fresh_model, self.fresh_opt)
@@ -604,6 +658,118 @@ class Bench:
         note = "4 KiB pages, as pitstop's restore reads" if arena else ""
         return Row(key, label, "limit", run, cold=True, info=info, note=note)
 
+    # ------------------------------------------------------------------ fresh processes
+    def digests(self) -> list[str]:
+        """sha256 of every saved tensor (``state_tensors`` order), for the children to verify."""
+        if self._digests is None:
+            self._digests = tensor_digests(self.tensors, self.pool)
+        return self._digests
+
+    def spawn(self, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """Run ``kind`` in a fresh interpreter (this script, ``--child``); its JSON line."""
+        path = os.path.join(self.root, f"child-{kind}.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        cmd = [sys.executable, SCRIPT, "--child", kind, path]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECS)
+        lines = p.stdout.strip().splitlines()
+        if p.returncode != 0 or not lines:
+            tail = " | ".join(p.stderr.strip().splitlines()[-6:])
+            raise RuntimeError(f"child {kind!r} exited with {p.returncode}: {tail}")
+        return json.loads(lines[-1])
+
+    def row_process(self, kind: str) -> Row:
+        """A restore (or the raw read) in a fresh process, page cache dropped in the child.
+
+        The child builds its own restore target (``build_target``: same shapes, other values,
+        Adam state touched) or, for the raw read, allocates and prefaults a pitstop Arena, all
+        before the timing; drops the page cache; resets VmHWM; times the restore; reports the
+        seconds, the peak RSS added (VmHWM after - VmRSS before) and whether the restored
+        bytes have the saved sha256 digests.
+        """
+        spec: dict[str, Any] = {
+            "layers": self.args.layers,
+            "width": self.args.width,
+            "threads": torch.get_num_threads(),
+            "state_bytes": self.state_bytes,
+        }
+        if kind == "raw":
+            files = sorted(
+                glob.glob(os.path.join(self.pitstop_source(), "step-*", "rank-00000.bin"))
+            )
+            if not files:
+                raise FileNotFoundError("no rank-00000.bin in the pitstop checkpoint")
+            spec["path"] = files[-1]
+            spec["nbytes"] = os.path.getsize(files[-1])
+            spec["request"] = 64 * MIB
+            h = hashlib.sha256()
+            with open(files[-1], "rb") as f:
+                while chunk := f.read(64 * MIB):
+                    h.update(chunk)
+            spec["sha256"] = h.hexdigest()
+        else:
+            spec["digests"] = self.digests()
+            if kind == "pitstop":
+                spec["path"] = self.pitstop_source()
+            elif kind == "torch":
+                spec["path"] = self.torch_source()
+            elif kind == "dcp":
+                spec["path"] = self.dcp_source()
+                spec["dcp_process_group"] = any("process group" in n for n in self.notes)
+            else:
+                raise ValueError(kind)
+        key, label, note = PROCESS_ROWS[kind]
+        info: dict[str, Any] = {}
+
+        def run() -> Metrics:
+            t0 = perf()
+            out = self.spawn(kind, spec)
+            wall = perf() - t0
+            info["verified"] = info.get("verified", True) and bool(out["verified"])
+            info["rss_method"] = out["rss_method"]
+            if not out["cold"]:
+                info["cache"] = "warm"
+            return {**out["metrics"], "process_secs": wall}
+
+        return Row(key, label, "restore", run, info=info, note=note, reps=self.args.process_reps)
+
+    def row_saves_process(self) -> Row:
+        """Peak RSS of a new manager (default options) doing 3 saves and 3 async_saves.
+
+        Fresh process: builds the state, resets VmHWM, creates the manager, 3 durable
+        ``save`` then 3 ``async_save`` issued back to back (as many in flight as the defaults
+        allow) and ``wait``. The figure is the peak RSS added / state bytes.
+        """
+        d = self.subdir("saves_process")
+        saves = 3
+        spec = {
+            "layers": self.args.layers,
+            "width": self.args.width,
+            "threads": torch.get_num_threads(),
+            "state_bytes": self.state_bytes,
+            "path": d,
+            "saves": saves,
+        }
+        info: dict[str, Any] = {"saves": 2 * saves}
+
+        def run() -> Metrics:
+            t0 = perf()
+            out = self.spawn("saves", spec)
+            info["rss_method"] = out["rss_method"]
+            return {**out["metrics"], "process_secs": perf() - t0}
+
+        return Row(
+            "pitstop_saves_process",
+            f"pitstop {saves} save + {saves} async_save, new proc",
+            "memory",
+            run,
+            after=lambda: remove_children(d),
+            info=info,
+            note=f"new process, new manager with default options: {saves} durable saves, then "
+            f"{saves} async_saves back to back + wait; time is all {2 * saves} saves",
+            reps=self.args.process_reps,
+        )
+
     # ------------------------------------------------------------------ run
     def setup(self) -> None:
         a = self.add_row
@@ -642,6 +808,9 @@ class Bench:
             "raw_read_64_arena",
             "raw O_DIRECT read 64 MiB, pitstop Arena",
         )
+        for kind, (key, label, _) in PROCESS_ROWS.items():
+            a(lambda kind=kind: self.row_process(kind), key, label)
+        a(self.row_saves_process, "pitstop_saves_process", "pitstop saves, new process")
 
     def measure(self, row: Row, rep: int) -> None:
         if row.skipped:
@@ -652,7 +821,7 @@ class Bench:
         try:
             with PeakRSS() as rss:
                 metrics = row.run()
-            metrics["rss_added"] = rss.added
+            metrics.setdefault("rss_added", rss.added)  # a child reports its own
             row.add(metrics)
         except Exception as e:
             row.skipped = f"failed in repetition {rep + 1}: {type(e).__name__}: {e}"
@@ -671,6 +840,7 @@ class Bench:
             # A fresh order every round (seeded, so runs are comparable): no method always
             # follows the same one, e.g. the first write after a cache drop or a big delete.
             order = random.Random(rep).sample(active, len(active))
+            order = [r for r in order if r.reps is None or rep < r.reps]
             self.orders.append([r.key for r in order])
             log(f"round {rep + 1}/{self.args.reps}: {' '.join(r.key for r in order)}")
             for row in order:
@@ -785,8 +955,10 @@ def report(bench: Bench) -> dict[str, Any]:
         for label, metric in lines:
             xs = row.samples[metric]
             med = median(xs)
-            rate = gbps(nb, med) if metric == "secs" else math.nan
-            if metric != "secs":
+            rate = gbps(nb, med) if metric == "secs" and row.group != "memory" else math.nan
+            if row.group == "memory":
+                ratio = f"{row.info.get('saves', '')} saves"
+            elif metric != "secs":
                 ratio = _times(med / memcpy_secs, "memcpy")
             elif row.group == "restore" or row.key.startswith("raw_read"):
                 ratio = _times(rate / r_gbps, "disk read")
@@ -802,7 +974,8 @@ def report(bench: Bench) -> dict[str, Any]:
     out()
     out(
         "+RSS/state: median peak resident memory added during one repetition / state bytes "
-        "(pitstop arenas are allocated in the warm-up, so steady-state saves add ~0)"
+        "(pitstop arenas are allocated in the warm-up, so steady-state saves add ~0; "
+        "new-process rows: added in the child, beyond its state, VmHWM reset before)"
     )
     notes = [f"{r.label}: {r.note}" for r in bench.rows if r.note and not r.skipped]
     notes += bench.notes
@@ -863,6 +1036,16 @@ def report(bench: Bench) -> dict[str, Any]:
     ps, ts = rows.get("pitstop_save"), rows.get("torch_save")
     pa, da = rows.get("pitstop_async"), rows.get("dcp_async")
     pr = rows.get("pitstop_restore")
+    pp, rp = rows.get("pitstop_restore_process"), rows.get("raw_read_process")
+    tp, dp = rows.get("torch_load_process"), rows.get("dcp_load_process")
+    sp = rows.get("pitstop_saves_process")
+
+    def vs_raw(row: Row | None) -> float:
+        return rp.med() / row.med() if rp and row else math.nan
+
+    def peak_mib(row: Row | None) -> float:
+        return row.med("rss_added") / MIB if row else math.nan
+
     ratios = {
         "save_vs_disk": gbps(nb, ps.med()) / w_gbps if ps else math.nan,
         "save_vs_torch_save": ts.med() / ps.med() if ps and ts else math.nan,
@@ -874,6 +1057,9 @@ def report(bench: Bench) -> dict[str, Any]:
         "rss_per_arena": max(
             (v["added_rss_per_state_per_arena"] for v in rss_info.values()), default=math.nan
         ),
+        "restore_process_vs_raw": vs_raw(pp),
+        "restore_peak_rss_mib": peak_mib(pp),
+        "save_peak_rss_x_state": sp.med("rss_x_state") if sp else math.nan,
     }
     paired = {
         "save_vs_disk": _paired(disk_w, ps, lambda a, b: a / b),
@@ -881,6 +1067,9 @@ def report(bench: Bench) -> dict[str, Any]:
         "async_stall_vs_memcpy": _paired(pa, memcpy, lambda a, b: a / b, "stall", "secs"),
         "async_stall_vs_dcp_async_stall": _paired(pa, da, lambda a, b: a / b, "stall", "stall"),
         "restore_vs_disk": _paired(disk_r, pr, lambda a, b: a / b),
+        "restore_process_vs_raw": _paired(rp, pp, lambda a, b: a / b),
+        "torch_load_process_vs_raw": _paired(rp, tp, lambda a, b: a / b),
+        "dcp_load_process_vs_raw": _paired(rp, dp, lambda a, b: a / b),
     }
     extra = {
         "async_nooverlap_stall_vs_memcpy": (
@@ -939,6 +1128,16 @@ def report(bench: Bench) -> dict[str, Any]:
         "restore_vs_dcp_load": rows["dcp_load"].med() / pr.med()
         if pr and "dcp_load" in rows
         else math.nan,
+        "torch_load_process_vs_raw": vs_raw(tp),
+        "dcp_load_process_vs_raw": vs_raw(dp),
+        "restore_process_vs_torch_load_process": tp.med() / pp.med() if pp and tp else math.nan,
+        "restore_process_vs_dcp_load_process": dp.med() / pp.med() if pp and dp else math.nan,
+        "restore_process_vs_raw_in_process": (gbps(nb, pp.med()) / r_gbps if pp else math.nan),
+        "torch_load_peak_rss_mib": peak_mib(tp),
+        "dcp_load_peak_rss_mib": peak_mib(dp),
+        "raw_read_process_peak_rss_mib": peak_mib(rp),
+        "save_peak_rss_x_state_sync_saves": sp.med("sync_rss_x_state") if sp else math.nan,
+        "save_host_bytes_x_state": sp.med("host_x_state") if sp else math.nan,
     }
     details = {
         "save_vs_disk": f"pitstop save {_fmt(gbps(nb, ps.med()) if ps else math.nan, '.2f')} GB/s vs raw "
@@ -952,6 +1151,12 @@ def report(bench: Bench) -> dict[str, Any]:
         "restore_vs_disk": f"pitstop restore ({bench.cache_mode.split()[0]}) "
         f"{_fmt(gbps(nb, pr.med()) if pr else math.nan, '.2f')} GB/s vs raw O_DIRECT read {_fmt(r_gbps, '.2f')} GB/s",
         "rss_per_arena": "peak RSS added by the async manager (arena allocation + saves), per arena, / state bytes",
+        "restore_process_vs_raw": f"pitstop restore in a new process {_fmt(pp.med() if pp else math.nan)} s "
+        f"vs raw O_DIRECT read into a prefaulted Arena in a new process {_fmt(rp.med() if rp else math.nan)} s",
+        "restore_peak_rss_mib": "peak RSS added by a restore in a new process (manager creation "
+        "included), beyond the state, MiB",
+        "save_peak_rss_x_state": "peak RSS added by a new manager's 3 saves + 3 async_saves "
+        "(default options, new process) / state bytes",
     }
     checks = [_check(k, ratios[k], TARGETS[k], details[k]) for k in TARGETS]
     out()
@@ -966,7 +1171,37 @@ def report(bench: Bench) -> dict[str, Any]:
     for k, v in extra.items():
         out(f"  {k:44s} {_fmt(v, '.3f')}")
 
+    summary = {
+        "restore_process_vs_raw": ratios["restore_process_vs_raw"],
+        "torch_load_process_vs_raw": extra["torch_load_process_vs_raw"],
+        "dcp_load_process_vs_raw": extra["dcp_load_process_vs_raw"],
+        "restore_peak_rss_mib": ratios["restore_peak_rss_mib"],
+        "save_peak_rss_x_state": ratios["save_peak_rss_x_state"],
+    }
+    out()
+    out("fresh process (page cache dropped in the child; raw seconds / method seconds, medians):")
+    out(
+        f"restore in a fresh process vs raw O_DIRECT read: {_fmt(summary['restore_process_vs_raw'], '.2f')} x (target >= 0.8)"
+    )
+    out(
+        f"torch.load in a fresh process vs raw O_DIRECT read: {_fmt(summary['torch_load_process_vs_raw'], '.2f')} x"
+    )
+    out(
+        f"DCP load in a fresh process vs raw O_DIRECT read: {_fmt(summary['dcp_load_process_vs_raw'], '.2f')} x"
+    )
+    out(
+        f"peak RSS added by restore: {_fmt(summary['restore_peak_rss_mib'], '.0f')} MiB (target <= 256 MiB beyond the state; "
+        f"torch.load {_fmt(extra['torch_load_peak_rss_mib'], '.0f')} MiB, DCP {_fmt(extra['dcp_load_peak_rss_mib'], '.0f')} MiB, "
+        f"state {nb / MIB:.0f} MiB)"
+    )
+    out(
+        f"peak RSS added by saves: {_fmt(summary['save_peak_rss_x_state'], '.2f')} x state (target <= 1.1; "
+        f"3 durable saves alone {_fmt(extra['save_peak_rss_x_state_sync_saves'], '.2f')} x, "
+        f"arenas held {_fmt(extra['save_host_bytes_x_state'], '.2f')} x)"
+    )
+
     return {
+        **summary,
         "config": {
             "layers": bench.args.layers,
             "width": bench.args.width,
@@ -982,6 +1217,7 @@ def report(bench: Bench) -> dict[str, Any]:
             "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
             "rss_method": PeakRSS().method,
+            "process_reps": bench.args.process_reps,
         },
         "limits": {
             "disk_write_gbps": w_gbps,
@@ -1013,6 +1249,135 @@ def report(bench: Bench) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- children
+
+
+def _child_restore(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One restore of ``kind`` in this (fresh) process; see ``Bench.row_process``."""
+    import pitstop
+
+    pool = ThreadPoolExecutor(2, thread_name_prefix="child-io")
+    managers: list[Any] = []
+    restore: Callable[[], Metrics]
+    if kind == "raw":
+        from pitstop.io.arena import Arena
+
+        nbytes = spec["nbytes"]
+        arena = Arena(nbytes)  # allocated and prefaulted before the timing
+
+        def restore() -> Metrics:
+            direct = raw_read(spec["path"], arena.view, nbytes, request=spec["request"], pool=pool)
+            return {"direct_io": float(direct)}
+
+        def verify() -> bool:
+            return hashlib.sha256(arena.view[:nbytes]).hexdigest() == spec["sha256"]
+
+    else:
+        model, opt = build_target(spec["layers"], spec["width"], seed=1)
+        state = {"model": model, "optimizer": opt}
+        if kind == "pitstop":
+
+            def restore() -> Metrics:
+                mgr = pitstop.CheckpointManager(spec["path"])
+                managers.append(mgr)
+                if mgr.restore(state) is None:
+                    raise RuntimeError(f"nothing to restore in {spec['path']}")
+                return {}
+
+        elif kind == "torch":
+
+            def restore() -> Metrics:
+                sd = torch.load(spec["path"], map_location="cpu", weights_only=True)
+                model.load_state_dict(sd["model"])
+                opt.load_state_dict(sd["optimizer"])
+                return {}
+
+        elif kind == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            if spec.get("dcp_process_group"):  # as the parent needed (older torch)
+                import torch.distributed as dist
+
+                store_path = os.path.join(os.path.dirname(spec["path"]), f"store-{os.getpid()}")
+                store = dist.FileStore(store_path, 1)
+                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+            def restore() -> Metrics:
+                sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+                dcp.load(sd, checkpoint_id=spec["path"])
+                opt.load_state_dict(sd["optimizer"])
+                return {}
+
+        else:
+            raise ValueError(f"unknown child kind {kind!r}")
+
+        def verify() -> bool:
+            return tensor_digests(state_tensors(model, opt), pool) == spec["digests"]
+
+    cold = drop_caches()
+    with PeakRSS() as rss:
+        t0 = perf()
+        metrics = restore()
+        secs = perf() - t0
+    for mgr in managers:
+        mgr.close()
+    return {
+        "metrics": {"secs": secs, "rss_added": rss.added, **metrics},
+        "verified": verify(),
+        "cold": cold,
+        "rss_method": rss.method,
+    }
+
+
+def _child_saves(spec: dict[str, Any]) -> dict[str, Any]:
+    """Peak RSS of a new manager's saves in this (fresh) process; see ``Bench.row_saves_process``."""
+    import pitstop
+
+    model, opt = build_state(spec["layers"], spec["width"], seed=2)
+    state = {"model": model, "optimizer": opt}
+    n = spec["saves"]
+    with PeakRSS() as rss:
+        t0 = perf()
+        mgr = pitstop.CheckpointManager(spec["path"])
+        for step in range(n):
+            mgr.save(step, state)
+        t1 = perf()
+        # peak so far (VmHWM was reset on entry; the sampled peak otherwise)
+        sync_peak = max(hwm_bytes(), rss_bytes()) if rss.method == "VmHWM" else rss.peak
+        handles = [mgr.async_save(step, state) for step in range(n, 2 * n)]
+        mgr.wait()
+        t2 = perf()
+        host_bytes = mgr.host_bytes
+    mgr.close()
+    nb = spec["state_bytes"]
+    return {
+        "metrics": {
+            "secs": t2 - t0,
+            "sync_secs": t1 - t0,
+            "async_secs": t2 - t1,
+            "async_stall_max": max(h.stats.stall_secs for h in handles),
+            "rss_added": rss.added,
+            "rss_x_state": rss.added / nb,
+            "sync_rss_added": sync_peak - rss.start,
+            "sync_rss_x_state": (sync_peak - rss.start) / nb,
+            "host_bytes": host_bytes,
+            "host_x_state": host_bytes / nb,
+        },
+        "rss_method": rss.method,
+    }
+
+
+def child_main(kind: str, spec_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    torch.set_num_threads(spec["threads"])
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    out = _child_saves(spec) if kind == "saves" else _child_restore(kind, spec)
+    print(json_line(out), flush=True)
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1029,17 +1394,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="parent directory of the scratch directory (default: the temp dir)",
     )
     p.add_argument("--only", default=None, help="comma-separated row keys to run (default: all)")
+    p.add_argument(
+        "--process-reps",
+        type=int,
+        default=None,
+        help="repetitions of the fresh-process rows, in the first rounds (default: min(reps, 3))",
+    )
     args = p.parse_args(argv)
     args.layers = args.layers or (3 if args.quick else 24)
     args.width = args.width or 2048
     args.reps = args.reps or (3 if args.quick else 5)
+    args.process_reps = min(3 if args.process_reps is None else args.process_reps, args.reps)
     args.only = set(args.only.split(",")) if args.only else None
-    if args.layers < 1 or args.width < 1 or args.reps < 1:
-        p.error("--layers, --width and --reps must be positive")
+    if args.layers < 1 or args.width < 1 or args.reps < 1 or args.process_reps < 1:
+        p.error("--layers, --width, --reps and --process-reps must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: save.py --child KIND SPEC.json")
+        return child_main(argv[1], argv[2])
     args = parse_args(argv)
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -69,6 +69,7 @@ class LoopDriver:
         self.ckpt_time: float | None = None
         self.pending: list[SaveHandle] = []
         self.preempted: int | None = None
+        self.step_seen = 0
         self.exit_code: int | None = 0
         self._signals: dict[int, Any] = {}
 
@@ -83,6 +84,7 @@ class LoopDriver:
         epoch_end: bool = False,
     ) -> StepResult:
         now = time.perf_counter()
+        self.step_seen = step
         self._measure(now)
         self.collect()
         ctx = self._context(step, now, loss=loss, epoch=epoch, epoch_end=epoch_end)
@@ -98,13 +100,17 @@ class LoopDriver:
         if decide:
             t0 = time.perf_counter()
             metrics = {"loss": float(loss)} if loss is not None else None
+            self.profiler.save_started()
+            alloc = 0.0
             try:
-                self.pending.append(self.manager.async_save(step, state, metrics=metrics))
+                handle = self.manager.async_save(step, state, metrics=metrics)
+                self.pending.append(handle)
+                alloc = handle.stats.alloc_secs  # a one-time cost, not the checkpoint's
                 result = StepResult.SAVED
             except CheckpointExistsError as e:
                 self._refused(step, e)
                 result = StepResult.REFUSED
-            self.profiler.stall(time.perf_counter() - t0)
+            self.profiler.stall(max(time.perf_counter() - t0 - alloc, 0.0))
             if result is StepResult.SAVED:
                 self.ckpt_step, self.ckpt_time = step, time.perf_counter()
         self.persisting = bool(self.pending)
@@ -134,6 +140,8 @@ class LoopDriver:
             persist_secs=measured.persist_secs,
             slowdown_secs=measured.slowdown_secs,
             observed_overhead=measured.recent_overhead,
+            measured_cost_secs=measured.checkpoint_cost_secs,
+            measured_cost_step=measured.checkpoint_cost_step,
             in_flight=len(self.pending),
             max_in_flight=self.manager.options.max_in_flight,
             checkpoints=self.profiler.checkpoints + len(self.pending),
@@ -161,6 +169,8 @@ class LoopDriver:
                 self._refused(h.step, err)
             elif err is not None:
                 raise err
+        if not self.pending:
+            self.profiler.settled(self.step_seen)
         self.saver.raise_pending()
 
     def pause(self) -> None:

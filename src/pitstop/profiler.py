@@ -2,10 +2,16 @@
 
 Call sequence (training thread): ``iteration(secs, persisting)`` once per step with
 the compute time of the iteration (stalls excluded) and whether a persist was
-running beside it; ``checkpoint(stats)`` once per committed save; ``snapshot()``
+running beside it; ``save_started()`` when a save begins; ``checkpoint(stats)`` once
+per committed save; ``settled(step)`` when no save is in flight any more; ``snapshot()``
 for the policy context and ``ckpt.stats()``. Estimates are medians over a sliding
 window, so they follow a disk that slows down or iterations that speed up, and a
 single outlier does not move them. The first ``warmup`` iterations are not counted.
+
+The cost of a checkpoint is also measured *in pairs*: from a save's start until no
+save is in flight, its stalls plus the excess of every iteration over the median of
+the few quiet iterations just before it. Before and during are seconds apart, so the
+machine's own drift (which moves any longer window) cancels out.
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ class ProfileStats:
     refused_saves: int = 0
     """Saves the policy asked for that were refused (the step was already committed or being
     written by another writer): each one is also a warning and a ``StepResult.REFUSED``."""
+    checkpoint_cost_secs: float | None = None
+    """Training time one checkpoint costs, measured in pairs (median of the last few)."""
+    checkpoint_cost_step: int | None = None
+    """The step at which the newest paired measurement ended."""
+
+
+_BEFORE = 5  # quiet iterations just before a save: the baseline of its paired measurement
 
 
 def _median(values: deque[float]) -> float | None:
@@ -64,6 +77,8 @@ class Profiler:
         self.refused_saves = 0
         self._recent: deque[float] = deque(maxlen=2 * window)  # every iteration, stalls included
         self._pending_stall = 0.0  # stall time since the last committed checkpoint
+        self._pair: list[float] | None = None  # [baseline, excess, stall, commits] of the open pair
+        self._costs: deque[tuple[int, float]] = deque(maxlen=5)  # (step, paired cost)
 
     def iteration(self, secs: float, persisting: bool) -> None:
         self.iterations += 1
@@ -72,6 +87,22 @@ class Profiler:
         self.training_secs += secs
         (self._busy if persisting else self._quiet).append(secs)
         self._recent.append(secs)
+        if self._pair is not None and persisting:
+            self._pair[1] += secs - self._pair[0]
+
+    def save_started(self) -> None:
+        """A save starts: open a paired measurement against the last quiet iterations (one
+        is open already while earlier saves are in flight: it takes this one too)."""
+        if self._pair is not None or len(self._quiet) < 3:
+            return
+        before = list(self._quiet)[-_BEFORE:]
+        self._pair = [statistics.median(before), 0.0, 0.0, 0.0]
+
+    def settled(self, step: int) -> None:
+        """No save is in flight: close the paired measurement, if one is open."""
+        pair, self._pair = self._pair, None
+        if pair is not None and pair[3] > 0:  # something committed: it is a checkpoint's cost
+            self._costs.append((step, pair[2] + max(pair[1], 0.0)))
 
     def stall(self, secs: float, *, add_to_last: bool = True) -> None:
         """The loop was blocked ``secs`` by a save: in ``async_save``, or in ``optimizer.step()``
@@ -79,13 +110,17 @@ class Profiler:
         self.stall_total += secs
         self.training_secs += secs
         self._pending_stall += secs
+        if self._pair is not None:
+            self._pair[2] += secs
         if add_to_last and self._recent:
             self._recent[-1] += secs
 
     def checkpoint(self, stats: SaveStats) -> None:
         """A save committed: its stall is what the loop lost to it, call and hook waits both."""
         self.checkpoints += 1
-        self._stall.append(max(stats.stall_secs, self._pending_stall))
+        if self._pair is not None:
+            self._pair[3] += 1
+        self._stall.append(max(stats.stall_secs - stats.alloc_secs, self._pending_stall))
         self._pending_stall = 0.0
         self._persist.append(max(stats.total_secs - stats.stall_secs, 0.0))
         self._bytes = stats.nbytes
@@ -128,4 +163,8 @@ class Profiler:
             recent_overhead=self.recent_overhead(),
             interval=interval,
             refused_saves=self.refused_saves,
+            checkpoint_cost_secs=statistics.median(c for _, c in self._costs)
+            if self._costs
+            else None,
+            checkpoint_cost_step=self._costs[-1][0] if self._costs else None,
         )

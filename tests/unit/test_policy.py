@@ -243,24 +243,124 @@ def test_save_on_sigterm_saves_and_exits_cleanly(tmp_path: object) -> None:
     assert got["extra"]["step"] == 7 and torch.equal(got["x"], torch.full((3,), 7.0))
 
 
-def test_checkfreq_corrects_its_model_with_the_observed_overhead() -> None:
+def test_checkfreq_follows_the_paired_cost_growing_in_bounded_steps() -> None:
     measures = {"iter_secs": 0.5, "stall_secs": 0.002, "persist_secs": 1.0, "slowdown_secs": 0.0}
-    p = CheckFreq(0.02)
+    p = CheckFreq(0.02)  # warmup + profile = 15
     model_k = p.choose(ctx(**measures))
     assert model_k == 3  # 1 s persist over 0.5 s iterations, plus one quiet iteration
-    # what the model misses: each checkpoint really costs 0.3 s of training
-    step = 100
-    p.decide(ctx(step=step, **measures))  # first interval from the model
-    for _ in range(12):
-        interval = p.interval or 1
-        seen = 0.3 / (interval * 0.5)  # the overhead that interval would show
-        step += max(interval, 20)
-        p.decide(ctx(step=step, observed_overhead=seen, **measures))
-    assert p.interval == pytest.approx(0.3 / (0.02 * 0.5), rel=0.05)  # 30: the budget holds
-    for _ in range(12):  # the cost goes away (a faster disk): back to the model
-        step += max(p.interval or 1, 20)
-        p.decide(ctx(step=step, observed_overhead=0.0, **measures))
+    # what the model misses: each checkpoint really costs 3 s, as the paired measurements say
+    step, seen = 100, []
+    p.decide(ctx(step=step, **measures))
+    for _ in range(7):
+        step += p.interval or 1
+        p.decide(ctx(step=step, measured_cost_secs=3.0, measured_cost_step=step, **measures))
+        seen.append(p.interval)
+    assert seen == [30, 60, 120, 240, 300, 300, 300], seen  # at most a doubling each time
+    assert 3.0 / (300 * 0.5) <= 0.02  # the budget holds at 300
+    # the cost goes away (a faster disk): the interval shrinks at once
+    step += 300
+    p.decide(ctx(step=step, measured_cost_secs=0.0, measured_cost_step=step, **measures))
     assert p.interval == model_k
+
+
+def test_checkfreq_reprobes_when_its_estimate_is_old() -> None:
+    measures = {"iter_secs": 0.5, "stall_secs": 0.002, "persist_secs": 1.0, "slowdown_secs": 0.0}
+    p = CheckFreq(0.02, cost_horizon=200)
+    p.decide(ctx(step=100, **measures))
+    p.decide(ctx(step=103, measured_cost_secs=10.0, measured_cost_step=103, **measures))
+    assert p.interval == 30  # 1000 would be the target: growth starts from 15 x 2
+    # no checkpoint since (say the process was busy elsewhere): within the horizon the
+    # interval stands; past it the estimate is dropped and the model's interval (3) applies,
+    # so the next step checkpoints and measures again
+    late = {"measured_cost_secs": 10.0, "measured_cost_step": 103, **measures}
+    assert not p.decide(ctx(step=103 + 29, steps_since_checkpoint=29, **late))
+    assert p.decide(ctx(step=103 + 201, steps_since_checkpoint=201, **late))
+    assert p.interval == 3
+
+
+def _noisy_run(
+    policy: CheckFreq | YoungDaly | ValueAware, *, steps: int, seed: int, first_stall: float = 0.45
+) -> tuple[list[int], float, float]:
+    """The loop's profiler and ``policy`` on a synthetic machine: 0.3 s iterations that drift
+    by +-20 % in segments of 20-80 iterations (no checkpoint involved) with +-5 % noise; a
+    checkpoint stalls 0.05 s (the first ``first_stall``: a one-off), then persists 1 s, and
+    every iteration during the persist is 0.03 s slower. Returns (steps saved at, the
+    checkpoints' share of the training time, the mean base iteration time)."""
+    import random
+
+    from pitstop.engine.handle import SaveStats
+    from pitstop.profiler import Profiler
+
+    rng = random.Random(seed)
+    prof = Profiler()
+    saved: list[int] = []
+    base_total = extra_total = 0.0
+    drift, left = 1.0, 0
+    persist_left = 0.0
+    pending: SaveStats | None = None
+    last_ckpt, since = 0, 0.0
+    for step in range(1, steps + 1):
+        if left == 0:
+            drift, left = rng.uniform(0.8, 1.2), rng.randint(20, 80)
+        left -= 1
+        base = 0.3 * drift * rng.uniform(0.95, 1.05)
+        extra = 0.03 if persist_left > 0 else 0.0
+        prof.iteration(base + extra, persisting=persist_left > 0)
+        base_total, extra_total = base_total + base, extra_total + extra
+        since += base + extra
+        persist_left -= base + extra
+        if pending is not None and persist_left <= 0:
+            prof.checkpoint(pending)
+            prof.settled(step)
+            pending = None
+        snap = prof.snapshot()
+        c = PolicyContext(
+            step=step, elapsed_secs=base_total, steps_since_checkpoint=step - last_ckpt,
+            secs_since_checkpoint=since, iter_secs=snap.iter_secs, stall_secs=snap.stall_secs,
+            persist_secs=snap.persist_secs, slowdown_secs=snap.slowdown_secs,
+            in_flight=int(pending is not None), max_in_flight=1,
+            checkpoints=snap.checkpoints + int(pending is not None),
+            observed_overhead=snap.recent_overhead,
+            measured_cost_secs=snap.checkpoint_cost_secs,
+            measured_cost_step=snap.checkpoint_cost_step,
+        )  # fmt: skip
+        if policy.decide(c) and pending is None:
+            stall = first_stall if not saved else 0.05
+            prof.save_started()
+            prof.stall(stall)
+            extra_total += stall
+            saved.append(step)
+            last_ckpt, persist_left, since = step, 1.0, 0.0
+            pending = SaveStats(step=step, stall_secs=stall, total_secs=stall + 1.0)
+    return saved, extra_total / base_total, base_total / steps
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_checkfreq_on_a_drifting_machine_keeps_its_budget_and_its_frequency(seed: int) -> None:
+    saved, overhead, mean_iter = _noisy_run(CheckFreq(0.02), steps=2000, seed=seed)
+    # one checkpoint costs 0.05 s + about 0.1 s of slower iterations: the 2 % budget allows
+    # one every 0.15 / (0.02 x 0.3) = 25 iterations
+    allowed = 0.15 / (0.02 * mean_iter)
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
+    assert len(saved) > 2000 / (2 * allowed), (len(saved), gaps)  # within 2x of the budget
+    assert max(gaps[3:]) <= 4 * allowed, gaps  # it never stops checkpointing
+    assert overhead <= 0.03, overhead  # and the budget holds (3 % measured)
+
+
+def test_checkfreq_is_not_stalled_by_a_slow_first_save() -> None:
+    saved, overhead, mean_iter = _noisy_run(CheckFreq(0.02), steps=600, seed=7, first_stall=2.0)
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
+    assert len(saved) >= 10 and max(gaps) <= 4 * 0.15 / (0.02 * mean_iter), gaps
+    assert overhead <= 0.03, overhead
+
+
+@pytest.mark.parametrize("policy", [YoungDaly(mtbf_secs=300.0), ValueAware(mtbf_secs=300.0)])
+def test_cost_based_policies_keep_checkpointing_on_a_drifting_machine(
+    policy: YoungDaly | ValueAware,
+) -> None:
+    saved, _, _ = _noisy_run(policy, steps=1500, seed=3, first_stall=2.0)
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
+    assert len(saved) >= 5 and max(gaps) < 400, gaps
 
 
 def test_pause_keeps_other_work_out_of_the_iteration_time(root: str) -> None:

@@ -16,6 +16,8 @@ class SaveStats:
     """Timings of one save, in seconds, and its size.
 
     ``stall_secs``: how long ``async_save`` blocked the training loop;
+    ``alloc_secs``: the part of it spent allocating (or waiting for) the host arena, a
+    one-time cost the profiler leaves out of the checkpoint's cost;
     ``stage_secs``: until every byte was in the arena; ``persist_secs``: from
     the end of staging to the commit; ``total_secs``: from the call to the commit.
     """
@@ -23,6 +25,7 @@ class SaveStats:
     step: int
     nbytes: int = 0
     stall_secs: float = 0.0
+    alloc_secs: float = 0.0
     stage_secs: float = 0.0
     persist_secs: float = 0.0
     total_secs: float = 0.0

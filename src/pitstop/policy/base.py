@@ -18,7 +18,11 @@ class PolicyContext:
     ``slowdown_secs`` how much longer training takes, per checkpoint, because a
     persist runs beside it (contention for cores, memory bandwidth, the GIL);
     ``observed_overhead`` the measured fraction of extra time over recent iterations
-    (stalls included) against iterations with no checkpoint work, when known.
+    (stalls included) against iterations with no checkpoint work, when known (it moves
+    with the machine's own drift: policies use the paired cost). ``measured_cost_secs``
+    is what one checkpoint costs measured in pairs (its stall plus how much longer the
+    iterations during its persist took than those just before it; median of the last
+    few), ``measured_cost_step`` the step of the newest such measurement.
     """
 
     step: int
@@ -30,6 +34,8 @@ class PolicyContext:
     persist_secs: float | None = None
     slowdown_secs: float | None = None
     observed_overhead: float | None = None
+    measured_cost_secs: float | None = None
+    measured_cost_step: int | None = None
     in_flight: int = 0
     max_in_flight: int = 1
     checkpoints: int = 0
@@ -45,6 +51,14 @@ class PolicyContext:
             and self.stall_secs is not None
             and self.persist_secs is not None
         )
+
+    def paired_cost(self, horizon: int) -> float | None:
+        """The paired measurement of a checkpoint's cost, if one is at most ``horizon``
+        steps old (an older one is not trusted: the model re-probes)."""
+        paired, at = self.measured_cost_secs, self.measured_cost_step
+        if paired is None or at is None or self.step - at > horizon:
+            return None
+        return paired
 
     def checkpoint_cost(self, *, overlapped: bool) -> float:
         """Training time one checkpoint costs: the stall, plus the slowdown while it persists,

@@ -15,48 +15,64 @@ class CheckFreq:
     """Pick the checkpoint interval k (iterations) from measurements, and keep picking it.
 
     After ``warmup`` iterations and ``profile`` more to time them, one checkpoint is
-    taken to measure its stall and persist time. From then on, at every iteration,
+    taken to measure what it costs. From then on, at every iteration,
 
-    * k_budget: the smallest k with (stall + slowdown) / (k * iter) <= max_overhead;
+    * C, the cost of one checkpoint in training time: measured in pairs around each
+      checkpoint (its stall, plus how much longer the iterations during its persist took
+      than the iterations just before it; the median of the last few), or, before such a
+      measurement exists and when the newest is older than ``cost_horizon`` iterations, the
+      model: stall + slowdown beside a persist (profiler medians);
+    * k_budget: the smallest k with C / (k * iter) <= max_overhead;
     * k_persist: the smallest k with k * iter >= persist, so the write pipeline keeps up
-      (persists run one after another; ``max_in_flight`` > 1 only absorbs jitter);
-    * k = max(1, k_budget, k_persist, min_interval).
+      (plus one quiet iteration, the baseline of the next paired measurement);
+    * k = max(1, k_budget, k_persist, min_interval); a new paired measurement may shrink
+      the interval to it at once, but grow it by at most a factor ``max_change`` (from the
+      interval in force; after the first measurement, from ``warmup + profile``).
 
-    Unlike the original (which only ever grew k by 2 after the fact), k follows the
-    measurements both ways: a slower disk or faster iterations raise it, and the
-    reverse lowers it. A save that has to wait for a free arena, or an optimizer step
-    that waits for the copy, shows up as a larger stall, which raises k too.
-
-    The model cannot see every cost (cache and memory-bandwidth contention, a busy
-    disk), so it is checked against what is measured: at most once per interval, the
-    observed overhead of recent iterations (against iterations with no checkpoint work)
-    gives the cost a checkpoint really has, C_obs = observed x k x iter, hence
-    k_obs = observed x k / max_overhead; k_obs is smoothed (half old, half new) and
-    k = max(k_model, k_obs). Its fixed point does not depend on k, so it settles in a
-    few adjustments, and falls back to the model when the observed cost drops.
+    Why pairs: on a shared machine iterations drift by tens of percent with no checkpoint
+    running (a neighbour's job, thermal limits, the page cache), and an overhead measured
+    over a window against "quiet" iterations reads that drift as checkpoint cost. Before
+    vs during, a few seconds apart, cancels it. Why bounded growth and a horizon: one bad
+    measurement (a one-off slow first save) cannot stretch the interval so far that no
+    checkpoint, and so no new measurement, comes for hundreds of iterations; and an
+    estimate older than ``cost_horizon`` is dropped, so the model's interval re-probes the
+    cost. The price: a state that really is expensive to save reaches its long interval
+    in a few doublings. (The original CheckFreq only ever grew k by 2 after the fact.)
     """
 
     max_overhead: float = 0.02
     warmup: int = 5
     profile: int = 10
     min_interval: int = 1
+    max_change: float = 2.0
+    cost_horizon: int = 500
     interval: int | None = None
-    observed_interval: float | None = None
-    """k_obs, the interval the measured overhead asks for (smoothed); None until measured."""
-    _last_adjust: int = field(default=-(10**9), repr=False)
+    cost_secs: float | None = None
+    """The per-checkpoint cost the interval was chosen for."""
+    _anchor: tuple[int | None, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_overhead < 1:
             raise ValueError(f"CheckFreq needs 0 < max_overhead < 1, got {self.max_overhead}")
+        if self.max_change <= 1:
+            raise ValueError(f"CheckFreq needs max_change > 1, got {self.max_change}")
+        if self.cost_horizon < 1:
+            raise ValueError(f"CheckFreq needs cost_horizon >= 1, got {self.cost_horizon}")
 
-    def choose(self, ctx: PolicyContext) -> int:
-        """The interval in iterations for the current measurements."""
+    def cost(self, ctx: PolicyContext) -> tuple[float, int | None]:
+        """(cost of one checkpoint, step of the paired measurement it comes from or None)."""
+        paired = ctx.paired_cost(self.cost_horizon)
+        if paired is not None:
+            return paired, ctx.measured_cost_step
+        return ctx.checkpoint_cost(overlapped=True), None
+
+    def choose(self, ctx: PolicyContext, cost: float | None = None) -> int:
+        """The interval in iterations for the current measurements (no bound on the move)."""
         it = max(ctx.iter_secs or 0.0, 1e-9)
-        cost = ctx.checkpoint_cost(overlapped=True)
+        if cost is None:
+            cost = self.cost(ctx)[0]
         k_budget = math.ceil(cost / (self.max_overhead * it) - 1e-9)
         persist = ctx.persist_secs or 0.0
-        # the pipeline must keep up, with one quiet iteration between persists (the baseline
-        # that the observed overhead is measured against stays fresh)
         k_persist = math.ceil(persist / it - 1e-9) + (1 if persist > 0 else 0)
         return max(1, self.min_interval, k_budget, k_persist)
 
@@ -68,23 +84,18 @@ class CheckFreq:
                 and ctx.iter_secs is not None
                 and ctx.step >= self.warmup + self.profile
             )
-        self._feedback(ctx)
-        k = self.choose(ctx)
-        if self.observed_interval is not None:
-            k = max(k, math.ceil(self.observed_interval - 1e-9))
-        self.interval = k
-        return ctx.steps_since_checkpoint >= self.interval
-
-    def _feedback(self, ctx: PolicyContext) -> None:
-        """Update k_obs from the measured overhead, at most once per interval."""
-        seen = ctx.observed_overhead
-        if (
-            seen is None
-            or self.interval is None
-            or ctx.step - self._last_adjust < max(self.interval, 20)
-        ):
-            return
-        k_obs = max(seen, 0.0) * self.interval / self.max_overhead
-        previous = self.observed_interval
-        self.observed_interval = k_obs if previous is None else 0.5 * (previous + k_obs)
-        self._last_adjust = ctx.step
+        cost, source = self.cost(ctx)
+        target = self.choose(ctx, cost)
+        if source is None:
+            k = target  # no paired measurement yet, or a re-probe at the model's interval
+            self._anchor = None
+        else:
+            if self._anchor is None or source != self._anchor[0]:
+                # a new measurement: the interval may shrink to the target at once, but grow
+                # only by max_change from the one in force (from a short confirming interval
+                # after the first measurement, which may be a one-off slow first save)
+                ref = self.interval if self._anchor is not None and self.interval else None
+                self._anchor = (source, ref or self.warmup + self.profile)
+            k = min(target, math.ceil(self._anchor[1] * self.max_change))
+        self.interval, self.cost_secs = k, cost
+        return ctx.steps_since_checkpoint >= k

@@ -137,6 +137,7 @@ class ValueAware:
     refit_every: int = 50
     min_points: int = 20
     warmup: int = 5
+    cost_horizon: int = 500
     curve: LossCurve = field(default_factory=LossCurve)
     interval_secs: float | None = None
     weight: float = 1.0
@@ -204,6 +205,7 @@ class ValueAware:
             self.observe(ctx.elapsed_secs, ctx.loss)
         if not ctx.measured:
             return ctx.checkpoints == 0 and ctx.step >= self.warmup
-        cost = max(ctx.checkpoint_cost(overlapped=True), 1e-9)
+        paired = ctx.paired_cost(self.cost_horizon)
+        cost = max(paired if paired is not None else ctx.checkpoint_cost(overlapped=True), 1e-9)
         self.interval_secs = self.interval_for(ctx.elapsed_secs, cost, ctx.persist_secs or 0.0)
         return ctx.secs_since_checkpoint >= self.interval_secs

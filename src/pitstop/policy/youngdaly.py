@@ -15,9 +15,11 @@ class YoungDaly:
     """Checkpoint every tau seconds of training, tau = Daly's exact optimum
     ``M [1 + W0(-exp(-(C/M + 1)))]`` (``exact=False``: Young's sqrt(2CM)).
 
-    C is the measured cost of one checkpoint: the stall plus the slowdown while
-    it persists, or plus the whole persist when saves cannot overlap training
-    (``max_in_flight == 1`` and a persist longer than the interval). Until a
+    C is the measured cost of one checkpoint: measured in pairs around checkpoints (see
+    ``CheckFreq``) while the newest such measurement is at most ``cost_horizon`` steps old, else
+    the model's stall plus the slowdown while it persists, or plus the whole persist when
+    saves cannot overlap training (``max_in_flight == 1`` and a persist longer than the
+    interval). Until a
     checkpoint has been measured, one is taken after ``warmup`` iterations.
     ``mtbf_secs`` is the job's mean time between failures (per-node MTBF / nodes).
     """
@@ -26,6 +28,7 @@ class YoungDaly:
     restart_secs: float = 0.0
     exact: bool = True
     warmup: int = 5
+    cost_horizon: int = 500
     interval_secs: float | None = None
     _memo: tuple[float, float] | None = field(default=None, repr=False)
 
@@ -46,7 +49,10 @@ class YoungDaly:
     def decide(self, ctx: PolicyContext) -> bool:
         if not ctx.measured:
             return ctx.checkpoints == 0 and ctx.step >= self.warmup
-        tau = self.interval_for(max(ctx.checkpoint_cost(overlapped=True), 1e-9))
+        cost = ctx.paired_cost(self.cost_horizon)
+        if cost is None:
+            cost = ctx.checkpoint_cost(overlapped=True)
+        tau = self.interval_for(max(cost, 1e-9))
         if ctx.max_in_flight == 1 and (ctx.persist_secs or 0.0) > tau:
             tau = self.interval_for(ctx.checkpoint_cost(overlapped=False))
         self.interval_secs = tau
