@@ -11,7 +11,7 @@ import torch
 import pitstop
 from conftest import assert_same_tensors, flip_byte, make_state, tensors_of
 from pitstop.cli.main import main
-from pitstop.errors import CorruptCheckpointError
+from pitstop.errors import CorruptCheckpointError, PartialRestoreError
 
 
 def _dir(root: str, step: int) -> str:
@@ -90,10 +90,15 @@ def test_flipped_byte_named_in_verify_output(root: str, capsys: pytest.CaptureFi
 def test_every_checkpoint_corrupt_raises_instead_of_starting_over(root: str) -> None:
     _save_steps(root, [1])
     flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), 0)
+    # other segments verified and landed beside the damaged one: the error says so
     with pytest.raises(
-        CorruptCheckpointError, match="no checkpoint passed verification.*checksum mismatch"
+        PartialRestoreError, match="no checkpoint could be restored.*overwritten.*checksum mismatch"
     ):
         pitstop.CheckpointManager(root).restore(make_state())
+    with pytest.raises(  # nothing to overwrite in a fresh load
+        CorruptCheckpointError, match="no checkpoint passed verification.*checksum mismatch"
+    ):
+        pitstop.load(root)
 
 
 def test_segments_cover_large_tensors(root: str) -> None:
