@@ -5,8 +5,10 @@ Usage::
     python benchmarks/save.py            # 24 x Linear(2048, 2048) + Adam (~1.2 GB), 5 repetitions
     python benchmarks/save.py --quick    # ~150 MB, 3 repetitions (under a minute)
     python benchmarks/save.py --layers 8 --width 4096 --reps 7 --dir /data/tmp
+    python benchmarks/save.py --spawn exec   # fresh processes as new interpreters (slower)
 
-Every method saves (or restores) the same state in one process. The disk's
+Every method saves (or restores) the same state in one process, except the
+fresh-process rows below. The disk's
 speed drifts (up to 2x within an hour on the CI machines, see
 ../shared/MACHINE.md), so the methods run interleaved, one repetition of each
 per round in a fresh seeded order, and the report gives medians and
@@ -25,8 +27,27 @@ rows, page cache dropped before each (when permitted): pitstop ``restore``
 load, raw O_DIRECT reads into both kinds of buffer. Rows whose library is
 missing or that fail are skipped with a note. ``--only KEY,...`` runs a subset.
 
+Fresh-process rows (a restart): each repetition runs in a new process that gets
+its paths, sizes and the saved tensors' sha256 digests from the parent and
+reports one result (``--child KIND``). It builds its own restore target (same
+shapes, other values, Adam state touched) or, for the raw read, allocates and
+prefaults a pitstop Arena, drops the page cache, resets VmHWM
+(/proc/self/clear_refs) and times: ``CheckpointManager(root).restore(state)``
+(manager creation included), ``torch.load`` + ``load_state_dict``, DCP ``load``,
+and a raw O_DIRECT read of pitstop's rank-00000.bin (2 threads, 64 MiB
+requests), the limit. Each reports the peak RSS it added (VmHWM after - VmRSS
+before) and whether the restored bytes have the saved digests. One more
+fresh-process row measures the memory of saves: a new manager with default
+options does 3 durable ``save`` and 3 ``async_save`` issued back to back +
+``wait``; peak RSS added / state bytes. By default the children are forked
+from a fork server (a new interpreter that has only imported torch; ~3 s of
+imports per child saved); ``--spawn exec`` starts each as a new interpreter.
+They run in the first ``--process-reps`` rounds (default: all).
+
 Memory and disk at the default size: about 13 GB resident (state, restore
-target, six pitstop arenas, two raw buffers) and 9 GB of files at most.
+target, six pitstop arenas, two raw buffers), a child adds up to ~2.5 GB, and
+about 13 GB of files at most (the saves row keeps its 6 checkpoints until the
+repetition ends).
 
 stdout: a table, the pitstop breakdown, target checks (PASS/MISS lines, not
 asserts) and, as the last line, one JSON object with every figure. Progress
@@ -40,6 +61,7 @@ import glob
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -86,6 +108,10 @@ MIB = 1 << 20
 perf = time.perf_counter
 SCRIPT = os.path.abspath(__file__)
 CHILD_TIMEOUT_SECS = 1800
+# What the fork server imports once, so that a child forked from it starts as a restarted
+# job does after its imports (importing torch, and torch._dynamo at the first optimizer,
+# takes ~3 s per process here). pitstop itself is imported in each child.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint"]
 
 # The issue's targets: ratio name -> comparison and threshold (checked, printed, never asserted).
 TARGETS = {
@@ -177,6 +203,7 @@ class Bench:
         self.orders: list[list[str]] = []
         self._arena: tuple[Any, torch.Tensor] | None = None
         self._digests: list[str] | None = None
+        self._mp: Any = None
 
     # ------------------------------------------------------------------ helpers
     def next_step(self) -> int:
@@ -665,8 +692,56 @@ class Bench:
             self._digests = tensor_digests(self.tensors, self.pool)
         return self._digests
 
+    def forkserver(self) -> Any:
+        """The multiprocessing context of the fresh-process rows (``--spawn forkserver``).
+
+        The fork server is a new interpreter (``sys.executable``) that only imports
+        FORKSERVER_PRELOAD, single-threaded; every child is forked from it, so it has
+        allocated nothing and holds no arena, no manager and no thread of this process.
+        """
+        if self._mp is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+            from multiprocessing import forkserver
+
+            t0 = perf()
+            forkserver.ensure_running()
+            first = ctx.Process(target=_noop)  # returns once the server has imported its preload
+            first.start()
+            first.join()
+            log(f"fork server started ({perf() - t0:.1f} s)")
+            self._mp = ctx
+        return self._mp
+
     def spawn(self, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-        """Run ``kind`` in a fresh interpreter (this script, ``--child``); its JSON line."""
+        """Run ``kind`` in a fresh process; what the child reports."""
+        if self.args.spawn == "forkserver":
+            return self._spawn_forked(kind, spec)
+        return self._spawn_exec(kind, spec)
+
+    def _spawn_forked(self, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+        ctx = self.forkserver()
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child_entry, args=(kind, spec, send), name=f"bench-{kind}")
+        proc.start()
+        send.close()
+        try:
+            if not recv.poll(CHILD_TIMEOUT_SECS):
+                raise TimeoutError(f"child {kind!r} gave no result in {CHILD_TIMEOUT_SECS} s")
+            status, out = recv.recv()
+        except (EOFError, TimeoutError) as e:
+            proc.kill()
+            proc.join()
+            raise RuntimeError(f"child {kind!r} failed (exit code {proc.exitcode}): {e!r}") from e
+        finally:
+            recv.close()
+        proc.join()
+        if status != "ok":
+            raise RuntimeError(f"child {kind!r} failed: {out}")
+        return out
+
+    def _spawn_exec(self, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """``sys.executable save.py --child KIND SPEC.json``: a new interpreter, imports and all."""
         path = os.path.join(self.root, f"child-{kind}.json")
         with open(path, "w") as f:
             json.dump(spec, f)
@@ -720,6 +795,8 @@ class Bench:
                 raise ValueError(kind)
         key, label, note = PROCESS_ROWS[kind]
         info: dict[str, Any] = {}
+        if self.args.spawn == "forkserver":
+            self.forkserver()  # started now, not inside the first round
 
         def run() -> Metrics:
             t0 = perf()
@@ -751,6 +828,8 @@ class Bench:
             "saves": saves,
         }
         info: dict[str, Any] = {"saves": 2 * saves}
+        if self.args.spawn == "forkserver":
+            self.forkserver()
 
         def run() -> Metrics:
             t0 = perf()
@@ -1218,6 +1297,7 @@ def report(bench: Bench) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "rss_method": PeakRSS().method,
             "process_reps": bench.args.process_reps,
+            "spawn": bench.args.spawn,
         },
         "limits": {
             "disk_write_gbps": w_gbps,
@@ -1234,7 +1314,9 @@ def report(bench: Bench) -> dict[str, Any]:
                 "note": r.note,
                 "skipped": r.skipped,
                 "median": {k: median(v) for k, v in r.samples.items()},
-                "gbps": gbps(nb, r.med()) if r.samples.get("secs") else None,
+                "gbps": gbps(nb, r.med())
+                if r.samples.get("secs") and r.group != "memory"
+                else None,
                 "samples": r.samples,
                 "info": r.info,
             }
@@ -1254,6 +1336,7 @@ def report(bench: Bench) -> dict[str, Any]:
 
 def _child_restore(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One restore of ``kind`` in this (fresh) process; see ``Bench.row_process``."""
+    t_start = perf()
     import pitstop
 
     pool = ThreadPoolExecutor(2, thread_name_prefix="child-io")
@@ -1314,6 +1397,7 @@ def _child_restore(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         def verify() -> bool:
             return tensor_digests(state_tensors(model, opt), pool) == spec["digests"]
 
+    t_drop = perf()
     cold = drop_caches()
     with PeakRSS() as rss:
         t0 = perf()
@@ -1321,9 +1405,16 @@ def _child_restore(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         secs = perf() - t0
     for mgr in managers:
         mgr.close()
+    t1 = perf()
+    verified = verify()
+    timings = {
+        "setup_secs": t_drop - t_start,
+        "drop_secs": t0 - t_drop,
+        "verify_secs": perf() - t1,
+    }
     return {
-        "metrics": {"secs": secs, "rss_added": rss.added, **metrics},
-        "verified": verify(),
+        "metrics": {"secs": secs, "rss_added": rss.added, **metrics, **timings},
+        "verified": verified,
         "cold": cold,
         "rss_method": rss.method,
     }
@@ -1367,14 +1458,34 @@ def _child_saves(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def child_main(kind: str, spec_path: str) -> int:
-    with open(spec_path) as f:
-        spec = json.load(f)
+def _child_run(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     out = _child_saves(spec) if kind == "saves" else _child_restore(kind, spec)
-    print(json_line(out), flush=True)
+    out["pid"] = os.getpid()
+    return out
+
+
+def _noop() -> None:
+    pass
+
+
+def _child_entry(kind: str, spec: dict[str, Any], conn: Any) -> None:
+    """A child forked from the fork server: sends ("ok", result) or ("error", traceback)."""
+    try:
+        conn.send(("ok", _child_run(kind, spec)))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def child_main(kind: str, spec_path: str) -> int:
+    """``--child KIND SPEC.json`` (``--spawn exec``): the result as one JSON line on stdout."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    print(json_line(_child_run(kind, spec)), flush=True)
     return 0
 
 
@@ -1398,13 +1509,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--process-reps",
         type=int,
         default=None,
-        help="repetitions of the fresh-process rows, in the first rounds (default: min(reps, 3))",
+        help="repetitions of the fresh-process rows, in the first rounds (default: --reps)",
+    )
+    p.add_argument(
+        "--spawn",
+        choices=("forkserver", "exec"),
+        default="forkserver",
+        help="how the fresh processes start: forked from a fork server that has imported torch "
+        "(default), or a new interpreter each (exec; ~3 s of imports per child)",
     )
     args = p.parse_args(argv)
     args.layers = args.layers or (3 if args.quick else 24)
     args.width = args.width or 2048
     args.reps = args.reps or (3 if args.quick else 5)
-    args.process_reps = min(3 if args.process_reps is None else args.process_reps, args.reps)
+    args.process_reps = min(
+        args.reps if args.process_reps is None else args.process_reps, args.reps
+    )
     args.only = set(args.only.split(",")) if args.only else None
     if args.layers < 1 or args.width < 1 or args.reps < 1 or args.process_reps < 1:
         p.error("--layers, --width, --reps and --process-reps must be positive")
@@ -1416,7 +1536,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         if len(argv) != 3:
             raise SystemExit("usage: save.py --child KIND SPEC.json")
-        return child_main(argv[1], argv[2])
+        rc = child_main(argv[1], argv[2])
+        sys.stderr.flush()
+        os._exit(rc)  # skips interpreter teardown (~0.8 s with torch), untimed anyway
     args = parse_args(argv)
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

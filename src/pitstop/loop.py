@@ -96,6 +96,8 @@ class LoopDriver:
             self.preempted = next((w[1] for w in words if w[1] is not None), None)
         if self.preempted is not None:
             self._save_and_exit(step, state)
+        if not decide and not self.saver.reserving:
+            self.saver.reserve_async(state)  # the arena fills in while training goes on
         result = StepResult.SKIPPED
         if decide:
             t0 = time.perf_counter()

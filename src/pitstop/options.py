@@ -13,7 +13,8 @@ PITSTOP_READ_BUFFERS       IOOptions.read_buffers                 4
 PITSTOP_DIRECT_IO          IOOptions.direct (auto|on|off)         auto
 PITSTOP_MAX_METADATA_BYTES IOOptions.max_metadata_bytes           256 MiB
 PITSTOP_IO_RETRIES         IOOptions.retries                      3
-PITSTOP_MAX_IN_FLIGHT      SaveOptions.max_in_flight              2
+PITSTOP_MAX_IN_FLIGHT      SaveOptions.max_in_flight              1
+PITSTOP_HOST_MEMORY_BYTES  SaveOptions.host_memory_bytes          unset (one arena)
 PITSTOP_OVERLAP            SaveOptions.overlap (1|0)              1
 PITSTOP_BACKGROUND_NICE    SaveOptions.background_nice            10
 PITSTOP_LOG_LEVEL          log level of the ``pitstop`` logger    WARNING
@@ -31,6 +32,7 @@ from typing import Literal
 
 __all__ = [
     "ALIGN_BYTES",
+    "MIN_HOST_MEMORY_BYTES",
     "SEGMENT_BYTES",
     "DirectMode",
     "IOOptions",
@@ -46,6 +48,9 @@ ALIGN_BYTES = 4096
 DirectMode = Literal["auto", "on", "off"]
 
 _MIB = 1 << 20
+
+MIN_HOST_MEMORY_BYTES = 64 * _MIB
+"""The smallest ``SaveOptions.host_memory_bytes``."""
 
 SEGMENT_BYTES = 16 * _MIB
 """Checksum segments are at most this long (or ``chunk_bytes``, if smaller), so that a
@@ -139,8 +144,13 @@ class IOOptions:
 class SaveOptions:
     """How the engine stages and persists a checkpoint.
 
-    ``max_in_flight`` host arenas exist at most: a save beyond that waits for
-    the oldest persist. ``overlap`` lets parameters and optimizer state finish
+    ``max_in_flight`` host arenas of the state's size exist at most (default 1: host
+    memory for saves is the state's size; a save that comes while the previous one still
+    persists waits for it, which the policies' intervals avoid). ``host_memory_bytes``
+    bounds the host memory of saves below that: a state larger than it is staged and
+    written in pieces through a ring buffer of that size (the save then stalls the loop
+    for about the time it takes to write the part that does not fit; the bound holds).
+    ``overlap`` lets parameters and optimizer state finish
     copying while the next forward and backward run (an optimizer step
     pre-hook waits for them); with ``overlap=False`` every byte is copied
     before ``async_save`` returns. ``allow_pickle`` stores values JSON cannot
@@ -157,7 +167,8 @@ class SaveOptions:
     """
 
     io: IOOptions = field(default_factory=IOOptions)
-    max_in_flight: int = 2
+    max_in_flight: int = 1
+    host_memory_bytes: int | None = None
     overlap: bool = True
     allow_pickle: bool = False
     background_nice: int = 10
@@ -167,6 +178,11 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ValueError(f"SaveOptions.max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.host_memory_bytes is not None and self.host_memory_bytes < MIN_HOST_MEMORY_BYTES:
+            raise ValueError(
+                f"SaveOptions.host_memory_bytes must be >= {MIN_HOST_MEMORY_BYTES} (64 MiB: two "
+                f"pieces of at least one checksum segment each), got {self.host_memory_bytes}"
+            )
         if self.replicated not in ("split", "root"):
             raise ValueError(
                 f"SaveOptions.replicated must be 'split' or 'root', got {self.replicated!r}"
@@ -182,6 +198,7 @@ class SaveOptions:
         values: dict[str, object] = {
             "io": io if io is not None else IOOptions.from_env(),
             "max_in_flight": _env_int("PITSTOP_MAX_IN_FLIGHT", cls.max_in_flight),
+            "host_memory_bytes": _env_int("PITSTOP_HOST_MEMORY_BYTES", 0) or None,
             "overlap": _env_int("PITSTOP_OVERLAP", 1) != 0,
             "background_nice": _env_int("PITSTOP_BACKGROUND_NICE", cls.background_nice),
             "replicated": os.environ.get("PITSTOP_REPLICATED", cls.replicated),

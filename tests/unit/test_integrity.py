@@ -89,16 +89,28 @@ def test_flipped_byte_named_in_verify_output(root: str, capsys: pytest.CaptureFi
 
 def test_every_checkpoint_corrupt_raises_instead_of_starting_over(root: str) -> None:
     _save_steps(root, [1])
-    flip_byte(os.path.join(_dir(root, 1), "rank-00000.bin"), 0)
-    # other segments verified and landed beside the damaged one: the error says so
+    manifest = pitstop.CheckpointManager(root).entries()[-1].manifest
+    assert manifest is not None
+    first = min((t for t in manifest.tensors if t.nbytes), key=lambda t: t.offset)
+    last = max(manifest.tensors, key=lambda t: t.offset)
+    data = os.path.join(_dir(root, 1), "rank-00000.bin")
+    flip_byte(data, first.offset)  # found before anything landed: nothing was overwritten
+    with pytest.raises(
+        CorruptCheckpointError, match="no checkpoint passed verification.*checksum mismatch"
+    ):
+        pitstop.CheckpointManager(root).restore(make_state())
+    other = root + "-2"
+    _save_steps(other, [1])
+    data = os.path.join(_dir(other, 1), "rank-00000.bin")
+    flip_byte(data, last.offset + last.nbytes - 1)  # the rest landed before: the error says so
     with pytest.raises(
         PartialRestoreError, match="no checkpoint could be restored.*overwritten.*checksum mismatch"
     ):
-        pitstop.CheckpointManager(root).restore(make_state())
+        pitstop.CheckpointManager(other).restore(make_state())
     with pytest.raises(  # nothing to overwrite in a fresh load
         CorruptCheckpointError, match="no checkpoint passed verification.*checksum mismatch"
     ):
-        pitstop.load(root)
+        pitstop.load(other)
 
 
 def test_segments_cover_large_tensors(root: str) -> None:

@@ -78,7 +78,10 @@ def test_persistent_read_error_raises_and_marks_nothing(root: str, call: str) ->
 def test_damage_is_marked_not_moved_and_shown(root: str, capsys: Any) -> None:
     _saved(root, range(1, 3)).close()
     data = os.path.join(root, "step-0000000002", "rank-00000.bin")
-    flip_byte(data, 100)
+    entry = pitstop.CheckpointManager(root).entries()[-1]
+    assert entry.manifest is not None
+    biggest = max(entry.manifest.tensors, key=lambda t: t.nbytes)
+    flip_byte(data, biggest.offset + 3)
     assert pitstop.load(root, make_state(seed=99)) == 1  # read-only load: falls back, moves nothing
     assert os.path.isdir(os.path.join(root, "step-0000000002"))
     assert os.path.exists(os.path.join(root, "step-0000000002", DAMAGED_MARKER))

@@ -62,13 +62,15 @@ def persist(
     pool: Executor,
     rank: int = 0,
     before_extent: Callable[[Extent], None] | None = None,
+    after_extent: Callable[[Extent], None] | None = None,
     prepare: bool = True,
 ) -> PersistResult:
     """Write this rank's data and objects files durably; return their manifest entries.
 
     ``before_extent`` runs in the writer thread before an extent is written (the saver
     waits there for the extent's tensors to be copied into the arena); the extent is
-    hashed after its write is done, while the other writers' requests are in flight."""
+    hashed after its write is done, while the other writers' requests are in flight, and
+    then ``after_extent`` runs (its bytes in ``view`` may be reused)."""
     hasher = get_checksum(algorithm)
     sums: dict[tuple[int, int], str] = {}
     lock = threading.Lock()
@@ -79,6 +81,8 @@ def persist(
         }
         with lock:
             sums.update(local)  # type: ignore[arg-type]
+        if after_extent is not None:
+            after_extent(extent)
 
     data_name = data_file_name(rank)
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ read buffer), and segments are packed into extents (one write request each) of a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,13 @@ class SavePlan:
     signature: tuple[object, ...]
     stream_nbytes: int | None = None
 
+    def recut(self, chunk_bytes: int) -> SavePlan:
+        """The same layout written in requests of about ``chunk_bytes`` (a checksum segment
+        is never cut): a save staged through a ring smaller than its extents."""
+        segs = [tag for e in self.extents for tag in e.segments]
+        extents = plan_extents(segs, self.file_bytes, chunk_bytes) if self.file_bytes else []
+        return dataclasses.replace(self, extents=tuple(extents))
+
     def segment_count(self, index: int) -> int:
         item = self.items[index]
         return sum(1 for _ in segments(item.offset, item.nbytes, self.segment_bytes))
@@ -81,7 +89,11 @@ def make_plan(
     local tensor, which is all of it)."""
     items: list[PlanItem] = []
     offset = 0
-    for key, t in tensors.items():
+    # the tensors copied before async_save returns come first: writers start on them at
+    # once, and a save staged in pieces (host_memory_bytes) stalls only for their part
+    order = sorted(tensors, key=lambda k: k in deferrable)
+    for key in order:
+        t = tensors[key]
         nbytes = t.numel() * t.element_size()
         items.append(
             PlanItem(

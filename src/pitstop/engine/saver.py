@@ -12,8 +12,12 @@ Threads: ``pitstop-stage`` finishes deferred CPU copies; ``pitstop-persist``
 writes, commits and runs ``on_commit`` (retention) for one save at a time, in
 step order, before the save's handle reports it done (so when ``save()`` or
 ``wait()`` returns, retention for that commit has run); ``pitstop-io`` threads write the extents of a file in parallel.
-Memory: at most ``max_in_flight`` arenas exist; a save that finds them all busy
-waits for the oldest persist to finish. Arenas are reused across saves, never allocated per save.
+Memory: at most ``max_in_flight`` arenas of the state's size exist (default 1); a save
+that finds them all busy waits for the oldest persist to finish. Under
+``host_memory_bytes`` smaller than the state, one arena of that size is a ring through
+which the save is staged and written in pieces. Arenas are reused across saves, never
+allocated per save, and allocated outside the saver's lock (``reserve_async`` does it in
+the background at the manager's first ``step()``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hashlib
 import os
 import threading
 import time
+import typing
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +41,15 @@ from pitstop.engine.collective import agree, commit_together, local_items
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.persist import PersistResult, encode_objects, manifest_for, persist
 from pitstop.engine.plan import PlanCache, SavePlan, plan_from_layout
-from pitstop.engine.stage import StageJob, arena_tensor, pin_arena, stage, unpin_arena
+from pitstop.engine.stage import (
+    Ring,
+    StageJob,
+    arena_tensor,
+    pin_arena,
+    stage,
+    stage_ring,
+    unpin_arena,
+)
 from pitstop.errors import CheckpointError, CheckpointExistsError, DistributedCheckpointError
 from pitstop.format.checksum import default_algorithm
 from pitstop.format.manifest import Lineage, Manifest
@@ -44,7 +57,7 @@ from pitstop.format.names import step_dir_name
 from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent
 from pitstop.log import get_logger
-from pitstop.options import SaveOptions
+from pitstop.options import ALIGN_BYTES, SaveOptions
 from pitstop.ranks.group import Group
 from pitstop.ranks.sharding import assign
 from pitstop.state.tree import Flat, flatten
@@ -98,6 +111,8 @@ class Saver:
         self._cond = threading.Condition()
         self._free: list[Arena] = []
         self._arenas: list[Arena] = []
+        self._slots = 0  # arenas that exist or are being allocated
+        self._reserver: threading.Thread | None = None
         self._buffers: dict[int, torch.Tensor] = {}
         self._inflight: dict[int, SaveHandle] = {}
         self._staging: list[StageJob] = []
@@ -152,7 +167,7 @@ class Saver:
         try:
             flat, plan = self._plan(state, lambda: self._check_new(step, directory), step)
             planned = True  # every rank agreed: from here a failure takes its commit round
-            job, arena = self._stage(flat, plan)
+            job, plan, arena, ring, alloc = self._stage(flat, plan)
         except BaseException as e:
             with self._cond:
                 self._inflight.pop(step, None)
@@ -164,13 +179,20 @@ class Saver:
             self._staging.append(job)
         handle._job = job
         handle.stats.stall_secs = time.perf_counter() - t0
+        handle.stats.alloc_secs = alloc
         handle.stats.nbytes = plan.file_bytes
         self.history.append(handle)
         self._seq += 1
         meta = _Meta(lineage, dict(metrics or {}), self._seq)
         self._persist_pool.submit(
-            self._persist, handle, job, flat, plan, arena, directory, t0, meta
+            self._persist, handle, job, flat, plan, arena, directory, t0, meta, ring
         )
+        try:
+            job.wait_eager()  # staged through a ring: the writers make room as they go
+        except BaseException:
+            handle.wait()  # the persist reports the same failure; let it end first
+            raise
+        handle.stats.stall_secs = time.perf_counter() - t0
         return handle
 
     def _check_new(self, step: int, directory: str) -> None:
@@ -182,24 +204,75 @@ class Saver:
                 step=step, path=f"{self.storage.url}/{directory}", phase="plan",
             )  # fmt: skip
 
-    def _stage(self, flat: Flat, plan: SavePlan) -> tuple[StageJob, Arena]:
-        arena = self._acquire_arena(plan.file_bytes)
+    def _stage(
+        self, flat: Flat, plan: SavePlan
+    ) -> tuple[StageJob, SavePlan, Arena, Ring | None, float]:
+        """Copy the state into an arena (or, under ``host_memory_bytes``, start copying it
+        through a ring, in requests that fit it twice); returns the job, the plan as written,
+        the arena, the ring and the seconds spent on allocation (waiting for the background
+        reservation included)."""
+        t0 = time.perf_counter()
+        if self._reserver is not None:
+            self._reserver.join()
+        waited = time.perf_counter() - t0
+        nbytes, limit = self._arena_for(plan)
+        arena, alloc = self._acquire_arena(nbytes, limit)
+        ring = None
         try:
             buffer = self._buffers[id(arena)]
             if any(t.is_cuda for t in flat.tensors.values()):
                 pin_arena(arena, buffer)
             self._hook_optimizers(flat.optimizers)
-            job = stage(flat, plan, buffer, overlap=self.options.overlap, copier=self._stage_pool)
+            if nbytes >= plan.file_bytes:
+                job = stage(
+                    flat, plan, buffer, overlap=self.options.overlap, copier=self._stage_pool
+                )
+            else:  # the state does not fit: stage and write it in pieces
+                piece = max(ALIGN_BYTES, (nbytes * 4 // 9) // ALIGN_BYTES * ALIGN_BYTES)
+                if max((e.nbytes for e in plan.extents), default=0) > nbytes // 2:
+                    plan = plan.recut(min(piece, self.options.io.chunk_bytes))
+                ring = Ring(plan.extents, buffer, arena.view)
+                job = stage_ring(
+                    flat, plan, ring, overlap=self.options.overlap, copier=self._stage_pool
+                )
         except BaseException:
+            if ring is not None:
+                ring.fail(CheckpointError("staging failed", phase="stage"))
             self._release_arena(arena)
             raise
-        return job, arena
+        return job, plan, arena, ring, waited + alloc
+
+    @property
+    def reserving(self) -> bool:
+        """Whether ``reserve_async`` was called (its arena may still be filling in)."""
+        return self._reserver is not None
+
+    def reserve_async(self, state: Mapping[str, Any]) -> None:
+        """Plan ``state`` now (training thread; collective under torch.distributed) and
+        allocate its arena in the background, once: the manager calls it at its first
+        ``step()``, so that no checkpoint's stall pays for first-touch memory."""
+        if self._reserver is not None or self._closed:
+            return
+        _, plan = self._plan(state)
+        nbytes, limit = self._arena_for(plan)
+
+        def run() -> None:
+            try:
+                arena, secs = self._acquire_arena(nbytes, limit)
+            except Exception as e:  # the first save allocates instead, and says why if it fails
+                _log.warning("could not reserve a %d-byte arena: %r", nbytes, e, phase="stage")
+                return
+            self._release_arena(arena)
+            _log.info("reserved a %d-byte arena in %.2f s", nbytes, secs, phase="stage")
+
+        self._reserver = threading.Thread(target=run, name="pitstop-reserve", daemon=True)
+        self._reserver.start()
 
     def reserve(self, state: Mapping[str, Any]) -> int:
         """Plan ``state`` and allocate its arena now (training thread, before the loop), so that
         the first save does not pay for first-touch memory. Returns the arena's bytes."""
         _, plan = self._plan(state)
-        arena = self._acquire_arena(plan.file_bytes)
+        arena, _ = self._acquire_arena(*self._arena_for(plan))
         self._release_arena(arena)
         return arena.nbytes
 
@@ -308,31 +381,56 @@ class Saver:
                     unpin_arena(arena, self._buffers[id(arena)])
                     arena.close()
                 self._arenas.clear()
+                self._slots = 0
                 self._free.clear()
                 self._buffers.clear()
 
     # ------------------------------------------------------------------ arenas
-    def _acquire_arena(self, nbytes: int) -> Arena:
+    def _acquire_arena(self, nbytes: int, limit: int) -> tuple[Arena, float]:
+        """A free arena of about ``nbytes`` (waiting for one while ``limit`` exist), and the
+        seconds spent allocating it. A new arena is allocated outside the lock: its first
+        touch takes seconds, and the optimizer hook must not wait for it."""
         with self._cond:
             while True:
                 self._check_open()
                 fit = [a for a in self._free if nbytes <= a.nbytes <= 2 * max(nbytes, 1 << 20)]
                 if fit:
-                    arena = fit[0]
-                    self._free.remove(arena)
-                    break
-                if len(self._arenas) < self.options.max_in_flight or self._free:
-                    if len(self._arenas) >= self.options.max_in_flight:
+                    self._free.remove(fit[0])
+                    return fit[0], 0.0
+                if self._slots < limit or self._free:
+                    if self._slots >= limit:
                         self._drop_arena(self._free.pop(0))  # wrong size: replace it
-                    arena = Arena(nbytes)
-                    self._arenas.append(arena)
-                    self._buffers[id(arena)] = arena_tensor(arena)
+                    self._slots += 1  # taken now, so no other thread allocates past the limit
                     break
                 self._cond.wait()
-        return arena
+        t0 = time.perf_counter()
+        try:
+            arena = Arena(nbytes)
+        except BaseException:
+            with self._cond:
+                self._slots -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._arenas.append(arena)
+            self._buffers[id(arena)] = arena_tensor(arena)
+        return arena, time.perf_counter() - t0
+
+    def _arena_for(self, plan: SavePlan) -> tuple[int, int]:
+        """(bytes of the arena a save of ``plan`` uses, how many may exist): the state's size,
+        ``max_in_flight`` of them; under ``host_memory_bytes``, as many as fit, or one ring
+        of that size when the state does not fit."""
+        budget = self.options.host_memory_bytes
+        need = max(plan.file_bytes, 1)
+        if budget is None:
+            return need, self.options.max_in_flight
+        if need <= budget:
+            return need, max(1, min(self.options.max_in_flight, budget // need))
+        return budget - budget % ALIGN_BYTES, 1
 
     def _drop_arena(self, arena: Arena) -> None:
         self._arenas.remove(arena)
+        self._slots -= 1
         buffer = self._buffers.pop(id(arena))
         unpin_arena(arena, buffer)
         del buffer
@@ -374,6 +472,7 @@ class Saver:
         directory: str,
         t0: float,
         meta: _Meta,
+        ring: Ring | None = None,
     ) -> None:
         error: BaseException | None = None
         try:
@@ -383,7 +482,9 @@ class Saver:
             def before_extent(
                 extent: Extent,
             ) -> None:  # writer threads: wait for the extent's items
-                if extent.segments:
+                if ring is not None:
+                    ring.wait_staged(extent)
+                elif extent.segments:
                     job.wait_items(max(tag[0] for _, _, tag in extent.segments))  # type: ignore[index]
 
             def write() -> PersistResult:
@@ -391,11 +492,12 @@ class Saver:
                     self.storage,
                     directory,
                     plan,
-                    arena.view,
+                    arena.view if ring is None else typing.cast(memoryview, ring),
                     objects,
                     algorithm=self.algorithm,
                     pool=self.io_pool,
                     before_extent=before_extent,
+                    after_extent=ring.release if ring is not None else None,
                     rank=self.group.rank,
                     prepare=self.group.size == 1,
                 )
@@ -444,6 +546,8 @@ class Saver:
             )  # fmt: skip
         except BaseException as e:
             error = e
+            if ring is not None:  # a stager waiting for room would wait for ever
+                ring.fail(e)
             job.settle()  # no copy may still write into the arena once it is free
             self._abort(directory)
         finally:

@@ -18,8 +18,10 @@ snapshot equals the state at the step of the save exactly.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import torch
@@ -28,10 +30,11 @@ from pitstop.engine.plan import SavePlan
 from pitstop.faults import killpoint
 from pitstop.format.codec import tensor_view
 from pitstop.io.arena import Arena
+from pitstop.io.parallel import Extent
 from pitstop.log import get_logger
 from pitstop.state.tree import Flat
 
-__all__ = ["StageJob", "arena_tensor", "pin_arena", "stage", "unpin_arena"]
+__all__ = ["Ring", "StageJob", "arena_tensor", "pin_arena", "stage", "stage_ring", "unpin_arena"]
 
 _log = get_logger("pitstop.engine")
 
@@ -90,6 +93,10 @@ class StageJob:
             if self._frontier == len(self._done) and self.copied_at is None:
                 self.copied_at = time.perf_counter()
             self._cond.notify_all()
+
+    def wait_eager(self) -> None:
+        """Training thread, once the writers run: the eager tensors are in the arena (a save
+        staged through a ring waits here for room; otherwise they already are)."""
 
     def settle(self) -> None:
         """Wait until no copy into the arena is running any more, whatever its outcome."""
@@ -222,3 +229,155 @@ def _stage_cuda(
             job.mark(index)
 
     threading.Thread(target=finish, name="pitstop-stage-cuda", daemon=True).start()
+
+
+class Ring:
+    """A staging buffer smaller than the data file (``SaveOptions.host_memory_bytes``).
+
+    Extent ``k`` of the plan is staged at ``pos[k]``, positions running round the buffer,
+    and may be staged only once every earlier extent whose bytes it overwrites has been
+    written and hashed (``release``). The writers see the buffer laid out as the file
+    (``view``), the extent they write mapped to where it is staged.
+    """
+
+    def __init__(self, extents: tuple[Extent, ...], buffer: torch.Tensor, view: memoryview) -> None:
+        self.extents, self.buffer, self._view = extents, buffer, view
+        self.starts = [e.start for e in extents]
+        self.pos: list[int] = []
+        self.after: list[int] = []  # the last earlier extent sharing bytes with it, or -1
+        placed: list[tuple[int, int, int]] = []  # (start, end, index) of the current lap
+        at = 0
+        for k, e in enumerate(extents):
+            if at + e.nbytes > len(view):
+                at = 0
+            lo, hi = at, at + e.nbytes
+            self.after.append(max((j for s, t, j in placed if s < hi and lo < t), default=-1))
+            placed = [p for p in placed if not (p[0] < hi and lo < p[1])] + [(lo, hi, k)]
+            self.pos.append(at)
+            at = hi
+        self._cond = threading.Condition()
+        self._staged = [False] * len(extents)
+        self._released = [False] * len(extents)
+        self._error: BaseException | None = None
+
+    def __getitem__(self, key: slice) -> memoryview:
+        """Bytes ``key`` of the file, where they are staged (within one extent)."""
+        if key.start is None:  # the whole file (``view[:file_bytes]``, as persist passes it)
+            return self  # type: ignore[return-value]
+        k = bisect.bisect_right(self.starts, key.start) - 1
+        base = self.pos[k] - self.extents[k].start
+        return self._view[base + key.start : base + key.stop]
+
+    def stage(self, k: int, copy: Callable[[torch.Tensor], None]) -> None:
+        """Stage thread: wait until extent ``k``'s place is free, ``copy`` into it, mark it."""
+        with self._cond:
+            j = self.after[k]
+            self._cond.wait_for(lambda: self._error is not None or j < 0 or self._released[j])
+            if self._error is not None:
+                raise self._error
+        e = self.extents[k]
+        copy(self.buffer[self.pos[k] : self.pos[k] + e.nbytes])
+        with self._cond:
+            self._staged[k] = True
+            self._cond.notify_all()
+
+    def wait_staged(self, extent: Extent) -> None:
+        """Writer thread, before writing ``extent``."""
+        k = bisect.bisect_right(self.starts, extent.start) - 1
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or self._staged[k])
+            if self._error is not None and not self._staged[k]:
+                raise self._error
+
+    def release(self, extent: Extent) -> None:
+        """Writer thread, once ``extent`` is written and hashed: its place may be reused."""
+        k = bisect.bisect_right(self.starts, extent.start) - 1
+        with self._cond:
+            self._released[k] = True
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Whatever waits on the ring stops waiting (a failed copy or write)."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+
+
+def stage_ring(
+    flat: Flat, plan: SavePlan, ring: Ring, *, overlap: bool, copier: Executor
+) -> StageJob:
+    """Stage through ``ring``, extent by extent, on the stage thread. The caller starts the
+    writers, then ``job.wait_eager()`` returns once the eager tensors (which come first in
+    the plan) are staged: the loop stalls for as much of the write as it takes to make room
+    for them. Deferred tensors follow while training goes on; the optimizer step pre-hook
+    waits for all of them, as with a whole arena."""
+    t0 = time.perf_counter()
+    job = StageJob(len(plan.items))
+    eager_end = 0  # the byte after the last eager item
+    for item in plan.items:
+        if item.nbytes and not (overlap and item.deferrable):
+            eager_end = max(eager_end, item.offset + item.nbytes)
+    ends = {i: item.offset + item.nbytes for i, item in enumerate(plan.items)}
+    for i, item in enumerate(plan.items):
+        if item.nbytes == 0:
+            job.mark(i)
+    eager_done = threading.Event()
+    sources: dict[int, torch.Tensor] = {}
+
+    def source(i: int) -> torch.Tensor:
+        if i not in sources:
+            sources[i] = _flat_bytes(plan.items[i].source(flat.tensors[plan.items[i].key]))
+        return sources[i]
+
+    def run() -> None:
+        try:
+            with torch.no_grad():
+                for k, e in enumerate(plan.extents):
+                    parts = [
+                        (i, max(item.offset, e.start), min(item.offset + item.nbytes, e.end))
+                        for i, item in enumerate(plan.items)
+                        if item.nbytes
+                        and item.offset < e.end
+                        and e.start < item.offset + item.nbytes
+                    ]
+
+                    def copy(
+                        dst: torch.Tensor,
+                        parts: list[tuple[int, int, int]] = parts,
+                        at: int = e.start,
+                    ) -> None:
+                        for i, lo, hi in parts:
+                            off = plan.items[i].offset
+                            dst[lo - at : hi - at].copy_(source(i)[lo - off : hi - off])
+
+                    ring.stage(k, copy)
+                    for i, _, hi in parts:
+                        if hi == ends[i]:
+                            sources.pop(i, None)
+                            job.mark(i)
+                    if e.end >= eager_end:
+                        eager_done.set()
+        except BaseException as err:
+            job.fail(err)
+            ring.fail(err)
+            raise
+        finally:
+            eager_done.set()
+
+    def wait_eager() -> None:
+        eager_done.wait()
+        job.eager_secs = time.perf_counter() - t0
+        future = job._future
+        if future is not None and future.done() and future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
+
+    job._future = copier.submit(run)
+    job._future.add_done_callback(job._on_copy_done)
+    job.wait_eager = wait_eager  # type: ignore[method-assign]
+    return job
