@@ -21,10 +21,14 @@ final JSON line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
+import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -160,26 +164,286 @@ class EveryTen:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+# --------------------------------------------------------------------------- drift
+
+DRIFT_ITERS, DRIFT_CHUNK = 240, 40  # default: about 2.5 minutes, both halves
+DRIFT_QUICK_ITERS, DRIFT_QUICK_CHUNK = 80, 20  # --quick: under a minute
+DRIFT_BATCH = 512  # 2048 x 2 layers: ~100 MB of state (model + Adam), ~0.2-0.3 s iterations
+
+_BURN = (
+    "import os\n"
+    "parent, n = os.getppid(), 0\n"
+    "while True:\n"
+    "    n += 1\n"
+    "    if n & 0xFFFFF == 0 and os.getppid() != parent:\n"
+    "        break  # orphaned: the benchmark died without stopping us\n"
+)
+
+
+class Neighbour:
+    """A process burning one core in a busy loop, started and stopped on demand.
+
+    Always stopped by ``close()`` (the drift case calls it in ``finally``, so also on
+    Ctrl-C); if the benchmark is killed outright, the process notices it was orphaned
+    and exits within a fraction of a second."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def set(self, on: bool) -> None:
+        if on and self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-S", "-c", _BURN],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+            self.starts += 1
+        elif not on and self.proc is not None:
+            proc, self.proc = self.proc, None
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        self.set(False)
+
+
+def neighbour_schedule(
+    n: int, iter_secs: float, rng: random.Random, lo: float = 3.0, hi: float = 15.0
+) -> list[bool]:
+    """Neighbour on/off for each of n iterations: alternating segments of lo..hi seconds
+    (counted in iterations of ``iter_secs``, so runs that replay it see the same pattern)."""
+    states: list[bool] = []
+    on = rng.random() < 0.5
+    while len(states) < n:
+        states += [on] * max(1, round(rng.uniform(lo, hi) / iter_secs))
+        on = not on
+    return states[:n]
+
+
+def _nearest_median(walls: list[float], usable: list[bool], i: int, count: int = 6) -> float:
+    """Median of the ``count`` usable iterations nearest to i (either side)."""
+    near = sorted((abs(j - i), walls[j]) for j in range(len(walls)) if usable[j] and j != i)
+    return statistics.median(w for _, w in near[:count]) if near else walls[i]
+
+
+def drift_case(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """CheckFreq(0.02) on a drifting machine: one run of ``ckpt.step`` every iteration while a
+    neighbour process burning a core is started and stopped at random (seeded) times.
+
+    The run is cut into chunks; each chunk is run twice back to back (order alternating),
+    once with ``ckpt.step`` and once without, with the same neighbour pattern by iteration
+    index. Measured overhead (the target) is in-run and paired: per checkpoint, the time
+    ``ckpt.step`` blocked plus the excess of every iteration while its persist was in flight
+    over the nearest quiet iterations *with the same neighbour state*, plus any wait for it
+    at a chunk's end; plus ``ckpt.step``'s own bookkeeping on the other iterations. The A/B
+    wall-clock comparison of the chunks is printed as a cross-check (noisier: the two halves
+    of a pair are up to a chunk apart, and the host drifts on its own too).
+    """
+    largs = argparse.Namespace(
+        width=args.drift_width, layers=args.drift_layers, batch=args.drift_batch
     )
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--segment", type=int, default=None, help="iterations per segment")
-    p.add_argument("--pairs", type=int, default=None, help="pairs of segments per configuration")
-    p.add_argument("--dir", default=None)
-    p.add_argument("--only", default=None, help="run only configurations whose name contains this")
-    args = p.parse_args(argv)
-    args.width = args.width or (1536 if args.quick else 2048)
-    args.layers = args.layers or (3 if args.quick else 7)
-    args.batch = args.batch or (128 if args.quick else 256)
-    args.segment = args.segment or (8 if args.quick else 24)
-    args.pairs = args.pairs or (2 if args.quick else 3)
-    torch.set_num_threads(2)
-    root = args.dir or tempfile.mkdtemp(prefix="pitstop-overhead-")
+    loop = Loop(largs, root)
+    for _ in range(3):
+        loop.train_step()
+    nominal = loop.plain(5) / 5
+    n, chunk = args.drift_iters, args.drift_chunk
+    rng = random.Random(args.drift_seed)
+    sched = neighbour_schedule(n, nominal, rng)
+    log(
+        f"drift: state {loop.state_bytes / 1e6:.0f} MB, {nominal:.3f} s per quiet iteration; "
+        f"{n} iterations in chunks of {chunk}, each also run without checkpoints; "
+        f"neighbour on for {sum(sched)} of them"
+    )
+    policy = CheckFreq(0.02)
+    ckpt = pitstop.CheckpointManager(loop.fresh_dir("drift"), policy=policy, keep_last=2)
+    neighbour = Neighbour()
+    walls: list[float] = []  # per iteration with checkpoints: train_step + ckpt.step
+    calls: list[float] = []  # the ckpt.step call alone
+    busy: list[bool] = []  # a save was in flight during it (or started at it)
+    saved: list[bool] = []
+    first_in_chunk: list[bool] = []
+    waits: dict[int, float] = {}  # iteration index -> wait for the persist at chunk end
+    saves: list[dict[str, Any]] = []
+    changes: list[tuple[int, int | None, float | None]] = []  # (step, interval, cost) changes
+    pairs: list[tuple[float, float]] = []
+    inflight: list[Any] = []
+
+    def with_ckpt(steps: range) -> float:
+        total = 0.0
+        for i in steps:
+            neighbour.set(sched[i])
+            was_busy = any(not h.done() for h in inflight)
+            t0 = time.perf_counter()
+            loss = loop.train_step()
+            t1 = time.perf_counter()
+            result = ckpt.step(i + 1, loop.state, loss=loss)
+            t2 = time.perf_counter()
+            total += t2 - t0
+            walls.append(t2 - t0)
+            calls.append(t2 - t1)
+            busy.append(was_busy or bool(result))
+            saved.append(bool(result))
+            first_in_chunk.append(i == steps.start)
+            inflight[:] = [h for h in inflight if not h.done()]
+            if result:
+                inflight.append(ckpt.history[-1])
+                saves.append({"step": i + 1, "neighbour": sched[i], "interval": policy.interval})
+            if not changes or changes[-1][1:] != (policy.interval, policy.cost_secs):
+                changes.append((i + 1, policy.interval, policy.cost_secs))
+        t0 = time.perf_counter()
+        ckpt.wait()  # the chunk pays for its last persist
+        waited = time.perf_counter() - t0
+        ckpt.pause()  # the chunk without checkpoints is not one long iteration
+        inflight.clear()
+        waits[len(walls) - 1] = waited
+        return total + waited
+
+    def without(steps: range) -> float:
+        total = 0.0
+        for i in steps:
+            neighbour.set(sched[i])
+            t0 = time.perf_counter()
+            loop.train_step()
+            total += time.perf_counter() - t0
+        return total
+
+    t_start = time.perf_counter()
+    try:
+        for c, start in enumerate(range(0, n, chunk)):
+            steps = range(start, min(start + chunk, n))
+            if c % 2 == 0:
+                tw = with_ckpt(steps)
+                to = without(steps)
+            else:
+                to = without(steps)
+                tw = with_ckpt(steps)
+            pairs.append((tw, to))
+            log(
+                f"drift: chunk {c + 1}: {tw:.1f} s with, {to:.1f} s without ({100 * (tw / to - 1):+.1f} %), "
+                f"interval {policy.interval}, checkpoints so far {len(saves)}"
+            )
+        stats = ckpt.stats()
+        handles = ckpt.history
+    finally:
+        neighbour.close()  # also on Ctrl-C or an error
+        ckpt.close()
+    elapsed = time.perf_counter() - t_start
+
+    # in-run, paired: what each checkpoint cost the loop
+    on = sched[:n]
+    quiet = [not b and not f for b, f in zip(busy, first_in_chunk, strict=True)]
+    costs: list[float] = []
+    stall_secs = slow_secs = 0.0
+    for i in range(n):
+        if saved[i]:
+            costs.append(0.0)
+            stall_secs += calls[i]
+        if busy[i] and costs:
+            same = [q and o == on[i] for q, o in zip(quiet, on, strict=True)]
+            base = _nearest_median(walls, same if sum(same) >= 3 else quiet, i)
+            excess = walls[i] - base
+            costs[-1] += excess
+            if not saved[i]:
+                slow_secs += excess
+        if costs and i in waits:
+            costs[-1] += waits[i]
+            slow_secs += waits[i]
+    bookkeeping = sum(c for c, s in zip(calls, saved, strict=True) if not s)
+    ckpt_secs = sum(costs)
+    with_total = sum(tw for tw, _ in pairs)
+    clean = with_total - ckpt_secs - bookkeeping
+    overhead = (ckpt_secs + bookkeeping) / clean
+    it = clean / n
+    quiet_walls = [w for w, q in zip(walls, quiet, strict=True) if q]
+
+    # the interval the budget allows, from the same run's measurements
+    persists = [max(h.stats.total_secs - h.stats.stall_secs, 0.0) for h in handles]
+    persist = statistics.median(persists) if persists else 0.0
+    cost = ckpt_secs / len(costs) if costs else 0.0
+    k_budget = cost / (0.02 * it)
+    k_persist = persist / it + 1
+    k_allowed = max(1.0, k_budget, k_persist)
+    steps_saved = [s["step"] for s in saves]
+    gaps = [b - a for a, b in itertools.pairwise(steps_saved)]
+    tail = n - steps_saved[-1] if steps_saved else n
+    mean_interval = (
+        (n - steps_saved[0]) / (len(steps_saved) - 1) if len(steps_saved) > 1 else float(n)
+    )
+    late_gaps = [*gaps[2:], tail]  # after the first few (probe and doublings); the open tail too
+    longest = max(late_gaps)
+    ratio = mean_interval / k_allowed
+
+    # A/B cross-check
+    ab = [tw / to - 1 for tw, to in pairs]
+    ab_total = with_total / sum(to for _, to in pairs) - 1
+    ab_err = statistics.stdev(ab) / math.sqrt(len(ab)) if len(ab) > 1 else float("nan")
+
+    for s, h in zip(saves, handles[-len(saves) :] if saves else [], strict=True):
+        s["stall_secs"] = round(h.stats.stall_secs, 4)
+        s["persist_secs"] = round(max(h.stats.total_secs - h.stats.stall_secs, 0.0), 3)
+    for s, c in zip(saves, costs, strict=True):
+        s["cost_secs"] = round(c, 3)
+    log("drift: interval changes (step, interval, policy's cost s): " + ", ".join(
+        f"({s}, {k}, {'-' if c is None else f'{c:.3f}'})" for s, k, c in changes
+    ))  # fmt: skip
+    log("drift: checkpoints " + json.dumps(saves))
+    print(
+        f"\ndrift: {n} iterations in {elapsed:.0f} s (both halves), neighbour on for {sum(on)} "
+        f"({neighbour.starts} starts); {len(saves)} checkpoints at steps {steps_saved}"
+    )
+    print(
+        f"drift: measured (in-run, paired) overhead {100 * overhead:.2f} %: "
+        f"{stall_secs:.2f} s stalls + {slow_secs:.2f} s slower iterations during persists "
+        f"+ {bookkeeping:.2f} s ckpt.step bookkeeping over {clean:.1f} s of training"
+    )
+    print(
+        f"drift: A/B wall clock (cross-check, noisy) {100 * ab_total:+.2f} % "
+        f"(+- {100 * ab_err:.1f} % std. error; pairs {' '.join(f'{100 * r:+.1f}' for r in ab)})"
+    )
+    print(
+        f"drift: profiler: overhead {100 * stats.overhead:.2f} %, cost/ckpt "
+        f"{stats.checkpoint_cost_secs if stats.checkpoint_cost_secs is None else round(stats.checkpoint_cost_secs, 3)} s, "
+        f"stall {stats.stall_secs or 0:.3f} s, persist {stats.persist_secs or 0:.2f} s, "
+        f"iteration {stats.iter_secs or 0:.3f} s, interval {policy.interval}"
+    )
+    print(
+        f"drift: cost/ckpt {cost:.3f} s (median {statistics.median(costs) if costs else 0:.3f}), "
+        f"iteration {it:.3f} s (quiet median {statistics.median(quiet_walls or [it]):.3f}), persist "
+        f"{persist:.2f} s -> k_allowed {k_allowed:.1f} (budget {k_budget:.1f}, persist {k_persist:.1f}); "
+        f"mean interval {mean_interval:.1f} -> ratio {ratio:.2f}; gaps {gaps} + open {tail}, "
+        f"longest after the first few {longest} = {longest / k_allowed:.1f} x k_allowed"
+    )
+    verdict = "PASS" if overhead <= 0.03 else "MISS"
+    print(f"drift_overhead {100 * overhead:.2f}% (target <= 3%): {verdict}")
+    verdict = "PASS" if ratio <= 2 else "MISS"
+    print(f"drift_interval_ratio {ratio:.2f} (mean interval / k_allowed, target <= 2): {verdict}")
+    verdict = "PASS" if longest <= 4 * k_allowed else "MISS"
+    print(f"drift_longest_gap {longest / k_allowed:.1f} x k_allowed (target <= 4): {verdict}")
+    return {
+        "overhead": overhead, "interval_ratio": ratio, "iterations": n, "chunk": chunk,
+        "state_bytes": loop.state_bytes, "iter_secs": it, "neighbour_on": sum(on),
+        "neighbour_starts": neighbour.starts, "checkpoints": len(saves), "steps": steps_saved,
+        "cost_secs": cost, "stall_secs": stall_secs, "slowdown_secs": slow_secs,
+        "bookkeeping_secs": bookkeeping, "persist_secs": persist, "k_allowed": k_allowed,
+        "k_budget": k_budget, "k_persist": k_persist, "mean_interval": mean_interval,
+        "longest_gap": longest, "ab_overhead": ab_total, "ab_pairs": ab,
+        "profiler_overhead": stats.overhead, "profiler_cost_secs": stats.checkpoint_cost_secs,
+        "final_interval": policy.interval, "elapsed_secs": elapsed,
+    }  # fmt: skip
+
+
+CONFIGS = (
+    "pitstop EveryN(1)",
+    "pitstop EveryN(10)",
+    "pitstop CheckFreq(0.02)",
+    "DCP async_save every 10",
+    "torch.save every 10",
+)
+
+
+def pairs_case(args: argparse.Namespace, root: str, names: list[str]) -> dict[str, Any]:
+    """The configurations, each in pairs of segments with and without checkpoints."""
     loop = Loop(args, root)
     for _ in range(3):
         loop.train_step()  # warm up the allocator and kernels
@@ -190,8 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "DCP async_save every 10": lambda: EveryTen(loop, "dcp"),
         "torch.save every 10": lambda: EveryTen(loop, "torch"),
     }
-    if args.only:
-        configs = {k: v for k, v in configs.items() if args.only in k}
+    configs = {k: v for k, v in configs.items() if k in names}
     seg, pairs = args.segment, args.pairs
     log(
         f"state {loop.state_bytes / 1e6:.0f} MB; {pairs} pairs of {seg}-iteration segments per configuration"
@@ -239,8 +502,9 @@ def main(argv: list[str] | None = None) -> int:
             "overhead": overhead, "pairs": ratios, "checkpoints_per_segment": statistics.median(counts),
             "interval": interval, "stall_secs": stall,
         }  # fmt: skip
-    results["iter_secs"] = statistics.median(base_iters)
-    print(f"an iteration takes {results['iter_secs']:.3f} s without checkpoints (median)")
+    results["iter_secs"] = statistics.median(base_iters) if base_iters else None
+    if base_iters:
+        print(f"an iteration takes {results['iter_secs']:.3f} s without checkpoints (median)")
     runs = results["runs"]
     if "pitstop CheckFreq(0.02)" in runs:
         cf = runs["pitstop CheckFreq(0.02)"]["overhead"]
@@ -255,8 +519,59 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"pitstop every 10 {100 * p10:.2f}% vs DCP async_save every 10 {100 * d10:.2f}%: {verdict}"
         )
-    if args.dir is None:
-        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--segment", type=int, default=None, help="iterations per segment")
+    p.add_argument("--pairs", type=int, default=None, help="pairs of segments per configuration")
+    p.add_argument("--dir", default=None)
+    p.add_argument(
+        "--only",
+        default=None,
+        help="run only configurations whose name contains this ('drift': only the drift case)",
+    )
+    p.add_argument("--drift-iters", type=int, default=None, help="iterations of the drift case")
+    p.add_argument("--drift-chunk", type=int, default=None, help="iterations per drift chunk")
+    p.add_argument("--drift-seed", type=int, default=0, help="seed of the neighbour's schedule")
+    p.add_argument("--drift-width", type=int, default=2048)
+    p.add_argument("--drift-layers", type=int, default=2)
+    p.add_argument("--drift-batch", type=int, default=None)
+    args = p.parse_args(argv)
+    args.width = args.width or (1536 if args.quick else 2048)
+    args.layers = args.layers or (3 if args.quick else 7)
+    args.batch = args.batch or (128 if args.quick else 256)
+    args.segment = args.segment or (8 if args.quick else 24)
+    args.pairs = args.pairs or (2 if args.quick else 3)
+    args.drift_iters = args.drift_iters or (DRIFT_QUICK_ITERS if args.quick else DRIFT_ITERS)
+    args.drift_chunk = args.drift_chunk or (DRIFT_QUICK_CHUNK if args.quick else DRIFT_CHUNK)
+    args.drift_batch = args.drift_batch or DRIFT_BATCH
+    torch.set_num_threads(2)
+    root = args.dir or tempfile.mkdtemp(prefix="pitstop-overhead-")
+    names = [k for k in CONFIGS if not args.only or args.only in k]
+    results: dict[str, Any] = {}
+    try:
+        if names:
+            t0 = time.perf_counter()
+            results = pairs_case(args, root, names)
+            log(f"configurations took {time.perf_counter() - t0:.0f} s")
+        if not args.only or args.only in "drift":
+            t0 = time.perf_counter()
+            drift = drift_case(args, root)
+            log(f"drift case took {time.perf_counter() - t0:.0f} s")
+            results["drift_overhead"] = drift["overhead"]
+            results["drift_interval_ratio"] = drift["interval_ratio"]
+            results["drift"] = drift
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(results))
     return 0
 
