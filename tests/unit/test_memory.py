@@ -158,3 +158,32 @@ def test_allocation_is_not_counted_as_stall(root: str) -> None:
         measured = ckpt.stats()
         assert measured.stall_secs is not None
         assert measured.stall_secs <= stats.stall_secs - stats.alloc_secs + 0.05
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_ring_place_is_reused_only_after_every_writer_of_it_finished(seed: int) -> None:
+    """Whatever the extent sizes, staging extent k waits for every earlier extent that last
+    held any of the bytes it overwrites (writers finish out of order, so the newest one
+    alone is not enough)."""
+    import random
+
+    from pitstop.engine.stage import Ring
+    from pitstop.io.parallel import Extent
+
+    rng = random.Random(seed)
+    page = 4096
+    sizes = [rng.choice([1, 3, 8, 12, 16, 20]) * page for _ in range(40)]
+    ring_bytes = 32 * page
+    extents, at = [], 0
+    for n in sizes:
+        extents.append(Extent(at, at + n))
+        at += n
+    buffer = torch.zeros(ring_bytes, dtype=torch.uint8)
+    ring = Ring(tuple(extents), buffer, memoryview(buffer.numpy()))
+    owner = [-1] * (ring_bytes // page)  # which extent last held each page
+    for k, e in enumerate(extents):
+        pages = range(ring.pos[k] // page, (ring.pos[k] + e.nbytes) // page)
+        holders = {owner[p] for p in pages} - {-1}
+        assert holders <= set(ring.after[k]), (k, holders, ring.after[k])
+        for p in pages:
+            owner[p] = k

@@ -279,7 +279,12 @@ def test_checkfreq_reprobes_when_its_estimate_is_old() -> None:
 
 
 def _noisy_run(
-    policy: CheckFreq | YoungDaly | ValueAware, *, steps: int, seed: int, first_stall: float = 0.45
+    policy: CheckFreq | YoungDaly | ValueAware,
+    *,
+    steps: int,
+    seed: int,
+    first_stall: float = 0.45,
+    stall: float = 0.05,
 ) -> tuple[list[int], float, float]:
     """The loop's profiler and ``policy`` on a synthetic machine: 0.3 s iterations that drift
     by +-20 % in segments of 20-80 iterations (no checkpoint involved) with +-5 % noise; a
@@ -325,14 +330,14 @@ def _noisy_run(
             measured_cost_step=snap.checkpoint_cost_step,
         )  # fmt: skip
         if policy.decide(c) and pending is None:
-            stall = first_stall if not saved else 0.05
+            lost = first_stall if not saved else stall
             prof.save_started()
-            prof.stall(stall)
-            extra_total += stall
+            prof.stall(lost)
+            extra_total += lost
             saved.append(step)
             last_ckpt, persist_left, since = step, 1.0, 0.0
-            pending = SaveStats(step=step, stall_secs=stall, total_secs=stall + 1.0)
-    one_off = first_stall - 0.05 if saved else 0.0  # not the policy's doing
+            pending = SaveStats(step=step, stall_secs=lost, total_secs=lost + 1.0)
+    one_off = first_stall - stall if saved else 0.0  # not the policy's doing
     return saved, (extra_total - one_off) / base_total, base_total / steps
 
 
@@ -353,6 +358,17 @@ def test_checkfreq_is_not_stalled_by_a_slow_first_save() -> None:
     gaps = [b - a for a, b in itertools.pairwise(saved)]
     assert len(saved) >= 10 and max(gaps) <= 4 * 0.15 / (0.02 * mean_iter), gaps
     assert overhead <= 0.03, overhead
+
+
+def test_checkfreq_keeps_its_budget_when_the_interval_is_longer_than_its_horizon() -> None:
+    # 2 s stalls: the budget allows one checkpoint every ~2.1 / (0.02 x 0.3) = 350 iterations,
+    # so each measurement is older than cost_horizon=200 before the next one comes
+    policy = CheckFreq(0.02, cost_horizon=200)
+    saved, overhead, mean_iter = _noisy_run(policy, steps=6000, seed=4, first_stall=2.0, stall=2.0)
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
+    allowed = 2.1 / (0.02 * mean_iter)
+    assert min(gaps[6:]) >= allowed / 2, gaps  # it does not fall back to short intervals
+    assert overhead <= 0.03, (overhead, gaps)
 
 
 @pytest.mark.parametrize("policy", [YoungDaly(mtbf_secs=300.0), ValueAware(mtbf_secs=300.0)])

@@ -175,3 +175,89 @@ def test_a_state_that_does_not_fit_is_refused_before_any_data_is_read(root: str)
         ckpt.restore(live)
     assert faulty.by_call["open_data"] == faulty.by_call["read_into"] == 0
     assert _bits(live) == before
+
+
+def test_live_weights_tied_but_saved_apart_restore_like_load_state_dict(root: str) -> None:
+    """Two saved tensors, one live memory: the last one the apply pass copies wins, every
+    time (reader threads landing both into it would leave a mix)."""
+    torch.manual_seed(0)
+    saved = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, saved)
+    for _ in range(5):
+        shared = torch.zeros(256, 256)
+        live = {"a": shared, "b": shared}
+        with pitstop.CheckpointManager(root, options=_small_reads(64 * KIB, count=4)) as ckpt:
+            ckpt.restore(live)
+        assert torch.equal(shared, saved["b"])
+
+
+def test_a_partial_restore_reads_only_what_it_loads(root: str) -> None:
+    from pitstop.storage.wrap import StorageWrapper
+
+    saved = _state(0)
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, saved)
+    read = [0]
+
+    class Counting(StorageWrapper):
+        def _call(self, name: str, fn: Any) -> Any:
+            if name != "read_into":
+                return fn
+
+            def counted(offset: int, out: Any) -> int:
+                n = int(fn(offset, out))
+                read[0] += n
+                return n
+
+            return counted
+
+    live = {"model": _state(5)["model"]}
+    with pitstop.CheckpointManager(Counting(LocalStorage(root))) as ckpt:
+        assert ckpt.restore(live, strict=False) == 1
+    model = [v.numpy().tobytes() for v in saved["model"].state_dict().values()]
+    assert [v.numpy().tobytes() for v in live["model"].state_dict().values()] == model
+    total = sum(len(b) for b in _bits(saved).values())
+    # the model's bytes (and the padding between them), not the optimizer's moments
+    assert read[0] < sum(len(b) for b in model) + 64 * KIB < total / 2, (read[0], total)
+
+
+def test_after_bytes_landed_a_fallback_that_lacks_keys_says_so(root: str) -> None:
+    one = {"w": torch.randn(1000)}
+    two = {"w": torch.randn(1000), "ema": torch.randn(1000), "z": torch.randn(1000)}
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, one)
+        ckpt.save(2, two)
+    entry = pitstop.CheckpointManager(root).entries()[-1]
+    assert entry.manifest is not None
+    last = max(entry.manifest.tensors, key=lambda t: t.offset)
+    flip_byte(os.path.join(root, entry.name, last.file), last.offset + 4)
+    live = {"w": torch.zeros(1000), "ema": torch.zeros(1000), "z": torch.zeros(1000)}
+    with (
+        pitstop.CheckpointManager(root) as ckpt,
+        pytest.raises(PartialRestoreError, match="lacks ema"),
+    ):
+        ckpt.restore(live, strict=False)
+
+
+def test_after_bytes_landed_an_older_one_that_does_not_fit_says_so(root: str) -> None:
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, {"w": torch.randn(1000), "v": torch.randn(10)})
+        ckpt.save(2, {"w": torch.randn(1000), "v": torch.randn(20)})
+    entry = pitstop.CheckpointManager(root).entries()[-1]
+    assert entry.manifest is not None
+    last = max(entry.manifest.tensors, key=lambda t: t.offset)
+    flip_byte(os.path.join(root, entry.name, last.file), last.offset + 4)
+    live = {"w": torch.zeros(1000), "v": torch.zeros(20)}
+    with pitstop.CheckpointManager(root) as ckpt, pytest.raises(StateMismatchError) as info:
+        ckpt.restore(live)
+    assert info.value.live_overwritten and "already written into the live state" in str(info.value)
+
+
+def test_a_state_on_the_meta_device_is_refused(root: str) -> None:
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, {"model": nn.Linear(4, 4)})
+    with torch.device("meta"):
+        ghost = nn.Linear(4, 4)
+    with pytest.raises(StateMismatchError, match="meta device"):
+        pitstop.load(root, {"model": ghost})

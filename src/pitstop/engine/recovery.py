@@ -28,6 +28,7 @@ from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DistributedCheckpointError,
@@ -126,6 +127,8 @@ def recover(
             kinds = {o[0] for o in outcomes}
             if "raise" in kinds:
                 if error is not None:
+                    if partial and isinstance(error, CheckpointError):
+                        _say_overwritten(error)
                     raise error
                 bad = [r for r, o in enumerate(outcomes) if o[0] == "raise"]
                 raise DistributedCheckpointError(
@@ -151,6 +154,15 @@ def recover(
                 result.skipped.append((entry.name, f"load failed part way: {why}"))
                 continue
             entry = loaded if loaded is not None else entry
+            missing = list(getattr(value[1], "missing", None) or []) if value else []
+            if partial and missing:  # a damaged newer one may have written what this one lacks
+                raise PartialRestoreError(
+                    f"restored {entry.name}, but a newer checkpoint that failed verification "
+                    f"had already written into the live state, and {entry.name} lacks "
+                    f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: they may hold "
+                    f"its bytes; do not train from it ({_reasons(result.skipped)})",
+                    step=entry.step, path=catalog.storage.url, phase="restore",
+                )  # fmt: skip
             result.value = value
             result.step, result.name, result.manifest = entry.step, entry.name, entry.manifest
             if rollback:
@@ -179,6 +191,17 @@ def recover(
     raise CorruptCheckpointError(
         f"no checkpoint passed verification ({reasons})", path=catalog.storage.url, phase="restore"
     )
+
+
+def _say_overwritten(error: CheckpointError) -> None:
+    """An older candidate failed after a newer one had written into the live state."""
+    if not error.live_overwritten:
+        error.live_overwritten = True
+        error.message += (
+            "; a newer checkpoint that failed verification had already written into the "
+            "live state: do not train from it"
+        )
+        error.args = (error.message,)
 
 
 def _first(outcomes: list[tuple[Any, ...]], kind: str) -> str:

@@ -184,13 +184,20 @@ class Landing:
     ``deliver`` is called from reader threads (disjoint bytes); ``touched`` says whether any
     byte of the live state was overwritten."""
 
-    def __init__(self, layout: ReadLayout, targets: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        layout: ReadLayout,
+        targets: Mapping[str, torch.Tensor],
+        used: set[str] | None = None,
+    ) -> None:
         self.touched = False
         self._dest: dict[str, torch.Tensor] = {}
         self._live: set[str] = set()
         self._sink: dict[tuple[str, int], tuple[torch.Tensor, int, bool]] = {}
         self._boxes: list[tuple[str, TensorEntry, torch.Tensor]] = []
         for key, chunks in layout.entries.items():
+            if used is not None and key not in used:
+                continue  # a partial restore does not read what it drops
             dtype, whole = layout.meta(key)
             live = targets.get(key)
             dest = live if live is not None else torch.empty(whole, dtype=dtype)
@@ -200,6 +207,8 @@ class Landing:
             flat = _bytes(dest)
             row = dtype.itemsize * int(torch.Size(whole[1:]).numel()) if whole else 0
             for c in chunks:
+                if c.nbytes == 0:
+                    continue  # no bytes to land (and its offset may be another's)
                 if c.is_whole:
                     self._sink[(c.file, c.offset)] = (flat, 0, live is not None)
                 elif c.shape[1:] == whole[1:] and not any(c.box_start[1:]):
@@ -209,9 +218,17 @@ class Landing:
                     self._boxes.append((key, c, box))
                     self._sink[(c.file, c.offset)] = (_bytes(box), 0, False)
 
+    def wants(self, entry: TensorEntry) -> bool:
+        return (entry.file, entry.offset) in self._sink
+
     def deliver(self, entry: TensorEntry, lo: int, data: memoryview | torch.Tensor) -> None:
         flat, base, live = self._sink[(entry.file, entry.offset)]
         src = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
+        if base + lo + src.numel() > flat.numel():  # a sealed manifest that still lies
+            raise CorruptCheckpointError(
+                f"{entry.file}: tensor {entry.key!r} has more bytes than its shape holds",
+                path=entry.file, phase="restore",
+            )  # fmt: skip
         if live:
             self.touched = True
         flat[base + lo : base + lo + src.numel()].copy_(src)
@@ -246,9 +263,12 @@ def _read_own(
     buffers: ReadBuffers,
     problems: list[str],
 ) -> None:
-    for name, entries in layout.own.items():
+    for name, all_entries in layout.own.items():
+        entries = [t for t in all_entries if landing.wants(t)]
         if problems:
             return
+        if not entries:
+            continue
         with contextlib.closing(storage.open_data(directory, name)) as reader:
             stream_verified(
                 reader, manifest, name, segments_of(entries, manifest.segment_bytes),
@@ -291,9 +311,9 @@ def _exchange(
                         free.put(buf)
                     elif buf[n].item() == 1:  # verified by its reader: land it
                         for s, length, t, _ in p.segs:
-                            landing.deliver(
-                                t, s - t.offset, buf[s - p.start : s - p.start + length]
-                            )
+                            if landing.wants(t):
+                                at = s - p.start
+                                landing.deliver(t, s - t.offset, buf[at : at + length])
             except BaseException as e:
                 sent.append(e)
 
@@ -327,7 +347,8 @@ def _exchange(
                             out[at : at + len(data)].copy_(
                                 torch.frombuffer(data, dtype=torch.uint8)
                             )
-                            landing.deliver(t, lo, data)
+                            if landing.wants(t):
+                                landing.deliver(t, lo, data)
 
                         with contextlib.closing(storage.open_data(directory, p.file)) as reader:
                             stream_verified(
@@ -415,7 +436,10 @@ def load_entry(
                     state, tree, layout.meta, allow_pickle=allow_pickle, strict=strict,
                     key_map=key_map,
                 )  # fmt: skip
-            landing = Landing(layout, plan.targets if plan is not None else {})
+            if plan is not None:
+                landing = Landing(layout, plan.targets, plan.used)
+            else:
+                landing = Landing(layout, {})
         except (OSError, MemoryError, RuntimeError) as e:
             raise CheckpointError(
                 f"cannot allocate the tensors to restore into: {e}", phase="restore"

@@ -260,7 +260,8 @@ class Saver:
             try:
                 arena, secs = self._acquire_arena(nbytes, limit)
             except Exception as e:  # the first save allocates instead, and says why if it fails
-                _log.warning("could not reserve a %d-byte arena: %r", nbytes, e, phase="stage")
+                if not self._closed:
+                    _log.warning("could not reserve a %d-byte arena: %r", nbytes, e, phase="stage")
                 return
             self._release_arena(arena)
             _log.info("reserved a %d-byte arena in %.2f s", nbytes, secs, phase="stage")
@@ -370,6 +371,8 @@ class Saver:
             self.wait_all()
         finally:
             self._closed = True
+            if self._reserver is not None:
+                self._reserver.join()  # its arena is freed below, not left behind
             for hook in list(self._hooks.values()):
                 hook.remove()
             self._hooks.clear()
@@ -412,6 +415,10 @@ class Saver:
                 self._cond.notify_all()
             raise
         with self._cond:
+            if self._closed:  # closed while this was allocated (a background reservation)
+                self._slots -= 1
+                arena.close()
+                raise CheckpointError("the checkpoint manager is closed")
             self._arenas.append(arena)
             self._buffers[id(arena)] = arena_tensor(arena)
         return arena, time.perf_counter() - t0

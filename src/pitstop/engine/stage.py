@@ -244,15 +244,20 @@ class Ring:
         self.extents, self.buffer, self._view = extents, buffer, view
         self.starts = [e.start for e in extents]
         self.pos: list[int] = []
-        self.after: list[int] = []  # the last earlier extent sharing bytes with it, or -1
-        placed: list[tuple[int, int, int]] = []  # (start, end, index) of the current lap
+        self.after: list[list[int]] = []  # every earlier extent whose bytes it overwrites
+        placed: list[tuple[int, int, int]] = []  # (start, end, index) of what the ring holds
         at = 0
         for k, e in enumerate(extents):
             if at + e.nbytes > len(view):
                 at = 0
             lo, hi = at, at + e.nbytes
-            self.after.append(max((j for s, t, j in placed if s < hi and lo < t), default=-1))
-            placed = [p for p in placed if not (p[0] < hi and lo < p[1])] + [(lo, hi, k)]
+            # writers finish out of order: every one of them must be released, not the newest
+            self.after.append(sorted({j for s, t, j in placed if s < hi and lo < t}))
+            kept = [(s, t, j) for s, t, j in placed if t <= lo or hi <= s]
+            for s, t, j in placed:  # what is left of a partly overwritten one still counts
+                if s < hi and lo < t:
+                    kept += [(a, b, j) for a, b in ((s, lo), (hi, t)) if a < b]
+            placed = [*kept, (lo, hi, k)]
             self.pos.append(at)
             at = hi
         self._cond = threading.Condition()
@@ -271,8 +276,10 @@ class Ring:
     def stage(self, k: int, copy: Callable[[torch.Tensor], None]) -> None:
         """Stage thread: wait until extent ``k``'s place is free, ``copy`` into it, mark it."""
         with self._cond:
-            j = self.after[k]
-            self._cond.wait_for(lambda: self._error is not None or j < 0 or self._released[j])
+            before = self.after[k]
+            self._cond.wait_for(
+                lambda: self._error is not None or all(self._released[j] for j in before)
+            )
             if self._error is not None:
                 raise self._error
         e = self.extents[k]
@@ -335,10 +342,14 @@ def stage_ring(
             sources[i] = _flat_bytes(plan.items[i].source(flat.tensors[plan.items[i].key]))
         return sources[i]
 
+    half = max(1, (len(plan.extents) + 1) // 2)
+
     def run() -> None:
         try:
             with torch.no_grad():
                 for k, e in enumerate(plan.extents):
+                    if k == half:
+                        killpoint("stage.mid")
                     parts = [
                         (i, max(item.offset, e.start), min(item.offset + item.nbytes, e.end))
                         for i, item in enumerate(plan.items)

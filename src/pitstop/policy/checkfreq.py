@@ -20,14 +20,14 @@ class CheckFreq:
     * C, the cost of one checkpoint in training time: measured in pairs around each
       checkpoint (its stall, plus how much longer the iterations during its persist took
       than the iterations just before it; the median of the last few), or, before such a
-      measurement exists and when the newest is older than ``cost_horizon`` iterations, the
-      model: stall + slowdown beside a persist (profiler medians);
+      measurement exists and when the newest is older than ``cost_horizon`` iterations (or
+      two intervals, if longer), the model: stall + slowdown beside a persist;
     * k_budget: the smallest k with C / (k * iter) <= max_overhead;
     * k_persist: the smallest k with k * iter >= persist, so the write pipeline keeps up
       (plus one quiet iteration, the baseline of the next paired measurement);
     * k = max(1, k_budget, k_persist, min_interval); a new paired measurement may shrink
       the interval to it at once, but grow it by at most a factor ``max_change`` (from the
-      interval in force; after the first measurement, from ``warmup + profile``).
+      last interval a measurement gave; after the first one, from ``warmup + profile``).
 
     Why pairs: on a shared machine iterations drift by tens of percent with no checkpoint
     running (a neighbour's job, thermal limits, the page cache), and an overhead measured
@@ -49,7 +49,9 @@ class CheckFreq:
     interval: int | None = None
     cost_secs: float | None = None
     """The per-checkpoint cost the interval was chosen for."""
-    _anchor: tuple[int | None, int] | None = field(default=None, repr=False)
+    _source: int | None = field(default=None, repr=False)  # step of the measurement in use
+    _ref: int = field(default=0, repr=False)  # the interval growth is bounded from
+    _paired_k: int | None = field(default=None, repr=False)  # last interval from a measurement
 
     def __post_init__(self) -> None:
         if not 0 < self.max_overhead < 1:
@@ -60,20 +62,22 @@ class CheckFreq:
             raise ValueError(f"CheckFreq needs cost_horizon >= 1, got {self.cost_horizon}")
 
     def cost(self, ctx: PolicyContext) -> tuple[float, int | None]:
-        """(cost of one checkpoint, step of the paired measurement it comes from or None)."""
-        paired = ctx.paired_cost(self.cost_horizon)
-        if paired is not None:
-            return paired, ctx.measured_cost_step
-        return ctx.checkpoint_cost(overlapped=True), None
+        """(cost of one checkpoint, step of the paired measurement it comes from or None).
+        A measurement is trusted for ``cost_horizon`` steps, or two intervals if longer."""
+        horizon = max(self.cost_horizon, 2 * (self._paired_k or 0))
+        paired = ctx.paired_cost(horizon)
+        if paired is not None and math.isfinite(paired):
+            return max(paired, 0.0), ctx.measured_cost_step
+        return _finite(ctx.checkpoint_cost(overlapped=True)), None
 
     def choose(self, ctx: PolicyContext, cost: float | None = None) -> int:
         """The interval in iterations for the current measurements (no bound on the move)."""
-        it = max(ctx.iter_secs or 0.0, 1e-9)
+        it = max(_finite(ctx.iter_secs), 1e-9)
         if cost is None:
             cost = self.cost(ctx)[0]
-        k_budget = math.ceil(cost / (self.max_overhead * it) - 1e-9)
-        persist = ctx.persist_secs or 0.0
-        k_persist = math.ceil(persist / it - 1e-9) + (1 if persist > 0 else 0)
+        k_budget = _ceil(cost / (self.max_overhead * it))
+        persist = _finite(ctx.persist_secs)
+        k_persist = _ceil(persist / it) + (1 if persist > 0 else 0)
         return max(1, self.min_interval, k_budget, k_persist)
 
     def decide(self, ctx: PolicyContext) -> bool:
@@ -88,14 +92,27 @@ class CheckFreq:
         target = self.choose(ctx, cost)
         if source is None:
             k = target  # no paired measurement yet, or a re-probe at the model's interval
-            self._anchor = None
         else:
-            if self._anchor is None or source != self._anchor[0]:
+            if source != self._source:
                 # a new measurement: the interval may shrink to the target at once, but grow
-                # only by max_change from the one in force (from a short confirming interval
-                # after the first measurement, which may be a one-off slow first save)
-                ref = self.interval if self._anchor is not None and self.interval else None
-                self._anchor = (source, ref or self.warmup + self.profile)
-            k = min(target, math.ceil(self._anchor[1] * self.max_change))
+                # only by max_change from the last one a measurement gave (after the first
+                # measurement, which may be a one-off slow first save, from a short
+                # confirming interval)
+                self._source = source
+                self._ref = self._paired_k or self.warmup + self.profile
+            k = min(target, _ceil(self._ref * self.max_change))
+            self._paired_k = k
         self.interval, self.cost_secs = k, cost
         return ctx.steps_since_checkpoint >= k
+
+
+_MAX_INTERVAL = 10**9
+
+
+def _finite(x: float | None) -> float:
+    """A measured time as a usable number (a NaN, an infinity or a negative one: 0)."""
+    return x if x is not None and math.isfinite(x) and x > 0 else 0.0
+
+
+def _ceil(x: float) -> int:
+    return min(_MAX_INTERVAL, math.ceil(x - 1e-9)) if math.isfinite(x) else _MAX_INTERVAL

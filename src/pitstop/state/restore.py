@@ -49,7 +49,7 @@ from pitstop.errors import (
 from pitstop.state.build import Builder, TensorSource, materialize, scan
 from pitstop.state.dtensor import copy_into, is_dtensor
 from pitstop.state.keys import KeyMap, KeyMapper, wrapper_renames
-from pitstop.state.tree import is_stateful, join_key, node_kind
+from pitstop.state.tree import is_stateful, join_key, node_kind, walk
 
 __all__ = [
     "RestorePlan",
@@ -137,9 +137,9 @@ class _Restorer:
         self.allow_pickle, self.strict = allow_pickle, strict
         self.report, self.problems = RestoreReport(), _Problems()
         self.pairings: dict[int, list[_Pair]] = {}  # id(saved dict node) -> its pairs
-        self.targets: dict[
-            str, torch.Tensor
-        ] = {}  # stored key -> live tensor its bytes may land in
+        # stored key -> the live tensor its bytes may land in; the memory those take
+        self.targets: dict[str, torch.Tensor] = {}
+        self._claimed: list[tuple[int, int]] = []
         self.owned: Callable[[str], bool] = lambda _stored: False
         self.touched = False  # something live was overwritten
         self.where = "<state>"
@@ -192,12 +192,30 @@ class _Restorer:
 
     def _check_tensor(self, live: torch.Tensor, stored: str, key: str) -> None:
         dtype, shape = self.meta(stored)
-        if tuple(live.shape) != tuple(shape) or live.dtype != dtype:
+        if live.device.type == "meta":
+            self.problems.mismatched.append(
+                f"{key}: the state's tensor is on the meta device and can hold no data "
+                "(materialize it first, e.g. module.to_empty(device='cpu'))"
+            )
+        elif tuple(live.shape) != tuple(shape) or live.dtype != dtype:
             self.problems.mismatched.append(
                 f"{key}: state has {live.dtype} {list(live.shape)}, checkpoint has {dtype} {list(shape)}"
             )
-        elif _landable(live):
-            self.targets.setdefault(stored, live)  # the first of tied ones; the rest are copied
+        elif stored not in self.targets and _landable(live):
+            self._claim(stored, live)
+
+    def _claim(self, stored: str, live: torch.Tensor) -> None:
+        """Bytes of ``stored`` may land in ``live`` unless another stored tensor's land in the
+        same memory (live weights tied, saved ones not): then the apply pass copies them in
+        its order, as ``load_state_dict`` would, and the last one wins on every rank."""
+        if live.numel() == 0:
+            return
+        lo = live.data_ptr()
+        hi = lo + live.numel() * live.element_size()
+        if any(a < hi and lo < b for a, b in self._claimed):
+            return
+        self._claimed.append((lo, hi))
+        self.targets[stored] = live
 
     def _check_stateful(self, live: Any, node: Node, kind: str, key: str, skey: str) -> None:
         state = node["state"] if kind == "stateful" else node if kind == "dict" else None
@@ -395,13 +413,16 @@ class RestorePlan:
     """A restore checked against the live state, not yet applied (:func:`plan_restore`).
 
     ``targets`` maps stored tensor keys to the live tensors of the same dtype and shape
-    that their bytes may be read straight into; ``report`` says what will be loaded.
+    that their bytes may be read straight into; ``used`` is every stored tensor key the
+    restore loads (a partial restore reads nothing else); ``report`` says what will be
+    loaded.
     """
 
     def __init__(self, state: Mapping[str, Any], tree: Node, restorer: _Restorer) -> None:
         self._state, self._tree, self._restorer = state, tree, restorer
         self.targets = restorer.targets
         self.report = restorer.report
+        self.used = _used_keys(tree, restorer.pairings)
 
     def apply(
         self,
@@ -457,6 +478,27 @@ def plan_restore(
     restorer.problems.raise_if_any()
     restorer.report.loaded = [str(pair[0]) for pair in top]
     return RestorePlan(state, tree, restorer)
+
+
+def _used_keys(tree: Node, pairings: dict[int, list[_Pair]]) -> set[str]:
+    """The stored tensor keys under the paired parts of ``tree`` (a dict the check pass
+    paired contributes its paired entries only; anything else all of its tensors)."""
+    used: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        kind = node_kind(node)
+        if kind == "stateful":
+            stack.append(node["state"])
+        elif id(node) in pairings:
+            stack.extend(pair[3] for pair in pairings[id(node)])
+            if "meta" in node:
+                stack.append(node["meta"])
+        else:
+            for _, k, n in walk(node, ""):
+                if k in ("tensor", "ndarray"):
+                    used.add(n[k])
+    return used
 
 
 def _unread(stored: str) -> torch.Tensor:  # pragma: no cover - the check pass reads no tensor
