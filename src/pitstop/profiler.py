@@ -9,9 +9,12 @@ window, so they follow a disk that slows down or iterations that speed up, and a
 single outlier does not move them. The first ``warmup`` iterations are not counted.
 
 The cost of a checkpoint is also measured *in pairs*: from a save's start until no
-save is in flight, its stalls plus the excess of every iteration over the median of
-the few quiet iterations just before it. Before and during are seconds apart, so the
-machine's own drift (which moves any longer window) cancels out.
+save is in flight, its stalls plus the excess of every iteration over the quiet
+iterations around it (the median of the 5 before and of up to 3 after, averaged).
+Before, during and after are seconds apart, so the machine's own drift (which moves
+any longer window) cancels out; a pair across which the machine changed speed (before
+and after differ by more than 15 %) measures that change, not the checkpoint, and is
+dropped.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class ProfileStats:
 
 
 _BEFORE = 5  # quiet iterations just before a save: the baseline of its paired measurement
+_AFTER = 3  # and after it (fewer when the next save comes sooner)
+_DRIFT = 0.15  # before and after differ by more: the machine drifted across the pair
 
 
 def _median(values: deque[float]) -> float | None:
@@ -77,7 +82,9 @@ class Profiler:
         self.refused_saves = 0
         self._recent: deque[float] = deque(maxlen=2 * window)  # every iteration, stalls included
         self._pending_stall = 0.0  # stall time since the last committed checkpoint
-        self._pair: list[float] | None = None  # [baseline, excess, stall, commits] of the open pair
+        # the open pair: [baseline before, busy seconds, busy iterations, stall, commits]
+        self._pair: list[float] | None = None
+        self._closing: tuple[list[float], list[float], int] | None = None  # (pair, after, step)
         self._costs: deque[tuple[int, float]] = deque(maxlen=5)  # (step, paired cost)
 
     def iteration(self, secs: float, persisting: bool) -> None:
@@ -88,21 +95,45 @@ class Profiler:
         (self._busy if persisting else self._quiet).append(secs)
         self._recent.append(secs)
         if self._pair is not None and persisting:
-            self._pair[1] += secs - self._pair[0]
+            self._pair[1] += secs
+            self._pair[2] += 1
+        elif self._closing is not None and not persisting:
+            self._closing[1].append(secs)
+            if len(self._closing[1]) >= _AFTER:
+                self._close()
 
     def save_started(self) -> None:
         """A save starts: open a paired measurement against the last quiet iterations (one
         is open already while earlier saves are in flight: it takes this one too)."""
+        if self._closing is not None:
+            self._close()
         if self._pair is not None or len(self._quiet) < 3:
             return
         before = list(self._quiet)[-_BEFORE:]
-        self._pair = [statistics.median(before), 0.0, 0.0, 0.0]
+        self._pair = [statistics.median(before), 0.0, 0.0, 0.0, 0.0]
 
     def settled(self, step: int) -> None:
-        """No save is in flight: close the paired measurement, if one is open."""
+        """No save is in flight: the paired measurement, if one is open, closes once a few
+        quiet iterations after it are known too."""
         pair, self._pair = self._pair, None
-        if pair is not None and pair[3] > 0:  # something committed: it is a checkpoint's cost
-            self._costs.append((step, pair[2] + max(pair[1], 0.0)))
+        if pair is not None and pair[4] > 0:  # something committed: it is a checkpoint's cost
+            self._closing = (pair, [], step)
+
+    def _close(self) -> None:
+        """The pair's baseline is the quiet iterations on both sides of it; when they disagree
+        (the machine changed speed across the save) the pair measures the drift, not the
+        checkpoint: it is dropped."""
+        assert self._closing is not None
+        pair, after, step = self._closing
+        self._closing = None
+        before = pair[0]
+        if after:
+            later = statistics.median(after)
+            if abs(later - before) > _DRIFT * before:
+                return
+            before = (before + later) / 2
+        excess = pair[1] - pair[2] * before
+        self._costs.append((step, pair[3] + max(excess, 0.0)))
 
     def stall(self, secs: float, *, add_to_last: bool = True) -> None:
         """The loop was blocked ``secs`` by a save: in ``async_save``, or in ``optimizer.step()``
@@ -111,7 +142,7 @@ class Profiler:
         self.training_secs += secs
         self._pending_stall += secs
         if self._pair is not None:
-            self._pair[2] += secs
+            self._pair[3] += secs
         if add_to_last and self._recent:
             self._recent[-1] += secs
 
@@ -119,7 +150,7 @@ class Profiler:
         """A save committed: its stall is what the loop lost to it, call and hook waits both."""
         self.checkpoints += 1
         if self._pair is not None:
-            self._pair[3] += 1
+            self._pair[4] += 1
         self._stall.append(max(stats.stall_secs - stats.alloc_secs, self._pending_stall))
         self._pending_stall = 0.0
         self._persist.append(max(stats.total_secs - stats.stall_secs, 0.0))

@@ -391,3 +391,25 @@ def test_pause_keeps_other_work_out_of_the_iteration_time(root: str) -> None:
         ckpt.step(12, {"x": torch.zeros(1)})
         stats = ckpt.stats()
         assert stats.iterations == 10 and stats.training_secs < 0.3
+
+
+def test_a_pair_across_which_the_machine_changed_speed_is_dropped() -> None:
+    from pitstop.engine.handle import SaveStats
+    from pitstop.profiler import Profiler
+
+    def pair(before: float, during: float, after: float) -> float | None:
+        prof = Profiler(warmup=0)
+        for _ in range(10):
+            prof.iteration(before, persisting=False)
+        prof.save_started()
+        prof.stall(0.01)
+        for _ in range(3):
+            prof.iteration(during, persisting=True)
+        prof.checkpoint(SaveStats(step=10, stall_secs=0.01, total_secs=1.0))
+        prof.settled(13)
+        for _ in range(3):
+            prof.iteration(after, persisting=False)
+        return prof.snapshot().checkpoint_cost_secs
+
+    assert pair(0.3, 0.4, 0.3) == pytest.approx(0.01 + 3 * 0.1)  # the checkpoint's cost
+    assert pair(0.3, 1.0, 1.0) is None  # a neighbour started: not the checkpoint's doing
