@@ -1,6 +1,6 @@
 """Frozen option dataclasses. The only module that reads environment variables.
 
-Every knob has a measured default (see docs/performance.md) and may be
+Every knob has a measured default (see docs/design.md) and may be
 overridden by an argument or by an environment variable:
 
 =========================  =====================================  ==========
