@@ -83,6 +83,8 @@ class StageJob:
         self._done = [False] * count
         self._frontier = 0
         self._error: BaseException | None = None
+        self._eager: threading.Event | None = None  # set by a ring's stager (None: no wait)
+        self._t0 = time.perf_counter()
 
     def mark(self, index: int) -> None:
         """Item ``index`` is in the arena (stage thread or training thread)."""
@@ -97,6 +99,13 @@ class StageJob:
     def wait_eager(self) -> None:
         """Training thread, once the writers run: the eager tensors are in the arena (a save
         staged through a ring waits here for room; otherwise they already are)."""
+        if self._eager is None:
+            return
+        self._eager.wait()
+        self.eager_secs = time.perf_counter() - self._t0
+        future = self._future
+        if future is not None and future.done() and future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
 
     def settle(self) -> None:
         """Wait until no copy into the arena is running any more, whatever its outcome."""
@@ -324,8 +333,8 @@ def stage_ring(
     the plan) are staged: the loop stalls for as much of the write as it takes to make room
     for them. Deferred tensors follow while training goes on; the optimizer step pre-hook
     waits for all of them, as with a whole arena."""
-    t0 = time.perf_counter()
     job = StageJob(len(plan.items))
+    eager_done = job._eager = threading.Event()
     eager_end = 0  # the byte after the last eager item
     for item in plan.items:
         if item.nbytes and not (overlap and item.deferrable):
@@ -334,7 +343,6 @@ def stage_ring(
     for i, item in enumerate(plan.items):
         if item.nbytes == 0:
             job.mark(i)
-    eager_done = threading.Event()
     sources: dict[int, torch.Tensor] = {}
 
     def source(i: int) -> torch.Tensor:
@@ -344,19 +352,24 @@ def stage_ring(
 
     half = max(1, (len(plan.extents) + 1) // 2)
 
+    # items in file order, as extents are: each extent's items are found by one sweep
+    order = sorted((i for i, item in enumerate(plan.items) if item.nbytes), key=ends.__getitem__)
+
     def run() -> None:
+        first = 0  # the first item (in ``order``) that ends past the extents staged so far
         try:
             with torch.no_grad():
                 for k, e in enumerate(plan.extents):
                     if k == half:
                         killpoint("stage.mid")
-                    parts = [
-                        (i, max(item.offset, e.start), min(item.offset + item.nbytes, e.end))
-                        for i, item in enumerate(plan.items)
-                        if item.nbytes
-                        and item.offset < e.end
-                        and e.start < item.offset + item.nbytes
-                    ]
+                    while first < len(order) and ends[order[first]] <= e.start:
+                        first += 1
+                    parts = []
+                    for i in order[first:]:
+                        item = plan.items[i]
+                        if item.offset >= e.end:
+                            break
+                        parts.append((i, max(item.offset, e.start), min(ends[i], e.end)))
 
                     def copy(
                         dst: torch.Tensor,
@@ -381,14 +394,6 @@ def stage_ring(
         finally:
             eager_done.set()
 
-    def wait_eager() -> None:
-        eager_done.wait()
-        job.eager_secs = time.perf_counter() - t0
-        future = job._future
-        if future is not None and future.done() and future.exception() is not None:
-            raise future.exception()  # type: ignore[misc]
-
     job._future = copier.submit(run)
     job._future.add_done_callback(job._on_copy_done)
-    job.wait_eager = wait_eager  # type: ignore[method-assign]
     return job

@@ -159,11 +159,6 @@ class ReadBuffers:
             with self._lock:
                 self._free.append(arena)
 
-    @property
-    def host_bytes(self) -> int:
-        with self._lock:
-            return sum(a.nbytes for a in self._all)
-
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         with self._lock:
