@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from pitstop.engine.verify import (
+    Deliver,
     ReadBuffers,
     Seg,
     check_empty,
@@ -254,6 +255,22 @@ class Landing:
         return key not in self._live
 
 
+def _stream_file(
+    storage: Storage,
+    directory: str,
+    manifest: Manifest,
+    name: str,
+    segs: list[Seg],
+    buffers: ReadBuffers,
+    problems: list[str],
+    deliver: Deliver,
+) -> None:
+    with contextlib.closing(storage.open_data(directory, name)) as reader:
+        stream_verified(
+            reader, manifest, name, segs, buffers=buffers, problems=problems, deliver=deliver
+        )
+
+
 def _read_own(
     storage: Storage,
     directory: str,
@@ -267,13 +284,11 @@ def _read_own(
         entries = [t for t in all_entries if landing.wants(t)]
         if problems:
             return
-        if not entries:
-            continue
-        with contextlib.closing(storage.open_data(directory, name)) as reader:
-            stream_verified(
-                reader, manifest, name, segments_of(entries, manifest.segment_bytes),
-                buffers=buffers, problems=problems, deliver=landing.deliver,
-            )  # fmt: skip
+        if entries:
+            segs = segments_of(entries, manifest.segment_bytes)
+            _stream_file(
+                storage, directory, manifest, name, segs, buffers, problems, landing.deliver
+            )
 
 
 def _exchange(
@@ -350,11 +365,10 @@ def _exchange(
                             if landing.wants(t):
                                 landing.deliver(t, lo, data)
 
-                        with contextlib.closing(storage.open_data(directory, p.file)) as reader:
-                            stream_verified(
-                                reader, manifest, p.file, list(p.segs), buffers=buffers,
-                                problems=problems, deliver=land,
-                            )  # fmt: skip
+                        _stream_file(
+                            storage, directory, manifest, p.file, list(p.segs), buffers,
+                            problems, land,
+                        )  # fmt: skip
                         ok = not problems
                 finally:
                     buf[p.end - p.start] = 1 if ok else 0
