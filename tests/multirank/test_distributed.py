@@ -273,26 +273,13 @@ def test_a_rank_failing_to_stage_fails_the_save_at_once_and_the_next_save_works(
 
 def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int, dict[str, Any]]:
     from pitstop.storage.local import LocalStorage
-    from pitstop.storage.wrap import StorageWrapper
+    from pitstop.testing import FaultyStorage
 
-    read = [0]
-
-    class Counting(StorageWrapper):
-        def _call(self, name: str, fn: Any) -> Any:
-            if name != "read_into":
-                return fn
-
-            def counted(offset: int, out: Any) -> int:
-                n = int(fn(offset, out))
-                read[0] += n
-                return n
-
-            return counted
-
+    counting = FaultyStorage(LocalStorage(root))  # fails nothing; counts the bytes read
     fresh = _state(rank, seed=99)
-    with pitstop.CheckpointManager(Counting(LocalStorage(root)), dist_timeout_secs=TIMEOUT) as ck:
+    with pitstop.CheckpointManager(counting, dist_timeout_secs=TIMEOUT) as ck:
         step = ck.restore(fresh)
-    return step, read[0], _digest(fresh)
+    return step, counting.bytes_read, _digest(fresh)
 
 
 def test_each_rank_reads_its_part_of_the_replicated_bytes_and_damage_fails_all_back(

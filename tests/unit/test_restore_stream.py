@@ -193,33 +193,19 @@ def test_live_weights_tied_but_saved_apart_restore_like_load_state_dict(root: st
 
 
 def test_a_partial_restore_reads_only_what_it_loads(root: str) -> None:
-    from pitstop.storage.wrap import StorageWrapper
-
     saved = _state(0)
     with pitstop.CheckpointManager(root) as ckpt:
         ckpt.save(1, saved)
-    read = [0]
-
-    class Counting(StorageWrapper):
-        def _call(self, name: str, fn: Any) -> Any:
-            if name != "read_into":
-                return fn
-
-            def counted(offset: int, out: Any) -> int:
-                n = int(fn(offset, out))
-                read[0] += n
-                return n
-
-            return counted
-
+    counting = FaultyStorage(LocalStorage(root))  # fails nothing; counts the bytes read
     live = {"model": _state(5)["model"]}
-    with pitstop.CheckpointManager(Counting(LocalStorage(root))) as ckpt:
+    with pitstop.CheckpointManager(counting) as ckpt:
         assert ckpt.restore(live, strict=False) == 1
     model = [v.numpy().tobytes() for v in saved["model"].state_dict().values()]
     assert [v.numpy().tobytes() for v in live["model"].state_dict().values()] == model
     total = sum(len(b) for b in _bits(saved).values())
     # the model's bytes (and the padding between them), not the optimizer's moments
-    assert read[0] < sum(len(b) for b in model) + 64 * KIB < total / 2, (read[0], total)
+    read = counting.bytes_read
+    assert read < sum(len(b) for b in model) + 64 * KIB < total / 2, (read, total)
 
 
 def test_after_bytes_landed_a_fallback_that_lacks_keys_says_so(root: str) -> None:

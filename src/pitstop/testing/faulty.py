@@ -61,7 +61,8 @@ remove and rename are gc."""
 
 
 class _Wrapper(StorageWrapper):
-    """Runs ``_before(name, args)`` ahead of every Storage call."""
+    """Runs ``_before(name, args)`` ahead of every Storage call and ``_after(name, result)``
+    once it returned."""
 
     def _call(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if name not in CALLS:
@@ -69,9 +70,14 @@ class _Wrapper(StorageWrapper):
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._before(name, args)
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            self._after(name, result)
+            return result
 
         return call
+
+    def _after(self, name: str, result: Any) -> None:
+        pass
 
     def _before(self, name: str, args: tuple[Any, ...]) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -80,7 +86,8 @@ class _Wrapper(StorageWrapper):
 class FaultyStorage(_Wrapper):
     """Forwards to ``inner``; the N-th call (1-based) of a phase or method named in ``fail``
     raises ``CheckpointIOError`` with ``errno`` instead (a name that is both, ``commit``, is
-    the phase). ``calls`` counts calls by phase, ``by_call`` by method."""
+    the phase). ``calls`` counts calls by phase, ``by_call`` by method, ``bytes_read`` the data
+    bytes read."""
 
     def __init__(
         self,
@@ -100,7 +107,13 @@ class FaultyStorage(_Wrapper):
         self.errno = errno
         self.calls: dict[str, int] = dict.fromkeys(PHASES, 0)
         self.by_call: dict[str, int] = dict.fromkeys(CALLS, 0)
+        self.bytes_read = 0  # data bytes read through ``read_into``
         self._lock = threading.Lock()
+
+    def _after(self, name: str, result: Any) -> None:
+        if name == "read_into":
+            with self._lock:
+                self.bytes_read += int(result)
 
     def _before(self, name: str, args: tuple[Any, ...]) -> None:
         phase = CALLS[name]
