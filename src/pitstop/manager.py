@@ -41,6 +41,7 @@ from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
 from pitstop.options import SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
+from pitstop.probe import CrashProbe
 from pitstop.profiler import ProfileStats
 from pitstop.ranks import make_group
 from pitstop.state.keys import KeyMap
@@ -97,6 +98,8 @@ class CheckpointManager:
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
         self.identity = RunIdentity()
         self.last_restore: RestoreResult | None = None
+        self._probe = CrashProbe.from_env()  # None unless `pitstop crashtest` runs this process
+        self._committed = False  # a checkpoint of this root committed (or was restored)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage.url!r}, retention={self.retention!r})"
@@ -117,6 +120,8 @@ class CheckpointManager:
             self.identity.checked_root = True
             self.catalog.warn_other_runs(self.identity)
         lineage = self.identity.lineage_for(step)
+        if self._probe is not None:
+            self._probe.saved(step, state)
         return self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
 
     def save(
@@ -167,7 +172,19 @@ class CheckpointManager:
         """Once per iteration, after ``optimizer.step()``: measure, ask the policy, maybe
         ``async_save``. Returns SAVED (truthy), SKIPPED or REFUSED (also warned and counted in
         ``stats().refused_saves``). After a ``save_on_signal`` signal: save, SystemExit."""
-        return self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
+        result = self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
+        self.reached(step)
+        return result
+
+    def reached(self, step: int) -> None:
+        """Training finished ``step``. ``step()`` calls this itself; a loop (or integration)
+        that saves with ``save``/``async_save`` calls it once per step: it is where
+        ``pitstop crashtest`` kills a run (at a random step, once a checkpoint committed)."""
+        if self._probe is None:
+            return
+        if not self._committed and self.latest_step() is not None:
+            self._committed = True
+        self._probe.reached(step, self._committed)
 
     def pause(self) -> None:
         """Other work (evaluation) follows: the time until the next ``step()`` is not measured."""
@@ -242,6 +259,9 @@ class CheckpointManager:
             )  # fmt: skip
         if rollback:
             self._adopt(result)
+        self._committed = True
+        if self._probe is not None:
+            self._probe.restored(result.step)
         return result.step
 
     def _adopt(self, result: RestoreResult) -> None:
@@ -251,19 +271,32 @@ class CheckpointManager:
         self._loop.ckpt_step = result.step  # the policy counts from the restored checkpoint
 
     def _load(
-        self, entry: Entry, state: Mapping[str, Any] | None, strict: bool, key_map: KeyMap | None
+        self,
+        entry: Entry,
+        state: Mapping[str, Any] | None,
+        strict: bool,
+        key_map: KeyMap | None,
+        rank: int | None = None,
     ) -> Any:
         return load_entry(
             self.storage, entry, state, saver=self._saver, allow_pickle=self.options.allow_pickle,
-            strict=strict, key_map=key_map,
+            strict=strict, key_map=key_map, view_rank=rank,
         )  # fmt: skip
 
-    def load(self, step: int | None = None) -> Any:
-        """The saved state as fresh objects (Statefuls as state dicts); falls back like restore."""
+    def load(self, step: int | None = None, *, rank: int | None = None) -> Any:
+        """The saved state as fresh objects (Statefuls as state dicts); falls back like restore.
+        ``rank`` (one process only): the values that saved rank kept for itself (RNG streams,
+        data position) instead of rank 0's; the shared tensors are the same for every rank."""
+        if rank is not None and self.group.size > 1:
+            raise ValueError(
+                "load(rank=) reads one saved rank's view in one process; under "
+                "torch.distributed every rank loads its own"
+            )
         self._saver.wait_staged()
         result = recover(
-            self.catalog, lambda e: self._load(e, None, True, None), step=step, group=self.group
-        )
+            self.catalog, lambda e: self._load(e, None, True, None, rank), step=step,
+            group=self.group,
+        )  # fmt: skip
         if result.step is None:
             raise CheckpointNotFoundError("no committed checkpoint", path=self.storage.url)
         self.last_restore = result
@@ -275,6 +308,7 @@ class CheckpointManager:
     def _retain(self, newest: int) -> None:
         """Persist thread, after ``newest`` committed: apply the retention policy to this run
         (the retired ones stop being checkpoints now; their files are deleted in the background)."""
+        self._committed = True
         if self.retention is not None and self.group.coordinator:
             retired = self.catalog.retire(self.retention, newest=newest, identity=self.identity)
             self.catalog.purge_later(retired)

@@ -50,12 +50,15 @@ def load(
     allow_pickle: bool = False,
     strict: bool = True,
     key_map: KeyMap | None = None,
+    rank: int | None = None,
 ) -> Any:
     """Load a checkpoint from a root (newest valid step, or ``step``) or from a step directory.
 
     With ``state``, restores it in place and returns the step loaded (``strict=False``
     loads the keys the state has; ``key_map`` renames saved keys); without, returns the
-    saved state as fresh objects. Nothing under the root is moved (no rollback).
+    saved state as fresh objects (``rank``: with the per-rank values, such as RNG streams
+    and data position, of that saved rank; default rank 0). Nothing under the root is moved
+    (no rollback).
     """
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, MANIFEST)):
@@ -73,7 +76,9 @@ def load(
     check_root(root)
     with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
         if state is None:
-            return mgr.load(step)
+            return mgr.load(step, rank=rank)
+        if rank is not None:
+            raise ValueError("load(rank=) applies to loading fresh objects (no state)")
         loaded = mgr.restore(state, step, strict=strict, key_map=key_map, rollback=False)
         if loaded is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {path}", path=path)

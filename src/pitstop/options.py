@@ -37,6 +37,7 @@ __all__ = [
     "DirectMode",
     "IOOptions",
     "SaveOptions",
+    "env_crashtest",
     "env_kill_at",
     "env_log_level",
     "env_rank",
@@ -240,3 +241,16 @@ def env_kill_at() -> tuple[str, int] | None:
             f"PITSTOP_KILL_AT={raw!r}: the count after ':' is not an integer"
         ) from None
     return name, hits
+
+
+def env_crashtest() -> tuple[int | None, str | None]:
+    """What ``pitstop crashtest`` asks of a training process it runs:
+    PITSTOP_CRASHTEST_KILL_STEP (SIGKILL at the first step at or after it once a checkpoint
+    has committed) and PITSTOP_CRASHTEST_LOG (a file to append one JSON line per save and
+    restore to). Each is None when unset."""
+    kill = (
+        None
+        if _env("PITSTOP_CRASHTEST_KILL_STEP") is None
+        else _env_int("PITSTOP_CRASHTEST_KILL_STEP", 0)
+    )
+    return kill, _env("PITSTOP_CRASHTEST_LOG")

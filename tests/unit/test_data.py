@@ -121,3 +121,28 @@ def test_loader_round_trip_through_a_checkpoint(root: str) -> None:
     pitstop.load(root, {"data": fresh})
     assert _flat(list(fresh)) == rest_expected
     assert int(first[0][0]) not in rest_expected[0]
+
+
+def test_loader_stands_in_for_a_dataloader_in_a_scripts_log_lines(root: str) -> None:
+    # pytorch/examples' MNIST log line reads len(loader.dataset) and len(loader), and numbers
+    # batches with enumerate: after a resume mid-epoch the count goes on, not from 0
+    data = Augmented(40)
+    loader = ResumableLoader(data, batch_size=8, shuffle=True, seed=1, num_workers=0)
+    assert loader.dataset is data and len(loader.dataset) == 40
+    assert len(loader) == 5 and len(loader.sampler) == 40 and loader.batch_size == 8
+    assert loader.num_workers == 0 and loader.drop_last is False and loader.position == 0
+    seen = []
+    for i, _ in enumerate(loader, start=loader.position):
+        seen.append(i)
+        if i == 2:
+            break
+    assert loader.position == 3
+    pitstop.save(root, {"data": loader})
+    again = ResumableLoader(Augmented(40), batch_size=8, shuffle=True, seed=1, num_workers=0)
+    pitstop.load(root, {"data": again})
+    assert again.position == 3 and len(again) == 5  # the whole epoch's length, as DataLoader
+    rest = [i for i, _ in enumerate(again, start=again.position)]
+    assert seen + rest == [0, 1, 2, 3, 4]
+    assert again.position == 0 and again.epoch == 1
+    with pytest.raises(AttributeError):
+        _ = again.no_such_attribute

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "pitstop.engine": 5, "pitstop.multilevel": 5,
     "pitstop.policy": SIDE,
     "pitstop.manager": 6, "pitstop.oneshot": 6, "pitstop.profiler": 6, "pitstop.loop": 6,
+    "pitstop.probe": 6,
     "pitstop.cli": 7, "pitstop.sim": 7, "pitstop.bench": 7, "pitstop.testing": 7,
 }  # fmt: skip
 # which layers each may import (DESIGN.md's table); the side package only what applies its
@@ -41,7 +42,7 @@ ALLOWED: dict[str, set[int]] = {
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.ranks", "pitstop.engine", "pitstop.manager",
             "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
             "pitstop.testing.crash", "pitstop.testing.fuzz", "pitstop.testing.distributed",
-            "pitstop.cli.convert",
+            "pitstop.cli.convert", "pitstop.cli.compare", "pitstop.probe",
             "pitstop.cli.dcp_safe")  # fmt: skip
 TORCH_FREE = [
     "pitstop", "pitstop.errors", "pitstop.options", "pitstop.faults", "pitstop.format.manifest",
@@ -50,6 +51,7 @@ TORCH_FREE = [
     "pitstop.format.objects", "pitstop.format.jsonsafe", "pitstop.engine.recovery",
     "pitstop.storage.retry", "pitstop.io.locks",
     "pitstop.testing", "pitstop.policy", "pitstop.sim", "pitstop.cli.simulate", "pitstop.profiler",
+    "pitstop.cli.crashtest",
 ]  # fmt: skip
 
 

@@ -37,6 +37,7 @@ EXAMPLES = {
     "export": "pitstop export ckpts --step 1200 --to safetensors model.safetensors --only model",
     "import": "pitstop import model.pt --to ckpts --step 0",
     "diff": "pitstop diff ckpts-a ckpts-b --step-a 100 --step-b 100",
+    "crashtest": "pitstop crashtest --kills 2 -- python train.py --ckpt-dir {dir} --epochs 2",
     "simulate": "pitstop simulate --iter-secs 0.5 --stall-secs 0.05 --persist-secs 0.7 --mtbf-hours 4 \\\n"
     "      --nodes 64 --hours 72 --policy all --plot out.png",
 }
@@ -359,9 +360,15 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from pitstop.cli.convert import run_diff
+    from pitstop.cli.compare import run_diff
 
     return run_diff(args)
+
+
+def cmd_crashtest(args: argparse.Namespace) -> int:
+    from pitstop.cli.crashtest import main_exit
+
+    return main_exit(args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -440,13 +447,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_import)
 
-    p = add("diff", "compare the tensors of two checkpoints; exit 1 if any differ")
+    p = add("diff", "compare every tensor and value of two checkpoints; exit 1 if any differ")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--step-a", type=int)
     p.add_argument("--step-b", type=int)
     p.add_argument("--allow-pickle", action="store_true")
+    p.add_argument("--ignore", action="append", metavar="GLOB",
+                   help="key paths not compared, e.g. 'progress/*' (repeatable)")  # fmt: skip
+    p.add_argument("--show", type=int, default=20, help="differences shown (default 20)")
     p.set_defaults(func=cmd_diff)
+
+    p = add(
+        "crashtest",
+        "run a training command to the end, then killed and resumed; exit 1 unless both end identical",
+    )
+    from pitstop.cli.crashtest import add_arguments as add_crashtest_arguments
+
+    add_crashtest_arguments(p)
+    p.set_defaults(func=cmd_crashtest)
 
     p = add("simulate", "compare checkpoint policies under simulated failures (no torch needed)")
     from pitstop.cli.simulate import add_arguments

@@ -421,10 +421,12 @@ def load_entry(
     allow_pickle: bool,
     strict: bool = True,
     key_map: KeyMap | None = None,
+    view_rank: int | None = None,
 ) -> tuple[Any, RestoreReport | None]:
     """Restore a catalog entry into ``state`` in place (returns it and what was loaded or
     skipped), or build fresh objects when ``state`` is None (returns them and None). Under
-    torch.distributed, every rank agrees before reading and before the state is loaded."""
+    torch.distributed, every rank agrees before reading and before the state is loaded.
+    ``view_rank`` (one process only): the per-rank values of that saved rank, not rank 0's."""
     assert entry.manifest is not None
     if state is not None and not isinstance(state, Mapping):  # the caller's mistake, not damage
         raise StateMismatchError(
@@ -434,13 +436,17 @@ def load_entry(
         )
     manifest, group = entry.manifest, saver.group
     path = f"{storage.url}/{entry.name}"
+    if view_rank is not None and not 0 <= view_rank < manifest.world_size:
+        raise ValueError(
+            f"rank {view_rank}: step {manifest.step} was saved by {manifest.world_size} rank(s)"
+        )
     agreement = _Agreement(group)
     landing: Landing | None = None
     try:
         problems: list[str] = []
         check_sizes(storage, entry.name, manifest, problems)
         raise_problems(problems, step=manifest.step, path=path)
-        layout = ReadLayout(manifest, group.rank, group.size)
+        layout = ReadLayout(manifest, group.rank if view_rank is None else view_rank, group.size)
         tree = read_objects(storage, entry.name, manifest, layout.source_rank, problems)
         raise_problems(problems, step=manifest.step, path=path)
         try:

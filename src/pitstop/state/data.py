@@ -362,7 +362,16 @@ class ResumableLoader:
     once per epoch; ``state_dict()`` counts the batches handed to the loop so
     far (not those that workers fetched ahead); ``load_state_dict()`` before the
     next ``for`` makes that loop start at the next undelivered batch.
-    ``loader.epoch`` is the epoch the next ``for`` will run.
+    ``loader.epoch`` is the epoch the next ``for`` will run and ``loader.position`` the index
+    of the next batch in it, so a loop that numbers its batches keeps counting across a
+    resume: ``for i, batch in enumerate(loader, start=loader.position)``.
+
+    It stands in for the DataLoader: ``len(loader)`` is the number of batches of an epoch
+    (all of them, also after a resume mid-epoch), ``loader.dataset`` the dataset given,
+    ``loader.sampler`` the :class:`ResumableSampler` (``len(loader.sampler)``: samples per
+    epoch on this rank), ``loader.batch_size`` and ``loader.drop_last`` what it batches
+    with, and the other DataLoader attributes (``num_workers``, ``pin_memory``,
+    ``collate_fn``, ``generator``, ...) are those of the DataLoader inside.
 
     State: ``sampler`` (the :class:`ResumableSampler` state of the index order;
     the loader's sampler pads, never drops), ``batch_size`` (per rank),
@@ -428,16 +437,34 @@ class ResumableLoader:
             raise ValueError(
                 "ResumableLoader needs in_order=True: out-of-order delivery cannot be resumed"
             )
-        self.loader = DataLoader(
-            _SeededDataset(dataset), batch_sampler=self._batches, **loader_kwargs
-        )
+        self._seeded = _SeededDataset(dataset)
+        self.loader = DataLoader(self._seeded, batch_sampler=self._batches, **loader_kwargs)
 
     @property
     def epoch(self) -> int:
         return self.sampler.epoch
 
+    @property
+    def position(self) -> int:
+        """The index in the epoch of the next batch this loader delivers (0 at an epoch's start)."""
+        return -(-self.sampler.consumed // self.batch_size)
+
+    @property
+    def dataset(self) -> Any:
+        return self._seeded.dataset
+
+    @property
+    def drop_last(self) -> bool:
+        return self._batches.drop_last
+
     def __len__(self) -> int:
         return len(self._batches)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names this class lacks: the DataLoader's own attributes
+        if name.startswith("__") or name in ("loader", "sampler", "_batches", "_seeded"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -457,7 +484,7 @@ class ResumableLoader:
         return {
             "sampler": s.state_dict(), "batch_size": self.batch_size,
             "drop_last": self._batches.drop_last,
-            "batches": -(-s.consumed // self.batch_size),  # delivered by this rank, this epoch
+            "batches": self.position,  # delivered by this rank, this epoch
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,0 +1,183 @@
+"""Comparing two loaded states value by value: what ``pitstop diff`` and ``crashtest`` print.
+
+Two states are the same when they have the same structure (dict keys, list and tuple
+lengths, and the container kinds themselves: a tuple is not a list), every tensor has the
+same dtype, shape and *bytes* (so NaNs compare equal to themselves and -0.0 differs from
+0.0: a resume must be bit for bit), and every other value is equal and of the same type.
+
+Call sequence (the CLI's thread): ``compare(a, b, ignore=...)`` -> a list of
+:class:`Difference` in the order a walk of ``a`` meets them (then keys only in ``b``);
+``format_differences(diffs, limit)`` -> lines to print; ``run_diff(args)`` for ``pitstop diff``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pitstop.state.tree import join_key
+
+__all__ = ["Difference", "compare", "count_tensors", "format_differences", "run_diff"]
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One key path at which the two states differ. ``max_abs`` is the largest absolute
+    difference of two tensors (or numbers) of the same shape, where it can be computed."""
+
+    key: str
+    what: str
+    max_abs: float | None = None
+    is_tensor: bool = False
+
+
+def _array_module(value: Any) -> Any:
+    mod = type(value).__module__
+    if mod.startswith("numpy"):
+        import numpy
+
+        return numpy
+    return None
+
+
+def _max_abs(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    if x.numel() == 0 or x.is_complex() or x.dtype == torch.bool:
+        return None
+    d = (x.double() - y.double()).abs()
+    finite = d[~torch.isnan(d)]
+    return float(finite.max()) if finite.numel() else math.nan
+
+
+def _tensor_difference(key: str, x: torch.Tensor, y: torch.Tensor) -> Difference | None:
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return Difference(
+            key, f"{x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}", is_tensor=True
+        )
+    xb = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    yb = y.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    if torch.equal(xb, yb):
+        return None
+    return Difference(key, "values differ", _max_abs(x.cpu(), y.cpu()), is_tensor=True)
+
+
+def _leaf_difference(key: str, x: Any, y: Any) -> Difference | None:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return _tensor_difference(key, x, y)
+    if type(x) is not type(y):
+        return Difference(key, f"{type(x).__name__} vs {type(y).__name__}")
+    np = _array_module(x)
+    if np is not None and isinstance(x, np.ndarray):
+        return _tensor_difference(key, torch.from_numpy(x), torch.from_numpy(y))
+    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
+        return None
+    try:
+        same = bool(x == y)
+    except Exception:  # a value whose == does not give a truth value
+        same = repr(x) == repr(y)
+    if same:
+        return None
+    detail = f"{_short(x)} vs {_short(y)}"
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return Difference(key, detail, abs(float(x) - float(y)))
+    return Difference(key, detail)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _children(node: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
+    if isinstance(node, Mapping):
+        return "dict", list(node.items())
+    if type(node) in (list, tuple):
+        return type(node).__name__, list(enumerate(node))
+    return None
+
+
+def compare(a: Any, b: Any, *, ignore: Iterable[str] = ()) -> list[Difference]:
+    """Every difference between ``a`` and ``b`` (loaded states); key paths matching a glob
+    of ``ignore`` (``progress/wall_secs``, ``*/timestamp``) are skipped with their subtrees."""
+    patterns = list(ignore)
+    out: list[Difference] = []
+    todo: list[tuple[str, Any, Any]] = [("", a, b)]
+    while todo:
+        key, x, y = todo.pop()
+        if key and any(fnmatch.fnmatchcase(key, p) for p in patterns):
+            continue
+        cx, cy = _children(x), _children(y)
+        if cx is None or cy is None:
+            if cx is not None or cy is not None:
+                out.append(Difference(key, f"{type(x).__name__} vs {type(y).__name__}"))
+            else:
+                diff = _leaf_difference(key, x, y)
+                if diff is not None:
+                    out.append(diff)
+            continue
+        if cx[0] != cy[0]:
+            out.append(Difference(key, f"{cx[0]} vs {cy[0]}"))
+            continue
+        xs, ys = dict(cx[1]), dict(cy[1])
+        pending = []
+        for k, v in cx[1]:
+            sub = join_key(key, k)
+            if k in ys:
+                pending.append((sub, v, ys[k]))
+            elif not any(fnmatch.fnmatchcase(sub, p) for p in patterns):
+                out.append(Difference(sub, "only in A", is_tensor=isinstance(v, torch.Tensor)))
+        for k, v in cy[1]:
+            sub = join_key(key, k)
+            if k not in xs and not any(fnmatch.fnmatchcase(sub, p) for p in patterns):
+                out.append(Difference(sub, "only in B", is_tensor=isinstance(v, torch.Tensor)))
+        todo.extend(reversed(pending))
+    return out
+
+
+def format_differences(diffs: list[Difference], limit: int = 20) -> list[str]:
+    """One line per difference (the first ``limit``), tensors first."""
+    ordered = sorted(diffs, key=lambda d: not d.is_tensor)
+    width = min(max((len(d.key) for d in ordered[:limit]), default=10), 70)
+    lines = []
+    for d in ordered[:limit]:
+        extra = "" if d.max_abs is None else f"  max |a-b| = {d.max_abs:.6g}"
+        lines.append(f"  {d.key:{width}}  {d.what}{extra}")
+    if len(ordered) > limit:
+        lines.append(f"  ... and {len(ordered) - limit} more")
+    return lines
+
+
+def count_tensors(tree: Any) -> int:
+    """Tensors in a loaded state (a tensor reached twice counts twice)."""
+    n, todo = 0, [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, torch.Tensor):
+            n += 1
+        else:
+            kids = _children(node)
+            if kids is not None:
+                todo.extend(v for _, v in kids[1])
+    return n
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    """``pitstop diff A B``: every tensor and value; exit 1 if anything differs (as diff)."""
+    from pitstop.oneshot import load
+
+    a = load(args.a, step=args.step_a, allow_pickle=args.allow_pickle)
+    b = load(args.b, step=args.step_b, allow_pickle=args.allow_pickle)
+    diffs = compare(a, b, ignore=args.ignore or ())
+    for line in format_differences(diffs, limit=args.show):
+        print(line)
+    differ = sum(d.is_tensor for d in diffs)
+    print(
+        f"{count_tensors(a)} tensors and every other value compared: {differ} tensors and "
+        f"{len(diffs) - differ} other values differ"
+    )
+    return 1 if diffs else 0

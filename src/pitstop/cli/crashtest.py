@@ -1,0 +1,454 @@
+"""``pitstop crashtest -- CMD ...``: prove that the user's own script resumes bit for bit.
+
+CMD takes its checkpoint directory on its command line as ``{dir}``. crashtest runs it
+
+1. to completion in a fresh directory (the *reference*);
+2. in a second directory with ``PITSTOP_CRASHTEST_KILL_STEP=k`` set, a random step after
+   the first checkpoint of the reference: the CheckpointManager SIGKILLs the process at the
+   first step ``>= k`` once a checkpoint has committed (``--kills N``: N such runs, each
+   killed at a random step after the newest checkpoint the previous one left);
+3. again in that directory, without a kill step, until it exits 0 (it resumes);
+
+then compares the newest committed checkpoints of the two directories tensor by tensor and
+value by value. It prints ``identical: yes`` (exit 0), or the first differences with their
+largest absolute difference and the causes it can see in the runs' logs (exit 1). A run
+that fails on its own, or a kill that never comes, is exit 2.
+
+Causes are found from ``PITSTOP_CRASHTEST_LOG`` (see :mod:`pitstop.probe`): at each save
+every process logs a digest of each global random generator. The generators at a step of
+the resumed run must equal those of the reference at the same step; if they were restored
+(the restore logs them too) and differ at a later save, something outside the saved state
+drew from them between the two (a DataLoader without ``generator=``, evaluation,
+augmentation in the main process). Equal generators and different tensors point to the
+computation itself (non-deterministic kernels, a different thread count).
+
+Call sequence (the CLI's thread): ``run_crashtest(args)``: ``_Runner.run`` x (1 + kills + up
+to ``--restarts`` reruns) -> ``_load`` x 2 -> ``compare`` -> ``diagnose`` -> print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pitstop.cli.compare import Difference
+
+__all__ = ["Record", "diagnose", "run_crashtest", "unseeded"]
+
+DOCS = "docs/determinism.md"
+
+
+class CrashtestError(Exception):
+    """A run that could not be used for the comparison (exit 2)."""
+
+
+@dataclass
+class Record:
+    """One line of a run's crashtest log (see :mod:`pitstop.probe`)."""
+
+    run: str
+    event: str
+    step: int
+    rank: int
+    pid: int
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_log(path: str, run: str) -> list[Record]:
+    out: list[Record] = []
+    if not os.path.exists(path):
+        return out
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                d = json.loads(line)
+                out.append(
+                    Record(run, d["event"], int(d["step"]), int(d["rank"]), int(d["pid"]), d)
+                )
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the kill
+    return out
+
+
+def _committed(root: str) -> dict[int, int]:
+    """The committed steps under ``root``, each with the number of ranks that saved it."""
+    from pitstop.engine.catalog import Catalog
+    from pitstop.storage.local import LocalStorage
+    from pitstop.storage.retry import RetryingStorage
+
+    if not os.path.isdir(root):
+        return {}
+    catalog = Catalog(RetryingStorage(LocalStorage(root)))  # type: ignore[arg-type]
+    try:
+        return {
+            e.step: e.manifest.world_size
+            for e in catalog.committed()
+            if e.step is not None and e.manifest is not None
+        }
+    finally:
+        catalog.close()
+
+
+def _committed_steps(root: str) -> list[int]:
+    return sorted(_committed(root))
+
+
+@dataclass
+class _Run:
+    label: str
+    returncode: int
+    secs: float
+    output: str
+
+    @property
+    def killed(self) -> bool:
+        return self.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
+class _Runner:
+    """Runs CMD with ``{dir}`` replaced, its output in ``<workdir>/<label>.out``."""
+
+    def __init__(self, cmd: list[str], workdir: str, timeout_secs: float) -> None:
+        self.cmd, self.workdir, self.timeout_secs = cmd, workdir, timeout_secs
+
+    def run(self, label: str, ckpt_dir: str, log: str, kill_step: int | None) -> _Run:
+        argv = [a.replace("{dir}", ckpt_dir) for a in self.cmd]
+        env = dict(os.environ, PITSTOP_CRASHTEST_LOG=log)
+        env.pop("PITSTOP_CRASHTEST_KILL_STEP", None)
+        if kill_step is not None:
+            env["PITSTOP_CRASHTEST_KILL_STEP"] = str(kill_step)
+        out_path = os.path.join(self.workdir, f"{label}.out")
+        t0 = time.perf_counter()
+        with open(out_path, "wb") as out:
+            try:
+                proc = subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            except OSError as e:
+                raise CrashtestError(f"cannot run {argv[0]!r}: {e.strerror or e}") from None
+            try:
+                code = proc.wait(timeout=self.timeout_secs)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise CrashtestError(
+                    f"{label} run did not finish within {self.timeout_secs:.0f} s "
+                    f"(--timeout); its output: {out_path}"
+                ) from None
+            finally:
+                _kill_group(proc.pid)  # workers a killed process left behind
+        with open(out_path, encoding="utf-8", errors="replace") as f:
+            output = f.read()
+        return _Run(label, code, time.perf_counter() - t0, output)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines()[-lines:])
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _pick(rng: random.Random, low: int, high: int) -> int | None:
+    return rng.randint(low, high) if low <= high else None
+
+
+def _crash_runs(
+    runner: _Runner, args: argparse.Namespace, rng: random.Random, crash_dir: str, steps: range
+) -> list[str]:
+    """The killed runs (each at a step of ``steps`` after the newest checkpoint), then the
+    reruns until one exits 0; the log files of all of them."""
+    logs: list[str] = []
+    first, final = steps.start, steps.stop
+    for i in range(args.kills):
+        have = _committed_steps(crash_dir)
+        kill = _pick(rng, max(first, (have[-1] + 1) if have else first), final - 1)
+        if kill is None:
+            _say(f"kill {i + 1}: no step left between the newest checkpoint and the last step")
+            break
+        log = os.path.join(runner.workdir, f"crashed-{i + 1}.log")
+        logs.append(log)
+        run = runner.run(f"crashed-{i + 1}", crash_dir, log, kill)
+        kills = [r.step for r in _read_log(log, "") if r.event == "kill"]
+        if run.returncode == 0 or not (kills or run.killed):  # a launcher exits 1 for it
+            raise CrashtestError(
+                f"run {i + 1} was to be killed at step {kill} but "
+                + ("finished" if run.returncode == 0 else f"exited {run.returncode}")
+                + " without being killed: does the script call ckpt.step() (or ckpt.reached(step)"
+                " once per step) and commit a checkpoint before its last step?\n"
+                + _tail(run.output)
+            )
+        where = f"at step {min(kills)}" if kills else f"at or after step {kill}"
+        newest = _committed_steps(crash_dir)
+        _say(
+            f"crashed run {i + 1}: SIGKILL {where} ({run.secs:.1f} s); newest committed "
+            f"checkpoint: {newest[-1] if newest else 'none'}"
+        )
+    for attempt in range(1 + args.restarts):
+        log = os.path.join(runner.workdir, f"resumed-{attempt + 1}.log")
+        logs.append(log)
+        run = runner.run(f"resumed-{attempt + 1}", crash_dir, log, None)
+        if run.returncode == 0:
+            _say(f"resumed run: exit 0 ({run.secs:.1f} s)")
+            return logs
+        _say(f"resumed run {attempt + 1}: exit {run.returncode}\n{_tail(run.output)}")
+    raise CrashtestError(f"the resumed run did not exit 0 in {1 + args.restarts} attempts")
+
+
+def _load(root: str) -> tuple[int, Any, int]:
+    """The newest committed step and its state: one state per saved rank, under ``rank<r>``
+    keys when several ranks saved it (each with that rank's RNG streams and data position)."""
+    from pitstop.oneshot import load
+
+    committed = _committed(root)
+    if not committed:
+        raise CrashtestError(f"{root}: the run left no committed checkpoint")
+    step, ranks = max(committed), committed[max(committed)]
+    if ranks == 1:
+        return step, load(root, step=step), 1
+    return step, {f"rank{r}": load(root, step=step, rank=r) for r in range(ranks)}, ranks
+
+
+def run_crashtest(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise CrashtestError(
+            "give the command to test after --: pitstop crashtest -- python train.py --dir {dir}"
+        )
+    if not any("{dir}" in a for a in cmd):
+        raise CrashtestError(
+            "the command must take its checkpoint directory as {dir}, e.g. "
+            "pitstop crashtest -- python train.py --dir {dir}"
+        )
+    workdir = args.workdir or tempfile.mkdtemp(prefix="pitstop-crashtest-")
+    os.makedirs(workdir, exist_ok=True)
+    if os.listdir(workdir):
+        raise CrashtestError(f"{workdir} is not empty; crashtest needs an empty working directory")
+    try:
+        return _crashtest(cmd, workdir, args)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            _say(f"runs kept in {workdir}")
+
+
+def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
+    runner = _Runner(cmd, workdir, args.timeout)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    rng = random.Random(seed)
+    ref_dir, crash_dir = os.path.join(workdir, "reference"), os.path.join(workdir, "crashed")
+    ref_log = os.path.join(workdir, "reference.log")
+    _say(f"crashtest seed {seed}: {' '.join(cmd)}")
+    run = runner.run("reference", ref_dir, ref_log, None)
+    if run.returncode != 0:
+        raise CrashtestError(f"the reference run exited {run.returncode}\n{_tail(run.output)}")
+    ref_records = _read_log(ref_log, "reference")
+    saves = sorted({r.step for r in ref_records if r.event == "save"})
+    committed = _committed_steps(ref_dir)
+    final = committed[-1] if committed else None
+    if final is None or not saves:
+        raise CrashtestError(
+            f"the reference run left no committed checkpoint in {ref_dir}: does the script save "
+            "to the directory it is given as {dir}?"
+        )
+    if saves[0] >= final:
+        raise CrashtestError(
+            f"the reference run checkpointed first at its last step ({final}): there is no step "
+            "to kill at after a checkpoint; checkpoint more often or train longer"
+        )
+    _say(f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves")
+    logs = _crash_runs(runner, args, rng, crash_dir, range(saves[0] + 1, final))
+    crash_records = [r for i, log in enumerate(logs) for r in _read_log(log, f"run{i}")]
+    skip = unseeded(ref_records, _read_log(logs[0], "run0"))
+    ignore = list(args.ignore or ())
+    rng_keys = sorted({k for r in ref_records for k in r.data.get("rng_keys", [])})
+    if skip - {"torch"}:
+        names = [f"{k}/{g}" for k in rng_keys for g in sorted(skip - {"torch"})]
+        ignore += names + [f"rank*/{n}" for n in names]  # the per-rank states of a job
+        _say(
+            f"not compared: {', '.join(names) or 'none'} (the script does not seed "
+            f"{' and '.join(sorted(skip - {'torch'}))}: they differ between any two runs)"
+        )
+    from pitstop.cli.compare import compare  # torch: only once the runs are done
+
+    (step_a, a, ranks), (step_b, b, _) = _load(ref_dir), _load(crash_dir)
+    if ranks > 1:
+        _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
+    diffs = compare(a, b, ignore=ignore)
+    return _report(step_a, step_b, a, diffs, diagnose(ref_records, crash_records, skip), args)
+
+
+def _report(
+    step_a: int, step_b: int, a: Any, diffs: list[Difference], causes: list[str],
+    args: argparse.Namespace,
+) -> int:  # fmt: skip
+    from pitstop.cli.compare import count_tensors, format_differences
+
+    if step_a != step_b:
+        _say(f"the newest checkpoints are of different steps: {step_a} (reference) vs {step_b}")
+    if not diffs and step_a == step_b:
+        _say(f"compared step {step_a}: {count_tensors(a)} tensors and every other value")
+        _say("identical: yes")
+        return 0
+    _say(f"compared step {step_a} (reference) with step {step_b} (killed and resumed):")
+    differ = sum(d.is_tensor for d in diffs)
+    _say(f"{differ} tensors and {len(diffs) - differ} other values differ:")
+    for line in format_differences(diffs, limit=args.show):
+        _say(line)
+    _say("identical: no")
+    if causes:
+        _say("likely causes:")
+        for c in causes:
+            _say(f"  - {c}")
+    _say(f"see the determinism checklist: {DOCS}")
+    return 1
+
+
+def unseeded(ref: list[Record], fresh: list[Record]) -> set[str]:
+    """Generators that two fresh processes start differently (the script does not seed them):
+    their digests differ at the first step both saved before any restore."""
+    mine = {(r.step, r.rank): r.data for r in fresh if r.event == "save"}
+    restored = {r.pid for r in fresh if r.event == "restore"}
+    for r in ref:
+        other = mine.get((r.step, r.rank))
+        if r.event != "save" or other is None or any(x.pid in restored for x in fresh):
+            continue
+        a, b = r.data.get("generators") or {}, other.get("generators") or {}
+        return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    return set()
+
+
+def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[str]:
+    """The causes of a difference that the runs' logs show (see the module docstring);
+    generators in ``skip`` (unseeded ones) are left out of the comparison of digests."""
+    causes: list[str] = []
+    saves = [r for r in ref if r.event == "save"]
+    ref_saves = {(r.step, r.rank): _seeded(r.data, skip) for r in saves}
+    if "torch" in skip:
+        causes.append(
+            "the script does not seed torch (torch.manual_seed): two fresh runs already "
+            "differ before any kill, so no resume can match the reference"
+        )
+    if any(not r.data.get("rng_keys") for r in saves):
+        causes.append(
+            "the state holds no pitstop.RNGState: the random streams (dropout, augmentation, "
+            "shuffling from the global generator) restart from the script's seed on a resume"
+        )
+    loaders = sorted({k for r in saves for k in r.data.get("loaders_without_generator", [])})
+    if loaders:
+        causes.append(
+            f"loaders in the state without their own generator: {', '.join(loaders)} "
+            "(DataLoader(..., generator=torch.Generator().manual_seed(seed)))"
+        )
+    drift = _generator_drift(ref_saves, crashed, skip)
+    for found in (drift, _settings(ref_saves, crashed)):
+        if found:
+            causes.append(found)
+    if not causes:
+        causes.append(
+            "the global random generators agree with the reference at every save after the "
+            "resume, so the computation itself differs: non-deterministic kernels "
+            "(torch.use_deterministic_algorithms(True)), or training state kept outside the "
+            "checkpoint (a counter, a schedule, a cache)"
+        )
+    return causes
+
+
+def _seeded(data: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+    gens = data.get("generators") or {}
+    return dict(data, generators={k: v for k, v in gens.items() if k not in skip})
+
+
+def _generator_drift(
+    ref_saves: dict[tuple[int, int], dict[str, Any]], crashed: list[Record], skip: set[str]
+) -> str | None:
+    restores = [r for r in crashed if r.event == "restore"]
+    for r in restores:
+        want = ref_saves.get((r.step, r.rank))
+        got = _seeded(r.data, skip)["generators"]
+        if want is not None and got != want["generators"]:
+            return (
+                f"after the restore of step {r.step} the global generators "
+                f"({_differing(got, want['generators'])}) are not where the reference was at "
+                "that step: the state does not restore them (add pitstop.RNGState() to the state)"
+            )
+    for r in crashed:
+        back = [x for x in restores if x.pid == r.pid and x.rank == r.rank]
+        want = ref_saves.get((r.step, r.rank))
+        if r.event != "save" or not back or want is None:
+            continue
+        got = _seeded(r.data, skip)["generators"]
+        if got == want["generators"]:
+            continue
+        return (
+            f"the global random generators ({_differing(got, want['generators'])}) were drawn "
+            f"outside the saved state: restored exactly at step {back[0].step}, they differ "
+            f"from the reference at step {r.step} (rank {r.rank}); typical: a DataLoader "
+            "without generator= (evaluation loaders draw a seed at every iter(), with "
+            "persistent workers only at the first), evaluation or augmentation in the main "
+            "process drawing a different amount after a resume"
+        )
+    return None
+
+
+def _differing(a: dict[str, Any], b: dict[str, Any]) -> str:
+    return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))) or "?"
+
+
+def _settings(
+    ref_saves: dict[tuple[int, int], dict[str, Any]], crashed: list[Record]
+) -> str | None:
+    for r in crashed:
+        want = ref_saves.get((r.step, r.rank))
+        if r.event != "save" or want is None:
+            continue
+        for name in ("threads", "deterministic", "cudnn_benchmark"):
+            if r.data.get(name) != want.get(name):
+                return (
+                    f"{name} differs between the runs ({want.get(name)} in the reference, "
+                    f"{r.data.get(name)} after the resume)"
+                )
+    return None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command; {dir} is replaced")
+    p.add_argument("--kills", type=int, default=1, help="kill this many times (default 1)")
+    p.add_argument("--seed", type=int, help="seed of the random kill steps (default: random)")
+    p.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the runs' directories and output")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
+    p.add_argument("--restarts", type=int, default=2,
+                   help="reruns allowed after the resumed run fails (default 2)")  # fmt: skip
+    p.add_argument("--ignore", action="append", metavar="GLOB",
+                   help="key paths not compared, e.g. 'progress/wall_secs' (repeatable)")  # fmt: skip
+    p.add_argument("--show", type=int, default=10, help="differences shown (default 10)")
+
+
+def main_exit(args: argparse.Namespace) -> int:
+    try:
+        return run_crashtest(args)
+    except CrashtestError as e:
+        print(f"pitstop crashtest: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,202 @@
+"""``pitstop crashtest``, ``pitstop diff`` and the value-by-value comparison behind them.
+
+crashtest runs a small training script (written here) three ways; the variants break
+exact resume in the ways users do, and crashtest must say so and name the cause."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+import pitstop
+from pitstop.cli.compare import compare
+from pitstop.cli.main import main
+
+pytestmark = pytest.mark.fault
+
+SCRIPT = textwrap.dedent(
+    """
+    import argparse, torch, pitstop
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir"); p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--variant", default="good")
+    a = p.parse_args()
+    if a.variant == "fail":
+        raise SystemExit(3)
+    if a.variant != "unseeded":
+        torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = pitstop.ResumableLoader(data, batch_size=8, shuffle=True, seed=2)
+    state = {"model": model, "optimizer": opt, "data": loader, "progress": {"step": 0}}
+    if a.variant != "no-rng":
+        state["rng"] = pitstop.RNGState()
+    every = a.steps if a.variant == "late" else a.every
+    with pitstop.CheckpointManager(a.dir, keep_last=2, policy=pitstop.policy.EveryN(every)) as ckpt:
+        ckpt.restore(state)
+        if a.variant == "eval-draws":  # evaluates what it starts from, drawing from torch's RNG
+            for _ in torch.utils.data.DataLoader(data, batch_size=16, shuffle=True):
+                pass
+        while state["progress"]["step"] < a.steps:
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                state["progress"]["step"] += 1
+                ckpt.step(state["progress"]["step"], state)
+                if state["progress"]["step"] >= a.steps:
+                    break
+        ckpt.wait()
+        if ckpt.latest_step() != state["progress"]["step"]:
+            ckpt.save(state["progress"]["step"], state)
+    """
+)
+
+
+def _crashtest(
+    tmp_path: Any, capsys: Any, variant: str = "good", *extra: str, cmd: list[str] | None = None
+) -> tuple[int, str]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    cmd = cmd or [sys.executable, str(script), "--dir", "{dir}", "--variant", variant]
+    code = main(
+        ["crashtest", "--seed", "1", "--workdir", str(tmp_path / "runs"), *extra, "--", *cmd]
+    )
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_a_script_that_resumes_exactly_is_identical(tmp_path: Any, capsys: Any) -> None:
+    code, out = _crashtest(tmp_path, capsys, "good", "--kills", "2", "--keep")
+    assert code == 0, out
+    assert "identical: yes" in out
+    assert out.count("crashed run") == 2 and "SIGKILL at step" in out
+    # the killed runs really were killed after a commit, and the resumed runs restored one
+    runs = tmp_path / "runs"
+    records = [json.loads(line) for name in sorted(os.listdir(runs)) if name.endswith(".log")
+               for line in (runs / name).read_text().splitlines()]  # fmt: skip
+    kills = [r["step"] for r in records if r["event"] == "kill"]
+    restores = [r["step"] for r in records if r["event"] == "restore"]
+    assert len(kills) == 2 and len(restores) == 2
+    assert all(r < k for r, k in zip(restores, kills[1:]))  # each restore precedes the next kill
+    # python's random and NumPy's global generator are unseeded in the script: not compared
+    assert "not compared: rng/numpy, rng/python" in out
+
+
+def test_drawing_from_the_global_generator_after_a_restore_is_named(
+    tmp_path: Any, capsys: Any
+) -> None:
+    code, out = _crashtest(tmp_path, capsys, "eval-draws")
+    assert code == 1, out
+    assert "identical: no" in out and "model/0.weight" in out and "max |a-b| = " in out
+    assert "(torch) were drawn outside the saved state" in out
+    assert "docs/determinism.md" in out
+
+
+def test_a_state_without_rng_state_is_named(tmp_path: Any, capsys: Any) -> None:
+    code, out = _crashtest(tmp_path, capsys, "no-rng")
+    assert code == 1, out
+    assert "the state holds no pitstop.RNGState" in out
+    assert "the state does not restore them" in out
+
+
+def test_an_unseeded_script_is_named(tmp_path: Any, capsys: Any) -> None:
+    code, out = _crashtest(tmp_path, capsys, "unseeded")
+    assert code == 1, out
+    assert "does not seed torch" in out
+
+
+@pytest.mark.parametrize(
+    ("variant", "cmd_has_dir", "message"),
+    [
+        ("fail", True, "the reference run exited 3"),
+        ("late", True, "checkpointed first at its last step"),
+        ("good", False, "must take its checkpoint directory as {dir}"),
+    ],
+)
+def test_runs_that_cannot_be_compared_exit_2(
+    tmp_path: Any, capsys: Any, variant: str, cmd_has_dir: bool, message: str
+) -> None:
+    script = tmp_path / "train.py"
+    cmd = [sys.executable, str(script), "--dir", "{dir}" if cmd_has_dir else str(tmp_path / "x")]
+    code, out = _crashtest(tmp_path, capsys, variant, cmd=[*cmd, "--variant", variant])
+    assert code == 2, out
+    assert message in out
+
+
+def test_a_script_that_never_reaches_the_kill_step_is_reported(tmp_path: Any, capsys: Any) -> None:
+    # saves with save() itself and never calls ckpt.step()/reached(): crashtest cannot kill it
+    script = tmp_path / "nokill.py"
+    script.write_text(
+        "import sys, torch, pitstop\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "with pitstop.CheckpointManager(sys.argv[1]) as c:\n"
+        "    for s in (1, 2, 3):\n"
+        "        c.save(s, {'model': m})\n"
+    )
+    code, out = _crashtest(tmp_path, capsys, cmd=[sys.executable, str(script), "{dir}"])
+    assert code == 2, out
+    assert "without being killed" in out and "ckpt.reached(step)" in out
+
+
+def test_the_kill_waits_for_a_committed_checkpoint(tmp_path: Any) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "log.jsonl"
+    env = dict(os.environ, PITSTOP_CRASHTEST_KILL_STEP="1", PITSTOP_CRASHTEST_LOG=str(log))
+    proc = subprocess.run(
+        [sys.executable, str(script), "--dir", str(tmp_path / "ck"), "--every", "5"],
+        env=env, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    kill = next(r for r in records if r["event"] == "kill")
+    assert kill["step"] >= 5  # not at step 1: nothing had committed before the save of step 5
+    assert pitstop.CheckpointManager(str(tmp_path / "ck")).steps()[0] == 5
+
+
+# ---------------------------------------------------------------------- compare and diff
+def test_compare_is_bit_for_bit_and_type_exact() -> None:
+    nan = torch.tensor([math.nan, 1.0])
+    a = {"t": nan, "z": torch.tensor([0.0]), "tup": (1, 2), "f": math.nan, "s": "x", "n": 1}
+    b = {"t": nan.clone(), "z": torch.tensor([-0.0]), "tup": [1, 2], "f": math.nan, "s": "x",
+         "n": 1.0, "extra": 3}  # fmt: skip
+    diffs = {d.key: d for d in compare(a, b)}
+    assert set(diffs) == {"z", "tup", "n", "extra"}  # NaN == NaN; -0.0 != 0.0; tuple != list
+    assert diffs["z"].is_tensor and diffs["z"].max_abs == 0.0
+    assert diffs["tup"].what == "tuple vs list" and diffs["n"].what == "int vs float"
+    assert diffs["extra"].what == "only in B"
+    assert compare(a, b, ignore=["z", "tup", "n", "extra"]) == []
+    assert compare({"w": torch.ones(2)}, {"w": torch.ones(3)})[0].what.startswith(
+        "torch.float32 [2]"
+    )
+
+
+def test_diff_exits_1_when_only_a_plain_value_differs(tmp_path: Any, capsys: Any) -> None:
+    m = torch.nn.Linear(2, 2)
+    pitstop.save(str(tmp_path / "a"), {"model": m, "progress": {"step": 1, "epoch": 0}})
+    pitstop.save(str(tmp_path / "b"), {"model": m, "progress": {"step": 2, "epoch": 0}})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert "progress/step" in out and "1 vs 2" in out
+    assert "0 tensors and 1 other values differ" in out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--ignore", "progress/*"]) == 0
+
+
+def test_load_reads_the_view_of_any_saved_rank_and_refuses_others(tmp_path: Any) -> None:
+    pitstop.save(str(tmp_path / "c"), {"x": torch.ones(2)})
+    assert torch.equal(pitstop.load(str(tmp_path / "c"), rank=0)["x"], torch.ones(2))
+    with pytest.raises(ValueError, match="rank 1: step 0 was saved by 1 rank"):
+        pitstop.load(str(tmp_path / "c"), rank=1)
