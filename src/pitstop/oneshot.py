@@ -13,7 +13,7 @@ from pitstop.errors import CheckpointNotFoundError, NotACheckpointError
 from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir, step_dir_name
 from pitstop.manager import CheckpointManager, KeyMap
 
-__all__ = ["check_root", "load", "save"]
+__all__ = ["check_root", "load", "resolve", "save"]
 
 
 def check_root(root: str) -> None:
@@ -27,6 +27,22 @@ def check_root(root: str) -> None:
             f"directories (it holds {shown})",
             path=root,
         )
+
+
+def resolve(path: str, step: int | None) -> tuple[str, int | None]:
+    """The root and step that ``load(path, step=step)`` reads: ``path`` is a root, or one step
+    directory (whose step must agree with ``step`` if both are given)."""
+    root = path
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        dir_step = parse_step_dir(os.path.basename(os.path.normpath(path)))
+        if dir_step is not None and step is not None and step != dir_step:
+            raise CheckpointNotFoundError(f"{path} holds step {dir_step}, not {step}", path=path)
+        root = os.path.dirname(os.path.normpath(path)) or "."
+        step = dir_step if dir_step is not None else step
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"no such checkpoint directory: {path}", path=path)
+    check_root(root)
+    return root, step
 
 
 def save(
@@ -60,20 +76,7 @@ def load(
     and data position, of that saved rank; default rank 0). Nothing under the root is moved
     (no rollback).
     """
-    path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        dir_step = parse_step_dir(os.path.basename(os.path.normpath(path)))
-        if dir_step is not None and step is not None and step != dir_step:
-            raise CheckpointNotFoundError(f"{path} holds step {dir_step}, not {step}", path=path)
-        root, step = (
-            os.path.dirname(os.path.normpath(path)),
-            dir_step if dir_step is not None else step,
-        )
-    else:
-        root = path
-    if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"no such checkpoint directory: {path}", path=path)
-    check_root(root)
+    root, step = resolve(os.fspath(path), step)
     with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
         if state is None:
             return mgr.load(step, rank=rank)
@@ -81,5 +84,5 @@ def load(
             raise ValueError("load(rank=) applies to loading fresh objects (no state)")
         loaded = mgr.restore(state, step, strict=strict, key_map=key_map, rollback=False)
         if loaded is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {path}", path=path)
+            raise CheckpointNotFoundError(f"no committed checkpoint under {root}", path=root)
         return loaded

@@ -39,7 +39,18 @@ SCRIPT = textwrap.dedent(
     data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    loader = pitstop.ResumableLoader(data, batch_size=8, shuffle=True, seed=2)
+    if a.variant.startswith("torchdata"):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import RandomSampler
+        if a.variant == "torchdata":  # torchdata's sampler, its generator apart from the loader's
+            sampler = RandomSampler(data, generator=torch.Generator().manual_seed(2))
+            loader = StatefulDataLoader(data, batch_size=8, sampler=sampler,
+                                        generator=torch.Generator().manual_seed(3))
+        else:
+            gen = None if a.variant == "torchdata-nogen" else torch.Generator().manual_seed(2)
+            loader = StatefulDataLoader(data, batch_size=8, shuffle=True, generator=gen)
+    else:
+        loader = pitstop.ResumableLoader(data, batch_size=8, shuffle=True, seed=2)
     state = {"model": model, "optimizer": opt, "data": loader, "progress": {"step": 0}}
     if a.variant != "no-rng":
         state["rng"] = pitstop.RNGState()
@@ -164,6 +175,34 @@ def test_the_kill_waits_for_a_committed_checkpoint(tmp_path: Any) -> None:
     kill = next(r for r in records if r["event"] == "kill")
     assert kill["step"] >= 5  # not at step 1: nothing had committed before the save of step 5
     assert pitstop.CheckpointManager(str(tmp_path / "ck")).steps()[0] == 5
+
+
+def test_torchdata_stateful_loader_with_its_own_generator_resumes_exactly(
+    tmp_path: Any, capsys: Any
+) -> None:
+    pytest.importorskip("torchdata.stateful_dataloader")
+    code, out = _crashtest(tmp_path, capsys, "torchdata", "--kills", "2")
+    assert code == 0, out
+    assert "identical: yes" in out
+
+
+def test_torchdata_stateful_loader_without_a_generator_is_named(tmp_path: Any, capsys: Any) -> None:
+    pytest.importorskip("torchdata.stateful_dataloader")
+    code, out = _crashtest(tmp_path, capsys, "torchdata-nogen")
+    assert code == 1, out
+    assert "loaders in the state without their own generator: data" in out
+    assert "(torch) were drawn outside the saved state" in out
+
+
+def test_torchdata_loader_sharing_its_generator_with_the_sampler_is_named(
+    tmp_path: Any, capsys: Any
+) -> None:
+    # StatefulDataLoader(shuffle=True, generator=g): the sampler and the loader's base seed
+    # draw from one generator, and the resumed order of the next epochs is not the same
+    pytest.importorskip("torchdata.stateful_dataloader")
+    code, out = _crashtest(tmp_path, capsys, "torchdata-shared")
+    assert code == 1, out
+    assert "the data loader's own state differs (data/" in out
 
 
 # ---------------------------------------------------------------------- compare and diff

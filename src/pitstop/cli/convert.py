@@ -1,17 +1,22 @@
-"""``pitstop export``, ``pitstop import`` and ``pitstop diff``: checkpoints to and from the
+"""``pitstop export`` and ``pitstop import``: checkpoints to and from the
 formats of the tools people already use. These commands load tensors, so they import torch.
 
+Export writes what each tool's standard recipe loads (``export_formats``), with plain module
+names and, for DCP, optimizer state keyed by parameter name (``export_names``); both need the
+checkpoint's objects tree as well as its values.
+
 Import reads files it cannot trust: a torch.save file is loaded weights-only (plus NumPy's array
-reconstruction) and a DCP directory through ``dcp_safe``, which never hands a pickle to plain
-``pickle.load``; ``--allow-pickle`` lifts both for trusted files. Every bad input ends in a
+reconstruction), a DCP directory through ``dcp_safe``, which never hands a pickle to plain
+``pickle.load``, and a safetensors file (no pickle at all) with its ``pitstop.values`` metadata;
+``--allow-pickle`` lifts the first two for trusted files. Every bad input ends in a
 ``CheckpointError`` naming the path, which the CLI prints as one line.
 
 Call sequence (the CLI's thread)::
 
-    run_export(args): _load -> _select -> _check_out -> _EXPORTERS[to] (inside _writing) -> print
-    run_import(args): _read_source (dcp_safe.load_dcp | dcp_safe.load_torch_file)
-                      -> CheckpointManager.save -> print
-    run_diff(args):   _load x2 -> flat_tensors x2 -> compare
+    run_export(args): _check_out -> _load_with_tree -> _select -> export_names (rename)
+                      -> export_formats.EXPORTERS[to] (inside _writing) -> print notes
+    run_import(args): _read_source (dcp_safe.load_dcp | _load_safetensors
+                      | dcp_safe.load_torch_file) -> CheckpointManager.save -> print
 """
 
 from __future__ import annotations
@@ -19,32 +24,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import stat
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+import struct
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from pitstop.engine.verify import read_objects
 from pitstop.errors import (
     CheckpointError,
     CheckpointIOError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     MissingExtraError,
     NotACheckpointError,
     UnsupportedValueError,
 )
 from pitstop.io.files import check_regular
 from pitstop.manager import CheckpointManager
-from pitstop.oneshot import load as pitstop_load
+from pitstop.oneshot import resolve
+from pitstop.state.keys import unescape_key
 from pitstop.state.tree import join_key
 
-__all__ = ["flat_tensors", "run_diff", "run_export", "run_import"]
-
-
-def _load(path: str, step: int | None, allow_pickle: bool) -> Any:
-    return pitstop_load(path, step=step, allow_pickle=allow_pickle)
+__all__ = ["flat_tensors", "run_export", "run_import"]
 
 
 def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -70,59 +75,6 @@ def _select(tree: Any, only: str | None) -> Any:
             f"the checkpoint has no top-level key {only!r} (it has: {keys})"
         )
     return {only: tree[only]}
-
-
-def _export_torch(tree: Any, out: str) -> str | None:
-    torch.save(tree, out)
-    try:
-        unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(out))
-    except Exception:  # only a note: the file is written
-        return None
-    if not unsafe:
-        return None
-    numpy_only = all(name.startswith("numpy.") for name in unsafe)
-    return (
-        f"note: torch.load(weights_only=True) refuses {', '.join(unsafe)} unless passed to"
-        " torch.serialization.safe_globals"
-        + ("; pitstop import reads the file as it is" if numpy_only else "")
-    )
-
-
-def _export_safetensors(tree: Any, out: str) -> str | None:
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise MissingExtraError(
-            "export --to safetensors needs safetensors: pip install safetensors"
-        ) from None
-    tensors: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {}
-    for key, t in flat_tensors(tree).items():
-        # safetensors refuses shared storage: a tied tensor is written under each name
-        tensors[key] = t.clone() if t.untyped_storage().data_ptr() in seen else t.contiguous()
-        seen[t.untyped_storage().data_ptr()] = key
-    save_file(tensors, out, metadata={"format": "pt", "source": "pitstop"})
-    return None
-
-
-def _export_dcp(tree: Any, out: str) -> str | None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.save(_dcp_compatible(tree), checkpoint_id=out, no_dist=True)
-        except CheckpointException as e:  # a BaseException holding each rank's error
-            raise next(iter(e.failures.values()))[0] from None
-    return None
-
-
-_EXPORTERS: dict[str, Callable[[Any, str], str | None]] = {
-    "torch": _export_torch,
-    "safetensors": _export_safetensors,
-    "dcp": _export_dcp,
-}
 
 
 def _check_out(out: str, to: str) -> None:
@@ -161,26 +113,103 @@ def _writing(out: str) -> Iterator[None]:
         ) from None
 
 
+def _load_with_tree(path: str, step: int | None, allow_pickle: bool) -> tuple[Any, Any]:
+    """The saved state as fresh objects (``CheckpointManager.load``: verified, falls back like
+    restore) and the objects tree it was built from, read again under a pin (``read_objects``:
+    size, checksum and grammar checked against the same manifest)."""
+    root, step = resolve(path, step)
+    with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
+        value = mgr.load(step)
+        loaded = mgr.last_restore
+        assert loaded is not None and loaded.name is not None and loaded.manifest is not None
+        problems: list[str] = []
+        with mgr.catalog.pin(loaded.name) as alive:
+            tree = (
+                read_objects(mgr.storage, loaded.name, loaded.manifest, 0, problems)
+                if alive
+                else None
+            )
+        if tree is None:
+            raise CorruptCheckpointError(
+                f"{loaded.name} changed while it was being exported"
+                + (f": {'; '.join(problems)}" if problems else " (removed)"),
+                step=loaded.step, path=f"{mgr.storage.url}/{loaded.name}",
+            )  # fmt: skip
+    return value, tree
+
+
 def run_export(args: argparse.Namespace) -> int:
+    from pitstop.cli.export_formats import EXPORTERS
+    from pitstop.cli.export_names import find_names, name_optimizers, strip_wrappers_in
+
     _check_out(args.out, args.to)
-    tree = _select(_load(args.dir, args.step, args.allow_pickle), args.only)
+    value, tree = _load_with_tree(args.dir, args.step, args.allow_pickle)
+    value = _select(value, args.only)
+    found = find_names(tree)
+    strip_wrappers_in(value, found)
+    notes = name_optimizers(value, found) if args.to == "dcp" else []
     with _writing(args.out):
-        note = _EXPORTERS[args.to](tree, args.out)
+        notes += EXPORTERS[args.to](value, args.out, args.only)
     print(
         f"exported {args.dir} ({'newest step' if args.step is None else f'step {args.step}'}) to {args.to}: {args.out}"
     )
-    if note:
+    for note in notes:
         print(note)
     return 0
 
 
-def _dcp_compatible(obj: Any) -> Any:
-    """DCP keys must be strings and its sequences lists."""
-    if isinstance(obj, Mapping):
-        return {str(k): _dcp_compatible(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_dcp_compatible(v) for v in obj]
-    return obj
+_SAFETENSORS_HEADER_MAX = 100_000_000  # the safetensors library's own limit
+
+
+def _is_safetensors(path: str) -> bool:
+    """An 8-byte little-endian header length that fits the file, then a JSON object."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return n <= min(_SAFETENSORS_HEADER_MAX, os.path.getsize(path) - 8)
+
+
+def _load_safetensors(path: str) -> dict[str, Any]:
+    """A safetensors file as a state: key paths split at ``/`` into nested dicts, tensors and the
+    JSON values of ``pitstop.values`` (what ``export --to safetensors`` writes) at their paths."""
+    try:
+        from safetensors import safe_open
+
+        from pitstop.cli.export_formats import VALUES_KEY
+    except ImportError:
+        raise MissingExtraError(
+            "import of a safetensors file needs safetensors: pip install safetensors", path=path
+        ) from None
+    try:
+        with safe_open(path, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            values = json.loads((f.metadata() or {}).get(VALUES_KEY, "{}"))
+    except Exception as e:  # SafetensorError, bad JSON: the header or data is damaged
+        text = str(e).strip().splitlines()
+        raise CorruptCheckpointError(
+            f"cannot load as a safetensors file ({type(e).__name__}: {text[0][:200] if text else ''})",
+            path=path,
+        ) from None
+    if not isinstance(values, dict):
+        raise CorruptCheckpointError(
+            f"safetensors metadata {VALUES_KEY} is not a JSON object", path=path
+        )
+    state: dict[str, Any] = {}
+    for key, value in [*tensors.items(), *values.items()]:
+        *parents, last = [unescape_key(part) for part in key.split("/")]
+        here = state
+        for part in parents:
+            here = here.setdefault(part, {})
+            if not isinstance(here, dict):
+                raise CorruptCheckpointError(
+                    f"key {key!r} lies under a value, not a dict", path=path
+                )
+        if last in here:
+            raise CorruptCheckpointError(f"key {key!r} is given twice", path=path)
+        here[last] = value
+    return state
 
 
 def _read_source(src: str, allow_pickle: bool) -> Any:
@@ -199,6 +228,12 @@ def _read_source(src: str, allow_pickle: bool) -> Any:
         return load_dcp(src, allow_pickle=allow_pickle)
     if not stat.S_ISREG(os.stat(src).st_mode):
         raise NotACheckpointError("not a regular file (a FIFO, device or socket)", path=src)
+    try:
+        safetensors = _is_safetensors(src)
+    except OSError as e:
+        raise CheckpointIOError(f"cannot read: {e.strerror}", errno=e.errno, path=src) from None
+    if safetensors:
+        return _load_safetensors(src)
     return load_torch_file(src, allow_pickle=allow_pickle)
 
 
@@ -213,31 +248,3 @@ def run_import(args: argparse.Namespace) -> int:
         mgr.save(args.step, tree)
     print(f"imported {src} into {args.to} as step {args.step} ({len(flat_tensors(tree))} tensors)")
     return 0
-
-
-def run_diff(args: argparse.Namespace) -> int:
-    a = flat_tensors(_load(args.a, args.step_a, args.allow_pickle))
-    b = flat_tensors(_load(args.b, args.step_b, args.allow_pickle))
-    differ = 0
-    rows = []
-    for key in sorted(set(a) | set(b)):
-        if key not in a or key not in b:
-            rows.append((key, "only in " + ("A" if key in a else "B"), ""))
-            differ += 1
-            continue
-        x, y = a[key], b[key]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            rows.append((key, f"{x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}", ""))
-            differ += 1
-        elif not torch.equal(x, y):
-            d = (
-                (x.double() - y.double()).abs().max().item()
-                if x.numel() and not x.is_complex()
-                else float("nan")
-            )
-            rows.append((key, "differs", f"{d:.6g}"))
-            differ += 1
-    for key, what, diff in rows:
-        print(f"{key:60} {what:30} {diff}")
-    print(f"{len(set(a) | set(b))} tensors compared, {differ} differ")
-    return 1 if differ else 0

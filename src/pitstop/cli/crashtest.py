@@ -296,7 +296,8 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     if ranks > 1:
         _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
     diffs = compare(a, b, ignore=ignore)
-    return _report(step_a, step_b, a, diffs, diagnose(ref_records, crash_records, skip), args)
+    causes = _loader_state(diffs) + diagnose(ref_records, crash_records, skip)
+    return _report(step_a, step_b, a, diffs, causes, args)
 
 
 def _report(
@@ -373,6 +374,22 @@ def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[s
             "checkpoint (a counter, a schedule, a cache)"
         )
     return causes
+
+
+def _loader_state(diffs: list[Difference]) -> list[str]:
+    """A difference inside a loader's or sampler's own state: the data order after a resume."""
+    keys = [
+        d.key for d in diffs if any(w in d.key for w in ("sampler", "_iter_state", "_num_yielded"))
+    ]
+    if not keys:
+        return []
+    return [
+        f"the data loader's own state differs ({keys[0]}): batches after the resume do not "
+        "come in the reference's order; torchdata's StatefulDataLoader needs its own "
+        "RandomSampler (torchdata.stateful_dataloader.sampler) with a generator apart from the "
+        "loader's: StatefulDataLoader(ds, sampler=RandomSampler(ds, generator=torch.Generator()"
+        ".manual_seed(s)), generator=torch.Generator().manual_seed(s + 1))"
+    ]
 
 
 def _seeded(data: dict[str, Any], skip: set[str]) -> dict[str, Any]:

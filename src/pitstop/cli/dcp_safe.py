@@ -13,6 +13,7 @@ torch's plain loading, for files the caller trusts. Everything that goes wrong e
 Call sequence (one process, the caller's thread; no process group)::
 
     load_torch_file(path)                     # pitstop import FILE
+      -> _torch_save_kind(path)               # zip (its directory opens) or pickle, else refused
       -> load_weights_only(path)              # torch.load(weights_only=True) + NumPy globals
     load_dcp(path)                            # pitstop import DIR
       -> read_dcp_metadata(path)              # _MetadataUnpickler, then _check_metadata
@@ -25,12 +26,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import io
 import os
 import pathlib
 import pickle
 import re
+import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
@@ -153,9 +157,10 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
-def _refused_globals(f: str | IO[bytes] | None, error: BaseException) -> str:
+def _refused_globals(f: str | IO[bytes] | None, error: BaseException) -> str | None:
     """The globals weights_only refused, from a static scan of the file or else torch's message
-    (which spells ``builtins.exec`` as ``exec``)."""
+    (which spells ``builtins.exec`` as ``exec``); None if it refused no global (a malformed
+    pickle, or an opcode it does not read)."""
     names: list[str] = []
     if f is not None:
         try:
@@ -170,47 +175,82 @@ def _refused_globals(f: str | IO[bytes] | None, error: BaseException) -> str:
     found = re.search(r"GLOBAL (\S+)", str(error))
     if found:  # torch writes builtins.exec as exec
         return found.group(1) if "." in found.group(1) else f"builtins.{found.group(1)}"
-    found = re.search(r"WeightsUnpickler error: ([^\n]+)", str(error))
-    return found.group(1) if found else _first_line(error)
+    return None
+
+
+def _unpickler_said(error: BaseException) -> str:
+    """The reason torch's weights-only unpickler gave, in one line."""
+    _, _, said = str(error).partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
+    return lines[0][:200] if lines else _first_line(error)
 
 
 def load_weights_only(f: str | IO[bytes], *, where: str, path: str | None = None) -> Any:
     """``torch.load(weights_only=True)`` that also admits NumPy; a refusal is a PickleRefusedError
-    naming the globals, ``where`` (what is being read) and ``--allow-pickle``."""
+    naming the globals, ``where`` (what is being read) and ``--allow-pickle``; a pickle it cannot
+    read at all is a CorruptCheckpointError. Warnings (an odd pickle protocol) are not shown."""
     try:
-        with numpy_safe_globals():
+        with numpy_safe_globals(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if _WEIGHTS_ONLY_FAILED not in str(e):
             raise
+        where_path = path if path is not None else (f if isinstance(f, str) else None)
         culprit = _refused_globals(f, e)
+        if culprit is None:
+            raise CorruptCheckpointError(
+                f"{where} does not unpickle weights-only ({_unpickler_said(e)}): damaged, or "
+                f"written with pickle features only plain loading reads; {_TRUST_HINT}",
+                path=where_path,
+            ) from None
         raise PickleRefusedError(
             f"refusing to unpickle {culprit} in {where}: weights-only loading does not allow it;"
             f" {_TRUST_HINT}",
-            path=path if path is not None else (f if isinstance(f, str) else None),
+            path=where_path,
         ) from None
 
 
-def _looks_like_torch_save(path: str) -> bool:
-    """A zip archive (torch.save since 1.6) or a pickle of protocol 2 or later (the legacy format)."""
+def _torch_save_kind(path: str) -> str | None:
+    """``zip`` (torch.save since 1.6), ``pickle`` (protocol 2 or later: the legacy format) or
+    None; a zip archive whose central directory cannot be read (truncated) raises."""
     with open(path, "rb") as f:
         head = f.read(4)
-    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                archive.infolist()
+        except (zipfile.BadZipFile, EOFError) as e:
+            raise CorruptCheckpointError(
+                f"a truncated or damaged torch.save file (the zip directory at its end does not"
+                f" read: {e})",
+                path=path,
+            ) from None
+        return "zip"
+    return "pickle" if head[:1] == b"\x80" else None
 
 
 def load_torch_file(path: str, *, allow_pickle: bool = False) -> Any:
     """The object of a torch.save file: weights only unless ``allow_pickle``; never a raw error."""
     try:
-        if not _looks_like_torch_save(path):
+        if _torch_save_kind(path) is None:
             raise NotACheckpointError(
-                "not a torch.save file: neither a zip archive nor a pickle", path=path
+                "not a torch.save, safetensors or DCP checkpoint: neither a zip archive, a"
+                " pickle nor a safetensors header",
+                path=path,
             )
         if allow_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.load(path, map_location="cpu", weights_only=False)
         return load_weights_only(path, where="the torch.save file", path=path)
     except CheckpointError:
         raise
     except OSError as e:
+        if e.errno in (None, errno.EINVAL):  # torch's zip reader on bytes it cannot read
+            raise CorruptCheckpointError(
+                f"cannot load as a torch.save file (damaged: {_first_line(e)})", path=path
+            ) from None
         raise CheckpointIOError(
             f"cannot read: {e.strerror or _first_line(e)}", errno=e.errno, path=path
         ) from None
@@ -448,7 +488,8 @@ def load_dcp(directory: str, *, allow_pickle: bool = False) -> dict[str, Any]:
             raise e from None
         if isinstance(e, pickle.UnpicklingError) and _WEIGHTS_ONLY_FAILED in str(e):
             raise PickleRefusedError(
-                f"refusing to unpickle a DCP tensor item ({_refused_globals(None, e)}); {_TRUST_HINT}",
+                f"refusing to unpickle a DCP tensor item "
+                f"({_refused_globals(None, e) or _unpickler_said(e)}); {_TRUST_HINT}",
                 path=directory,
             ) from None
         if isinstance(e, OSError):

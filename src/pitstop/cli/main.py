@@ -438,8 +438,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_export)
 
-    p = add("import", "make a pitstop checkpoint from a torch.save file or a DCP directory")
-    p.add_argument("src", help="a torch.save file (loaded with weights_only) or a DCP directory")
+    p = add(
+        "import",
+        "make a pitstop checkpoint from a torch.save file, a safetensors file or a DCP directory",
+    )
+    p.add_argument(
+        "src",
+        help="a torch.save file (loaded with weights_only), a safetensors file or a DCP directory",
+    )
     p.add_argument("--to", required=True, help="checkpoint root to write into")
     p.add_argument("--step", type=int, default=0)
     p.add_argument(

@@ -2,7 +2,7 @@
 
 The file wraps the tree that :mod:`pitstop.state.tree` builds::
 
-    {"format": "pitstop-objects", "format_version": 2, "rank": 0, "tree": <node>}
+    {"format": "pitstop-objects", "format_version": 3, "rank": 0, "tree": <node>}
 
 A node is a JSON scalar (null, bool, int, str, finite float), or an object of
 exactly one kind (key paths of children are built as in ``state.tree.join_key``)::
@@ -10,13 +10,19 @@ exactly one kind (key paths of children are built as in ``state.tree.join_key``)
     {"dict": [[key, node], ...], "ordered": true, "meta": node}   key: str/int/float/bool/null
     {"list": [node, ...]}        {"tuple": [node, ...]}
     {"tensor": "model/fc.weight"}     {"ndarray": "rng/numpy/1"}   (a key of the manifest)
-    {"stateful": "torch.optim.adam.Adam", "state": node}
+    {"stateful": "torch.optim.adam.Adam", "state": node, "params": ["model/fc.weight", null]}
     {"float": "nan" | "inf" | "-inf"}     {"bytes": "<base64>"}     {"int": "<decimal>"}
     {"npscalar": ["int64", 3]}   {"npscalar": ["complex64", [re, im]]}
     {"pickle": "<base64>", "type": "mod.Class"}
 
+``params`` (optional, optimizers only) lists the stored key of each parameter in
+the order of the optimizer's integer ids, null for one stored nowhere else: at
+most :data:`MAX_OPTIMIZER_PARAMS` entries, each a key of the manifest. Restoring
+ignores it; ``pitstop export`` names optimizer state by parameter with it.
+
 Version 2 adds ``{"int": ...}`` (integers of 2**53 and more, so JSON tools keep
-them exact) and complex NumPy scalars; version 1 files still parse.
+them exact) and complex NumPy scalars; version 3 adds ``params``. Files of
+versions 1 and 2 still parse.
 
 :func:`parse_objects` checks every node against this grammar in one iterative
 pass, linear in the file's size, and raises :class:`~pitstop.errors.ManifestError`
@@ -47,6 +53,7 @@ from pitstop.format.jsonsafe import load_json, nesting_depth
 
 __all__ = [
     "MAX_INT_DIGITS",
+    "MAX_OPTIMIZER_PARAMS",
     "MAX_TREE_DEPTH",
     "NPSCALAR_DTYPES",
     "OBJECTS_FORMAT",
@@ -57,10 +64,12 @@ __all__ = [
 ]
 
 OBJECTS_FORMAT = "pitstop-objects"
-OBJECTS_VERSION = 2
+OBJECTS_VERSION = 3
 
 MAX_TREE_DEPTH = 512
 """Containers (dict, list, tuple, stateful) a reader accepts around any node; savers stop at 500."""
+MAX_OPTIMIZER_PARAMS = 1 << 24
+"""Entries of a stateful node's ``params`` (``state.tree`` writes none beyond)."""
 MAX_INT_DIGITS = 4000
 """Decimal digits of an ``{"int": ...}`` node (Python itself converts up to 4300)."""
 _V1_INT_DIGITS = 4300  # version 1 wrote big ints as JSON numbers, up to Python's own limit
@@ -86,7 +95,7 @@ _SHAPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "tuple": (frozenset({"tuple"}), frozenset()),
     "tensor": (frozenset({"tensor"}), frozenset()),
     "ndarray": (frozenset({"ndarray"}), frozenset()),
-    "stateful": (frozenset({"stateful", "state"}), frozenset()),
+    "stateful": (frozenset({"stateful", "state"}), frozenset({"params"})),
     "float": (frozenset({"float"}), frozenset()),
     "bytes": (frozenset({"bytes"}), frozenset()),
     "int": (frozenset({"int"}), frozenset()),
@@ -307,7 +316,26 @@ class _Validator:
     def _stateful(self, node: dict[str, Any], path: _Path, depth: int) -> None:
         if not isinstance(node["stateful"], str):
             raise self.fail(path, "is a stateful node whose type name is not a str")
+        if "params" in node:
+            self._params(node["params"], path)
         self.push(node["state"], path, depth + 1)
+
+    def _params(self, params: Any, path: _Path) -> None:
+        if not isinstance(params, list) or len(params) > MAX_OPTIMIZER_PARAMS:
+            raise self.fail(
+                path, f"is a stateful node whose 'params' is not a list of at most "
+                f"{MAX_OPTIMIZER_PARAMS} keys",
+            )  # fmt: skip
+        for i, key in enumerate(params):
+            if key is not None and not isinstance(key, str):
+                raise self.fail(
+                    path, f"is a stateful node whose 'params' entry {i} is not a key or null"
+                )
+            if key is not None and key not in self.tensor_keys:
+                raise self.fail(
+                    path, f"is a stateful node whose 'params' entry {i} names tensor "
+                    f"{key[:200]!r}, which the manifest lacks",
+                )  # fmt: skip
 
     def _float(self, node: dict[str, Any], path: _Path, depth: int) -> None:
         if not _float_word(node["float"]):

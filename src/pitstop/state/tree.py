@@ -15,10 +15,15 @@ Tree nodes: a JSON scalar stands for itself; containers are one-key objects::
     {"dict": [[key, node], ...], "ordered": true, "meta": {...}}
     {"list": [node, ...]}      {"tuple": [node, ...]}
     {"tensor": "model/fc.weight"}     {"ndarray": "rng/numpy/1"}
-    {"stateful": "torch.optim.adam.Adam", "state": node}
+    {"stateful": "torch.optim.adam.Adam", "state": node, "params": ["model/fc.weight", null]}
     {"float": "nan"}  {"bytes": "<base64>"}  {"int": "<decimal>"}  (ints of 2**53 and more)
     {"npscalar": ["int64", 3]}  {"npscalar": ["complex64", [re, im]]}
     {"pickle": "<base64>", "type": "mod.Class"}     (only with allow_pickle)
+
+An optimizer's node has ``params``: the stored key of each of its parameters in the
+order of its state dict's integer ids (the i-th parameter over ``param_groups`` is id
+i), null for one the state holds nowhere else, so that an export can name optimizer
+state by parameter (``pitstop export --to dcp``). Restoring ignores it.
 
 ``pitstop.format.objects`` writes and strictly parses this grammar. Every value
 the file cannot carry exactly is refused here, on the caller's thread, with
@@ -50,6 +55,7 @@ from pitstop.state.dtensor import is_dtensor, unsupported_placement
 __all__ = [
     "MAX_INT_DIGITS",
     "MAX_NESTING",
+    "MAX_OPTIMIZER_PARAMS",
     "Flat",
     "children",
     "flatten",
@@ -64,6 +70,8 @@ Node = Any
 
 MAX_NESTING = 500
 """Containers (dict, list, tuple, Stateful) one inside another that a state may hold."""
+MAX_OPTIMIZER_PARAMS = 1 << 24
+"""Parameters of one optimizer beyond which its node records no ``params``."""
 MAX_INT_DIGITS = 4000
 """Decimal digits of the largest integer stored (as ``{"int": "..."}``)."""
 EXACT_INT = 1 << 53
@@ -155,6 +163,7 @@ class _Flattener:
         self.stack: list[tuple[Any, ...]] = []
         self.active: set[int] = set()  # ids of the containers on the current path
         self.shared_prefixes: set[str] = set()
+        self.optimizer_nodes: list[tuple[dict[str, Any], torch.optim.Optimizer]] = []
 
     def run(self, state: Mapping[str, Any]) -> Flat:
         if not isinstance(state, Mapping):
@@ -176,7 +185,18 @@ class _Flattener:
             obj, key, level, holder, slot = task
             holder[slot] = self.encode(obj, key, level)
         self.flat.tree = root[0]
+        self._name_params()
         return self.flat
+
+    def _name_params(self) -> None:
+        """Give each optimizer node the stored key of each of its parameters, in id order.
+
+        Done once the walk is over: a parameter is met as a module's tensor, often after
+        the optimizer (``{"optimizer": opt, "model": model}``)."""
+        for node, opt in self.optimizer_nodes:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            if len(params) <= MAX_OPTIMIZER_PARAMS:
+                node["params"] = [self.seen.get(_tensor_identity(p.detach())) for p in params]
 
     def _note_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self.flat.optimizers.append(opt)
@@ -252,6 +272,8 @@ class _Flattener:
             children = [(obj.state_dict(), key, node, "state")]
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
                 self.shared_prefixes.add(key)
+            if isinstance(obj, torch.optim.Optimizer):
+                self.optimizer_nodes.append((node, obj))
         if "pickle" not in node:
             self.active.add(id(obj))
             self.stack.append((_EXIT, obj))

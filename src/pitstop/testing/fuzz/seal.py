@@ -158,15 +158,20 @@ def _node_ok(node: Any, keys: frozenset[str], depth: int) -> bool:
             if not _node_ok(pair[1], keys, depth + 1):
                 return False
         return True
-    if extra - ({"state"} if kind == "stateful" else set()):
+    if extra - ({"state", "params"} if kind == "stateful" else set()):
         return False
     if kind in ("list", "tuple"):
         return isinstance(value, list) and all(_node_ok(v, keys, depth + 1) for v in value)
     if kind in ("tensor", "ndarray"):
         return isinstance(value, str) and value in keys
     if kind == "stateful":
+        params = node.get("params", [])
         return (
-            isinstance(value, str) and "state" in node and _node_ok(node["state"], keys, depth + 1)
+            isinstance(value, str)
+            and "state" in node
+            and _node_ok(node["state"], keys, depth + 1)
+            and isinstance(params, list)
+            and all(p is None or (isinstance(p, str) and p in keys) for p in params)
         )
     if kind == "float":
         return value in ("nan", "inf", "-inf")
