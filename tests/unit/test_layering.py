@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "pitstop.manager": 6, "pitstop.oneshot": 6, "pitstop.profiler": 6, "pitstop.loop": 6,
     "pitstop.probe": 6,
     "pitstop.cli": 7, "pitstop.sim": 7, "pitstop.bench": 7, "pitstop.testing": 7,
+    "pitstop.integrations": 7,
 }  # fmt: skip
 # which layers each may import (DESIGN.md's table); the side package only what applies its
 # decisions: the engine (retention), the manager and loop (schedules), the tools and simulator
@@ -43,7 +44,8 @@ TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.ranks", "pitstop.e
             "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
             "pitstop.testing.crash", "pitstop.testing.fuzz", "pitstop.testing.distributed",
             "pitstop.cli.convert", "pitstop.cli.compare", "pitstop.probe",
-            "pitstop.cli.dcp_safe")  # fmt: skip
+            "pitstop.cli.export_formats", "pitstop.cli.export_names",
+            "pitstop.cli.dcp_safe", "pitstop.integrations")  # fmt: skip
 TORCH_FREE = [
     "pitstop", "pitstop.errors", "pitstop.options", "pitstop.faults", "pitstop.format.manifest",
     "pitstop.format.checksum", "pitstop.format.names", "pitstop.io.parallel", "pitstop.io.arena",

@@ -355,3 +355,47 @@ def test_flatten_is_iterative_and_keeps_tensor_order() -> None:
     shared = [1, 2]
     flat = flatten({"a": shared, "b": shared})  # the same list twice is not a cycle
     assert flat.tree == {"dict": [["a", {"list": [1, 2]}], ["b", {"list": [1, 2]}]]}
+
+
+def test_an_optimizer_wrapper_is_hooked_through_the_optimizer_it_wraps(tmp_path: Any) -> None:
+    # Accelerate's AcceleratedOptimizer subclasses Optimizer without running its __init__
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        @property
+        def param_groups(self) -> Any:  # type: ignore[override]
+            return self.optimizer.param_groups
+
+        @property
+        def state(self) -> Any:  # type: ignore[override]
+            return self.optimizer.state
+
+        def state_dict(self) -> Any:
+            return self.optimizer.state_dict()
+
+        def load_state_dict(self, sd: Any) -> None:
+            self.optimizer.load_state_dict(sd)
+
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            return self.optimizer.step(closure)
+
+    model = torch.nn.Linear(3, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    wrapped = Wrapper(inner)
+    wrapped.step()
+    pitstop.save(str(tmp_path / "c"), {"model": model, "optimizer": wrapped})
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pitstop.load(str(tmp_path / "c"), {"model": model, "optimizer": Wrapper(fresh)})
+    assert torch.equal(
+        fresh.state_dict()["state"][0]["momentum_buffer"],
+        inner.state_dict()["state"][0]["momentum_buffer"],
+    )
+
+    class Broken(torch.optim.Optimizer):
+        def __init__(self) -> None:
+            pass
+
+    with pytest.raises(pitstop.UnsupportedValueError, match="never initialized"):
+        pitstop.save(str(tmp_path / "d"), {"optimizer": Broken()})

@@ -400,32 +400,35 @@ def _seeded(data: dict[str, Any], skip: set[str]) -> dict[str, Any]:
 def _generator_drift(
     ref_saves: dict[tuple[int, int], dict[str, Any]], crashed: list[Record], skip: set[str]
 ) -> str | None:
-    restores = [r for r in crashed if r.event == "restore"]
-    for r in restores:
-        want = ref_saves.get((r.step, r.rank))
-        got = _seeded(r.data, skip)["generators"]
-        if want is not None and got != want["generators"]:
-            return (
-                f"after the restore of step {r.step} the global generators "
-                f"({_differing(got, want['generators'])}) are not where the reference was at "
-                "that step: the state does not restore them (add pitstop.RNGState() to the state)"
-            )
+    """The first place, in run order, where the crashed runs' generators leave the reference's:
+    a restore that does not put them back where the checkpoint's writer saved them, or a save
+    of a process that restored exactly and then drew outside the state."""
+    written: dict[tuple[int, int], dict[str, Any]] = {}  # what each checkpoint was saved with
+    restored: dict[tuple[int, int], Record] = {}  # (pid, rank) -> its restore
     for r in crashed:
-        back = [x for x in restores if x.pid == r.pid and x.rank == r.rank]
-        want = ref_saves.get((r.step, r.rank))
-        if r.event != "save" or not back or want is None:
-            continue
         got = _seeded(r.data, skip)["generators"]
-        if got == want["generators"]:
-            continue
-        return (
-            f"the global random generators ({_differing(got, want['generators'])}) were drawn "
-            f"outside the saved state: restored exactly at step {back[0].step}, they differ "
-            f"from the reference at step {r.step} (rank {r.rank}); typical: a DataLoader "
-            "without generator= (evaluation loaders draw a seed at every iter(), with "
-            "persistent workers only at the first), evaluation or augmentation in the main "
-            "process drawing a different amount after a resume"
-        )
+        if r.event == "restore":
+            restored[(r.pid, r.rank)] = r
+            want = written.get((r.step, r.rank))
+            if want is not None and got != want:
+                return (
+                    f"after the restore of step {r.step} the global generators "
+                    f"({_differing(got, want)}) are not where they were when it was saved: the "
+                    "state does not restore them (add pitstop.RNGState() to the state)"
+                )
+        elif r.event == "save":
+            written[(r.step, r.rank)] = got
+            ref = ref_saves.get((r.step, r.rank))
+            back = restored.get((r.pid, r.rank))
+            if ref is not None and back is not None and got != ref["generators"]:
+                return (
+                    f"the global random generators ({_differing(got, ref['generators'])}) were "
+                    f"drawn outside the saved state: restored exactly at step {back.step}, they "
+                    f"differ from the reference at step {r.step} (rank {r.rank}); typical: a "
+                    "DataLoader without generator= (evaluation loaders draw a seed at every "
+                    "iter(), with persistent workers only at the first), evaluation or "
+                    "augmentation in the main process drawing a different amount after a resume"
+                )
     return None
 
 

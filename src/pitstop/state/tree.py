@@ -174,7 +174,7 @@ class _Flattener:
             if not isinstance(name, str):
                 raise UnsupportedValueError(f"state keys must be str, got {name!r}")
             if isinstance(value, torch.optim.Optimizer):
-                self._note_optimizer(value)
+                self._note_optimizer(value, name)
         root: list[Node] = [None]
         self.stack.append((state, "", 1, root, 0))
         while self.stack:
@@ -198,8 +198,8 @@ class _Flattener:
             if len(params) <= MAX_OPTIMIZER_PARAMS:
                 node["params"] = [self.seen.get(_tensor_identity(p.detach())) for p in params]
 
-    def _note_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        self.flat.optimizers.append(opt)
+    def _note_optimizer(self, opt: torch.optim.Optimizer, key: str) -> None:
+        self.flat.optimizers.append(_hookable(opt, key))
         for group in opt.param_groups:
             for p in group["params"]:
                 self.owned_params.add(_tensor_identity(p.detach()))
@@ -377,6 +377,22 @@ class _Flattener:
             "pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode(),
             "type": _qualname(obj),
         }
+
+
+def _hookable(opt: torch.optim.Optimizer, key: str) -> torch.optim.Optimizer:
+    """The optimizer whose ``step`` the engine hooks: ``opt``, or the one a wrapper that never
+    ran ``Optimizer.__init__`` holds as ``.optimizer`` (Accelerate's AcceleratedOptimizer)."""
+    seen = 0
+    while not hasattr(opt, "_optimizer_step_pre_hooks"):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or seen > MAX_NESTING:
+            raise UnsupportedValueError(
+                f"optimizer {_shown(key)} is a {_qualname(opt)} that torch.optim.Optimizer never "
+                "initialized (a wrapper?), so its steps cannot be hooked; put the optimizer it "
+                "wraps in the state"
+            )
+        opt, seen = inner, seen + 1
+    return opt
 
 
 def _qualname(obj: object) -> str:
