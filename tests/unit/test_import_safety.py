@@ -358,7 +358,9 @@ def test_import_of_a_full_dcp_export(full_ckpt: tuple[str, Any], tmp_path: Any) 
     names = [n for g in back["optimizer"]["param_groups"] for n in g["params"]]
     assert names and all(isinstance(n, str) for n in names)
     for pid, per_param in tree["optimizer"]["state"].items():
-        assert_same_tensors(flat_tensors(per_param), flat_tensors(back["optimizer"]["state"][names[pid]]))
+        assert_same_tensors(
+            flat_tensors(per_param), flat_tensors(back["optimizer"]["state"][names[pid]])
+        )
 
 
 def test_weights_only_loader_allows_numpy_but_not_code(tmp_path: Any) -> None:
