@@ -60,3 +60,20 @@ def test_ddp_torchrun_resumes_identically_on_every_rank(tmp_path: Any) -> None:
     assert code == 0, out
     assert "identical: yes" in out
     assert "2 ranks saved the newest step: each rank's own values are compared" in out
+
+
+HF = [sys.executable, example("hf_gpt2.py"), "--dir", "{dir}"]
+
+
+def test_hf_gpt2_resumes_identically(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    code, out = crashtest(tmp_path, HF, "--seed", "0")
+    assert code == 0, out
+    assert "identical: yes" in out and "SIGKILL at step" in out
+
+
+def test_hf_gpt2_broken_differs_and_names_the_cause(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    code, out = crashtest(tmp_path, [*HF, "--broken"], "--seed", "0")
+    assert code == 1, out
+    assert "identical: no" in out and DRAWN_OUTSIDE in out
