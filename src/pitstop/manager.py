@@ -259,10 +259,17 @@ class CheckpointManager:
             )  # fmt: skip
         if rollback:
             self._adopt(result)
+        self.resumed(result.step)
+        return result.step
+
+    def resumed(self, step: int) -> None:
+        """Training goes on from ``step``, its state back in place, random streams included.
+        ``restore`` calls this itself; an integration that loads with ``load`` and puts the
+        state back later (Lightning's RNG streams) calls it once it has: ``pitstop crashtest``
+        records the generators here to tell a faulty restore from draws outside the state."""
         self._committed = True
         if self._probe is not None:
-            self._probe.restored(result.step)
-        return result.step
+            self._probe.restored(step)
 
     def _adopt(self, result: RestoreResult) -> None:
         """Continue the restored checkpoint's run (its retention is ours now) and timeline."""

@@ -77,3 +77,20 @@ def test_hf_gpt2_broken_differs_and_names_the_cause(tmp_path: Any) -> None:
     code, out = crashtest(tmp_path, [*HF, "--broken"], "--seed", "0")
     assert code == 1, out
     assert "identical: no" in out and DRAWN_OUTSIDE in out
+
+
+LIGHTNING = [sys.executable, example("lightning_mnist.py"), "--dir", "{dir}"]
+
+
+def test_lightning_mnist_resumes_identically(tmp_path: Any) -> None:
+    pytest.importorskip("lightning")
+    code, out = crashtest(tmp_path, LIGHTNING, "--seed", "0")
+    assert code == 0, out
+    assert "identical: yes" in out and "SIGKILL at step" in out
+
+
+def test_lightning_mnist_broken_differs_and_names_the_cause(tmp_path: Any) -> None:
+    pytest.importorskip("lightning")
+    code, out = crashtest(tmp_path, [*LIGHTNING, "--broken"], "--seed", "0")
+    assert code == 1, out
+    assert "identical: no" in out and DRAWN_OUTSIDE in out

@@ -1,0 +1,212 @@
+"""pitstop.integrations.lightning: pointers, retention and errors of PitstopCheckpointIO, and
+a bit-identical resume of examples/lightning_mnist.py after a SIGKILL (and a broken one that
+is not)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch
+
+import pitstop
+from conftest import assert_same_tensors, tensors_of
+from pitstop.cli.main import main as pitstop_main
+from pitstop.errors import CheckpointError
+from pitstop.integrations.lightning import PitstopCheckpointIO
+from pitstop.storage.local import LocalStorage
+from pitstop.testing import FaultyStorage
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "lightning_mnist.py")
+KILL_STEP = 35  # the example checkpoints every 10 of 80 steps: resumes from 30 (or 20)
+
+
+def _ckpt(step: int, root: str) -> dict[str, Any]:
+    """A Lightning-shaped checkpoint whose paths lie under ``root``."""
+    return {
+        "global_step": step, "epoch": 0, "state_dict": {"w": torch.full((4,), float(step))},
+        "callbacks": {"ModelCheckpoint{}": {
+            "dirpath": root, "last_model_path": "",
+            "best_k_models": {os.path.join(root, "a.ckpt"): torch.tensor(1.0)},
+        }},
+    }  # fmt: skip
+
+
+def _named(path: str) -> int:
+    with open(path) as f:
+        return int(json.load(f)["step"])
+
+
+def test_one_step_saved_under_two_paths_is_saved_once(tmp_path: Any, capsys: Any) -> None:
+    root = str(tmp_path / "run")
+    io = PitstopCheckpointIO(root)
+    top, last = os.path.join(root, "epoch=0-step=5.ckpt"), os.path.join(root, "last.ckpt")
+    io.save_checkpoint(_ckpt(5, root), top)
+    io.save_checkpoint(_ckpt(5, root), last)  # the same step again: no CheckpointExistsError
+    io.teardown()
+    assert io.manager.steps() == [5] and len(io.manager.history) == 1
+    assert _named(top) == _named(last) == 5
+    loaded = io.load_checkpoint(last)
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((4,), 5.0))
+    saved = pitstop.load(root)["callbacks"]["ModelCheckpoint{}"]  # stored relative to the root
+    assert (
+        saved["dirpath"] == "{pitstop_root}" and "{pitstop_root}/a.ckpt" in saved["best_k_models"]
+    )
+    callback = loaded["callbacks"]["ModelCheckpoint{}"]
+    real = os.path.realpath(root)
+    assert callback["dirpath"] == real and os.path.join(real, "a.ckpt") in callback["best_k_models"]
+    # the step holds the top-k file's dict; through last.ckpt it reads as Lightning's last.ckpt
+    assert callback["last_model_path"] == os.path.join(real, "last.ckpt")
+    assert io.load_checkpoint(top)["callbacks"]["ModelCheckpoint{}"]["last_model_path"] == ""
+    io.close()
+    capsys.readouterr()
+    assert pitstop_main(["ls", root]) == 0
+    assert "committed" in capsys.readouterr().out
+
+
+def test_remove_checkpoint_keeps_what_a_pointer_names_and_the_newest(tmp_path: Any) -> None:
+    root = str(tmp_path / "run")
+    io = PitstopCheckpointIO(root)
+    names = ("a", "b", "c", "d", "last")  # in a directory of their own, which the IO creates
+    a, b, c, d, last = (os.path.join(root, "mc", f"{n}.ckpt") for n in names)
+    io.save_checkpoint(_ckpt(10, root), a)
+    io.save_checkpoint(_ckpt(10, root), last)
+    io.save_checkpoint(_ckpt(20, root), b)
+    io.save_checkpoint(_ckpt(20, root), last)  # ModelCheckpoint: save, then remove the old
+    io.remove_checkpoint(a)
+    io.teardown()
+    assert io.manager.steps() == [20] and not os.path.exists(a) and _named(last) == 20
+    io.save_checkpoint(_ckpt(30, root), c)
+    io.remove_checkpoint(b)  # last.ckpt still names 20
+    io.teardown()
+    assert io.manager.steps() == [20, 30]
+    io.remove_checkpoint(c)  # 30 is named by nothing, but it is the newest
+    io.teardown()
+    assert io.manager.steps() == [20, 30]
+    io.save_checkpoint(_ckpt(40, root), d)
+    io.remove_checkpoint(d)  # while 40 is written: the save goes on, its pointer never comes
+    io.remove_checkpoint(last)
+    io.teardown()
+    assert io.manager.steps() == [40] and not os.path.exists(d) and not os.path.exists(last)
+    io.close()
+
+
+def test_a_restart_points_last_at_the_newest_commit(tmp_path: Any, caplog: Any) -> None:
+    root = str(tmp_path / "run")
+    last, stale = os.path.join(root, "last.ckpt"), os.path.join(root, "stale.ckpt")
+    io = PitstopCheckpointIO(root)
+    io.save_checkpoint(_ckpt(3, root), last)
+    io.teardown()
+    io.manager.save(7, _ckpt(7, root))  # committed, then killed before its pointer came
+    io.close()
+    with open(stale, "w") as f:  # names a step whose save never committed
+        json.dump({"pitstop": "lightning-pointer", "version": 1, "step": 99, "root": "."}, f)
+    io = PitstopCheckpointIO(root)  # before Lightning resolves ckpt_path="last"
+    assert _named(last) == 7
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        loaded = io.load_checkpoint(stale)
+    assert loaded["global_step"] == 7 and "names step 99" in caplog.text
+    io.close()
+
+
+def test_teardown_raises_the_error_of_a_failed_save(tmp_path: Any) -> None:
+    root = str(tmp_path / "run")
+    storage = FaultyStorage(LocalStorage(root), fail={"commit": range(1, 100)}, errno=errno.EIO)
+    io = PitstopCheckpointIO(storage)
+    io.save_checkpoint(_ckpt(1, root), os.path.join(root, "last.ckpt"))  # staged: returns
+    with pytest.raises(CheckpointError) as info:
+        io.teardown()
+    assert info.value.step == 1
+    assert not os.path.exists(os.path.join(root, "last.ckpt"))  # no pointer to a failed save
+    io.close()
+
+
+def test_without_lightning_the_import_names_the_extra(monkeypatch: Any) -> None:
+    import importlib
+
+    from pitstop.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # `import` of it now fails
+    monkeypatch.delitem(sys.modules, "pitstop.integrations.lightning")
+    with pytest.raises(MissingExtraError, match=r"pip install 'pitstop\[lightning\]'"):
+        importlib.import_module("pitstop.integrations.lightning")
+
+
+# ---------------------------------------------------------------- the example, killed
+def _start(root: str, *extra: str, kill: bool = False) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env.pop("PITSTOP_CRASHTEST_KILL_STEP", None)
+    if kill:
+        env["PITSTOP_CRASHTEST_KILL_STEP"] = str(KILL_STEP)
+    cmd = [sys.executable, EXAMPLE, "--dir", root, *extra]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _finish(proc: subprocess.Popen[str], code: int) -> None:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == code, out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: Any) -> dict[str, str]:
+    """Uninterrupted and killed-then-resumed runs of the example, plain and ``--broken``
+    (four processes at once, then the two resumes)."""
+    base = tmp_path_factory.mktemp("lightning")
+    dirs = {name: str(base / name) for name in ("ref", "crash", "broken_ref", "broken_crash")}
+    first = [
+        (_start(dirs["ref"]), 0),
+        (_start(dirs["broken_ref"], "--broken"), 0),
+        (_start(dirs["crash"], kill=True), -signal.SIGKILL),
+        (_start(dirs["broken_crash"], "--broken", kill=True), -signal.SIGKILL),
+    ]
+    for proc, code in first:
+        _finish(proc, code)
+    resumes = [_start(dirs["crash"]), _start(dirs["broken_crash"], "--broken")]
+    for proc in resumes:
+        _finish(proc, 0)
+    return dirs
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with every tensor left out (NumPy arrays as bytes): the other values a resume
+    must reproduce too."""
+    if type(obj).__module__ == "numpy":
+        return obj.tobytes()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items() if not isinstance(v, torch.Tensor)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj if not isinstance(v, torch.Tensor)]
+    return obj
+
+
+def test_killed_and_resumed_run_ends_bit_identical(runs: dict[str, str], capsys: Any) -> None:
+    ref, crash = pitstop.load(runs["ref"]), pitstop.load(runs["crash"])
+    assert ref["global_step"] == crash["global_step"] == 80
+    assert_same_tensors(tensors_of(ref), tensors_of(crash))  # weights, optimizer, RNG
+    assert _plain(ref) == _plain(crash)  # loops, callbacks, schedulers: every other value
+    capsys.readouterr()
+    assert pitstop_main(["ls", runs["crash"]]) == 0
+    assert " 80 " in capsys.readouterr().out
+    assert _named(os.path.join(runs["crash"], "last.ckpt")) == 80
+
+
+def test_a_validation_loader_drawing_from_the_global_generator_breaks_it(
+    runs: dict[str, str],
+) -> None:
+    ref, crash = pitstop.load(runs["broken_ref"]), pitstop.load(runs["broken_crash"])
+    assert ref["global_step"] == crash["global_step"] == 80
+    a, b = ref["state_dict"], crash["state_dict"]
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
