@@ -294,6 +294,8 @@ class CheckpointManager:
         """The saved state as fresh objects (Statefuls as state dicts); falls back like restore.
         ``rank`` (one process only): the values that saved rank kept for itself (RNG streams,
         data position) instead of rank 0's; the shared tensors are the same for every rank."""
+        if rank is not None and (type(rank) is not int or rank < 0):
+            raise ValueError(f"load(rank=) takes a saved rank (an int >= 0), not {rank!r}")
         if rank is not None and self.group.size > 1:
             raise ValueError(
                 "load(rank=) reads one saved rank's view in one process; under "

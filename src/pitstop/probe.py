@@ -25,17 +25,20 @@ import json
 import os
 import random
 import signal
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import xxhash
 
+from pitstop.log import get_logger
 from pitstop.options import env_crashtest, env_rank
 from pitstop.state.tree import join_key, numpy_module
 
 __all__ = ["CrashProbe", "generator_digests"]
 
+_log = get_logger("pitstop")
 _MAX_DEPTH = 4  # how deep the state is searched for loaders and RNGState
 
 
@@ -86,6 +89,12 @@ class CrashProbe:
         self.kill_step = kill_step
         self.log_path = log_path
         self.rank = env_rank()
+        if kill_step is not None:
+            _log.warning(
+                "PITSTOP_CRASHTEST_KILL_STEP=%d: this process will SIGKILL itself at step %d or "
+                "later once a checkpoint has committed (pitstop crashtest sets it; unset it "
+                "otherwise)", kill_step, kill_step,
+            )  # fmt: skip
 
     @classmethod
     def from_env(cls) -> CrashProbe | None:
@@ -98,6 +107,7 @@ class CrashProbe:
         """Training finished ``step``: die here if crashtest asked for it."""
         if self.kill_step is not None and committed and step >= self.kill_step:
             self._write({"event": "kill", "step": step})
+            print(f"pitstop crashtest: SIGKILL at step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def saved(self, step: int, state: Mapping[str, Any]) -> None:
@@ -120,8 +130,15 @@ class CrashProbe:
             return
         record.update(rank=self.rank, pid=os.getpid())
         line = (json.dumps(record, sort_keys=True) + "\n").encode()
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)  # one write with O_APPEND: lines of ranks do not interleave
-        finally:
-            os.close(fd)
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)  # one write with O_APPEND: lines of ranks do not interleave
+            finally:
+                os.close(fd)
+        except OSError as e:  # a diagnostic log never stops training
+            _log.warning(
+                "cannot append to PITSTOP_CRASHTEST_LOG=%s (%s); crashtest's log is off",
+                self.log_path, e.strerror or e,
+            )  # fmt: skip
+            self.log_path = None

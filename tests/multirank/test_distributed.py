@@ -358,3 +358,24 @@ def test_an_empty_per_rank_tensor_saves_and_ranks_with_other_settings_are_refuse
     out = run_ranks(_save_empty_own, 2, str(tmp_path / "b"), env=env, timeout_secs=TIMEOUT)
     for text in out:
         assert text.startswith("dist|plan|[1]|ranks save with different settings"), text
+
+
+def _save_own(rank: int, world: int, root: str, value: float) -> None:
+    state = {"model": torch.nn.Linear(2, 2), "own": torch.full((2,), value if rank else 0.0)}
+    torch.manual_seed(0)
+    state["model"] = torch.nn.Linear(2, 2)
+    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+        ckpt.save(1, state)
+
+
+def test_diff_and_load_see_every_rank_of_a_job(tmp_path: Any, capsys: Any) -> None:
+    from pitstop.cli.main import main
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_ranks(_save_own, 2, a, 1.0, timeout_secs=TIMEOUT)
+    run_ranks(_save_own, 2, b, 2.0, timeout_secs=TIMEOUT)  # differs in rank 1's own value only
+    assert torch.equal(pitstop.load(a, rank=1)["own"], torch.full((2,), 1.0))
+    assert torch.equal(pitstop.load(a)["own"], torch.zeros(2))  # rank 0's, by default
+    assert main(["diff", a, b]) == 1
+    assert "rank1/own" in capsys.readouterr().out
+    assert main(["diff", a, a]) == 0

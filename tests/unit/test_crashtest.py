@@ -55,8 +55,12 @@ SCRIPT = textwrap.dedent(
     if a.variant != "no-rng":
         state["rng"] = pitstop.RNGState()
     every = a.steps if a.variant == "late" else a.every
+    if a.variant == "selfkill" and a.dir.endswith("crashed"):  # dies by itself, not by crashtest
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)
     with pitstop.CheckpointManager(a.dir, keep_last=2, policy=pitstop.policy.EveryN(every)) as ckpt:
-        ckpt.restore(state)
+        if a.variant != "norestore":
+            ckpt.restore(state)
         if a.variant == "eval-draws":  # evaluates what it starts from, drawing from torch's RNG
             for _ in torch.utils.data.DataLoader(data, batch_size=16, shuffle=True):
                 pass
@@ -134,6 +138,8 @@ def test_an_unseeded_script_is_named(tmp_path: Any, capsys: Any) -> None:
         ("fail", True, "the reference run exited 3"),
         ("late", True, "checkpointed first at its last step"),
         ("good", False, "must take its checkpoint directory as {dir}"),
+        ("norestore", True, "restored no checkpoint"),
+        ("selfkill", True, "(killed by SIGKILL) before crashtest killed it"),
     ],
 )
 def test_runs_that_cannot_be_compared_exit_2(
@@ -144,6 +150,16 @@ def test_runs_that_cannot_be_compared_exit_2(
     code, out = _crashtest(tmp_path, capsys, variant, cmd=[*cmd, "--variant", variant])
     assert code == 2, out
     assert message in out
+
+
+def test_bad_options_are_usage_errors(tmp_path: Any, capsys: Any) -> None:
+    for option in (["--kills", "0"], ["--timeout", "-1"], ["--restarts", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["crashtest", *option, "--", "python", "x.py", "{dir}"])
+        assert exit_.value.code == 2
+    (tmp_path / "file").write_text("x")
+    assert main(["crashtest", "--workdir", str(tmp_path / "file"), "--", "x", "{dir}"]) == 2
+    assert "--workdir" in capsys.readouterr().err
 
 
 def test_a_script_that_never_reaches_the_kill_step_is_reported(tmp_path: Any, capsys: Any) -> None:

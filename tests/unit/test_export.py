@@ -361,3 +361,27 @@ def test_safetensors_file_imports(root: str, tmp_path: Any) -> None:
     back = pitstop.load(dest)
     _same(dict(sorted(live["model"].state_dict().items())), back["model"])  # safetensors sorts
     assert back["extra"] == {"epoch": 2, "tag": "run"}
+
+
+def test_dcp_export_of_an_optimizer_that_has_not_stepped_says_how_to_load_it(
+    tmp_path: Any, capsys: Any
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    pitstop.save(str(tmp_path / "c"), {"model": model, "optimizer": opt})
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "d"), "--to", "dcp"]) == 0
+    assert "no state for 2 of 2 parameters" in capsys.readouterr().out
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    sd = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(
+        sd, checkpoint_id=str(tmp_path / "d"), planner=DefaultLoadPlanner(allow_partial_load=True)
+    )
+    set_state_dict(fresh, fresh_opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
+import pickle
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 
 from pitstop.state.tree import join_key
 
-__all__ = ["Difference", "compare", "count_tensors", "format_differences", "run_diff"]
+__all__ = ["Difference", "compare", "count_tensors", "format_differences", "load_ranks", "run_diff"]
 
 
 @dataclass(frozen=True)
@@ -66,21 +68,40 @@ def _tensor_difference(key: str, x: torch.Tensor, y: torch.Tensor) -> Difference
     return Difference(key, "values differ", _max_abs(x.cpu(), y.cpu()), is_tensor=True)
 
 
+def _same_value(x: Any, y: Any) -> bool:
+    """Equal as a resume must keep them: floats and NumPy values bit for bit (NaN equals
+    NaN, -0.0 is not 0.0), objects without an ``==`` of their own by their pickles."""
+    np = _array_module(x)
+    if np is not None and isinstance(x, (np.ndarray, np.generic)):
+        return bool(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes())
+    if isinstance(x, (float, complex)):
+        return struct.pack("<2d", *_parts(x)) == struct.pack("<2d", *_parts(y))
+    try:
+        same = bool(x == y)
+    except Exception:  # a value whose == does not give a truth value
+        same = False
+    if not same and type(x).__eq__ is object.__eq__:  # identity only: compare contents
+        try:
+            same = pickle.dumps(x) == pickle.dumps(y)
+        except Exception:
+            same = repr(x) == repr(y)
+    return same
+
+
+def _parts(v: float | complex) -> tuple[float, float]:
+    c = complex(v)
+    return (c.real, c.imag)
+
+
 def _leaf_difference(key: str, x: Any, y: Any) -> Difference | None:
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         return _tensor_difference(key, x, y)
     if type(x) is not type(y):
         return Difference(key, f"{type(x).__name__} vs {type(y).__name__}")
     np = _array_module(x)
-    if np is not None and isinstance(x, np.ndarray):
+    if np is not None and isinstance(x, np.ndarray) and x.dtype.kind in "biufc":
         return _tensor_difference(key, torch.from_numpy(x), torch.from_numpy(y))
-    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
-        return None
-    try:
-        same = bool(x == y)
-    except Exception:  # a value whose == does not give a truth value
-        same = repr(x) == repr(y)
-    if same:
+    if _same_value(x, y):
         return None
     detail = f"{_short(x)} vs {_short(y)}"
     if isinstance(x, (int, float)) and not isinstance(x, bool):
@@ -168,10 +189,14 @@ def count_tensors(tree: Any) -> int:
 
 def run_diff(args: argparse.Namespace) -> int:
     """``pitstop diff A B``: every tensor and value; exit 1 if anything differs (as diff)."""
-    from pitstop.oneshot import load
+    from pitstop.oneshot import resolve
 
-    a = load(args.a, step=args.step_a, allow_pickle=args.allow_pickle)
-    b = load(args.b, step=args.step_b, allow_pickle=args.allow_pickle)
+    (_, a, ranks_a), (_, b, ranks_b) = (
+        load_ranks(*resolve(path, step), allow_pickle=args.allow_pickle)
+        for path, step in ((args.a, args.step_a), (args.b, args.step_b))
+    )
+    if ranks_a != ranks_b:
+        print(f"saved by {ranks_a} vs {ranks_b} ranks: the ranks' own values differ in number")
     diffs = compare(a, b, ignore=args.ignore or ())
     for line in format_differences(diffs, limit=args.show):
         print(line)
@@ -181,3 +206,21 @@ def run_diff(args: argparse.Namespace) -> int:
         f"{len(diffs) - differ} other values differ"
     )
     return 1 if diffs else 0
+
+
+def load_ranks(root: str, step: int | None, *, allow_pickle: bool = False) -> tuple[int, Any, int]:
+    """A checkpoint of ``root`` (``step``, or the newest valid one) as one process sees every
+    rank of it: the step, the state (a dict ``rank<r>`` -> that rank's state when several
+    ranks saved it, each with its own RNG streams and data position), and the rank count."""
+    from pitstop.manager import CheckpointManager
+
+    with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
+        first = mgr.load(step)
+        info = mgr.last_restore
+        assert info is not None and info.step is not None and info.manifest is not None
+        ranks = info.manifest.world_size
+        if ranks == 1:
+            return info.step, first, 1
+        views = {"rank0": first}
+        views.update({f"rank{r}": mgr.load(info.step, rank=r) for r in range(1, ranks)})
+        return info.step, views, ranks

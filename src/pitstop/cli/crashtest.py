@@ -112,10 +112,6 @@ class _Run:
     secs: float
     output: str
 
-    @property
-    def killed(self) -> bool:
-        return self.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
-
 
 class _Runner:
     """Runs CMD with ``{dir}`` replaced, its output in ``<workdir>/<label>.out``."""
@@ -145,7 +141,7 @@ class _Runner:
                 proc.wait()
                 raise CrashtestError(
                     f"{label} run did not finish within {self.timeout_secs:.0f} s "
-                    f"(--timeout); its output: {out_path}"
+                    f"(--timeout; --keep keeps its output, {label}.out)"
                 ) from None
             finally:
                 _kill_group(proc.pid)  # workers a killed process left behind
@@ -175,7 +171,8 @@ def _crash_runs(
     runner: _Runner, args: argparse.Namespace, rng: random.Random, crash_dir: str, steps: range
 ) -> list[str]:
     """The killed runs (each at a step of ``steps`` after the newest checkpoint), then the
-    reruns until one exits 0; the log files of all of them."""
+    reruns until one exits 0; the log files of all of them. Every run after the first must
+    have restored what the previous one left, or nothing was tested."""
     logs: list[str] = []
     first, final = steps.start, steps.stop
     for i in range(args.kills):
@@ -187,44 +184,68 @@ def _crash_runs(
         log = os.path.join(runner.workdir, f"crashed-{i + 1}.log")
         logs.append(log)
         run = runner.run(f"crashed-{i + 1}", crash_dir, log, kill)
-        kills = [r.step for r in _read_log(log, "") if r.event == "kill"]
-        if run.returncode == 0 or not (kills or run.killed):  # a launcher exits 1 for it
-            raise CrashtestError(
-                f"run {i + 1} was to be killed at step {kill} but "
-                + ("finished" if run.returncode == 0 else f"exited {run.returncode}")
-                + " without being killed: does the script call ckpt.step() (or ckpt.reached(step)"
-                " once per step) and commit a checkpoint before its last step?\n"
-                + _tail(run.output)
-            )
-        where = f"at step {min(kills)}" if kills else f"at or after step {kill}"
+        records = _read_log(log, "")
+        kills = [r.step for r in records if r.event == "kill"]
+        if not kills:  # the probe did not kill it: it ended, or something else did
+            raise CrashtestError(_not_killed(i + 1, kill, run))
+        _check_restored(f"crashed run {i + 1}", records, resumed=i > 0)
         newest = _committed_steps(crash_dir)
         _say(
-            f"crashed run {i + 1}: SIGKILL {where} ({run.secs:.1f} s); newest committed "
-            f"checkpoint: {newest[-1] if newest else 'none'}"
+            f"crashed run {i + 1}: SIGKILL at step {min(kills)} ({run.secs:.1f} s); newest "
+            f"committed checkpoint: {newest[-1] if newest else 'none'}"
         )
+    if not logs:
+        raise CrashtestError("no run was killed: nothing was tested")
     for attempt in range(1 + args.restarts):
         log = os.path.join(runner.workdir, f"resumed-{attempt + 1}.log")
         logs.append(log)
         run = runner.run(f"resumed-{attempt + 1}", crash_dir, log, None)
         if run.returncode == 0:
+            _check_restored("the resumed run", _read_log(log, ""), resumed=True)
             _say(f"resumed run: exit 0 ({run.secs:.1f} s)")
             return logs
-        _say(f"resumed run {attempt + 1}: exit {run.returncode}\n{_tail(run.output)}")
+        _say(f"resumed run {attempt + 1}: {_exit(run.returncode)}\n{_tail(run.output)}")
     raise CrashtestError(f"the resumed run did not exit 0 in {1 + args.restarts} attempts")
 
 
-def _load(root: str) -> tuple[int, Any, int]:
-    """The newest committed step and its state: one state per saved rank, under ``rank<r>``
-    keys when several ranks saved it (each with that rank's RNG streams and data position)."""
-    from pitstop.oneshot import load
+def _exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit {code}"
+
+
+def _not_killed(run_no: int, kill: int, run: _Run) -> str:
+    if run.returncode == 0:
+        why = (
+            "finished without being killed: does the script call ckpt.step() (or "
+            "ckpt.reached(step) once per step) and commit a checkpoint before its last step?"
+        )
+    else:
+        why = (
+            f"ended ({_exit(run.returncode)}) before crashtest killed it: it failed by itself "
+            "(out of memory, a crash, a signal from elsewhere?)"
+        )
+    return f"run {run_no} was to be killed at step {kill} but {why}\n{_tail(run.output)}"
+
+
+def _check_restored(label: str, records: list[Record], *, resumed: bool) -> None:
+    """A run after a kill must have restored a checkpoint: else the resume was not tested."""
+    if resumed and not any(r.event == "restore" for r in records):
+        raise CrashtestError(
+            f"{label} restored no checkpoint (no ckpt.restore(state) before training?): "
+            "it started over, so a crash would lose all progress and nothing was tested"
+        )
+
+
+def _load(root: str, allow_pickle: bool) -> tuple[int, Any, int]:
+    """The newest committed step and its state, per rank (see ``compare.load_ranks``)."""
+    from pitstop.cli.compare import load_ranks
 
     committed = _committed(root)
     if not committed:
         raise CrashtestError(f"{root}: the run left no committed checkpoint")
-    step, ranks = max(committed), committed[max(committed)]
-    if ranks == 1:
-        return step, load(root, step=step), 1
-    return step, {f"rank{r}": load(root, step=step, rank=r) for r in range(ranks)}, ranks
+    return load_ranks(root, max(committed), allow_pickle=allow_pickle)
 
 
 def run_crashtest(args: argparse.Namespace) -> int:
@@ -240,17 +261,34 @@ def run_crashtest(args: argparse.Namespace) -> int:
             "the command must take its checkpoint directory as {dir}, e.g. "
             "pitstop crashtest -- python train.py --dir {dir}"
         )
-    workdir = args.workdir or tempfile.mkdtemp(prefix="pitstop-crashtest-")
-    os.makedirs(workdir, exist_ok=True)
-    if os.listdir(workdir):
-        raise CrashtestError(f"{workdir} is not empty; crashtest needs an empty working directory")
+    workdir = _workdir(args.workdir)
     try:
         return _crashtest(cmd, workdir, args)
     finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
+        if args.keep:
             _say(f"runs kept in {workdir}")
+        elif args.workdir:  # the user's directory stays; what crashtest wrote goes
+            for name in os.listdir(workdir):
+                path = os.path.join(workdir, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _workdir(given: str | None) -> str:
+    if given is None:
+        return tempfile.mkdtemp(prefix="pitstop-crashtest-")
+    try:
+        os.makedirs(given, exist_ok=True)
+        names = os.listdir(given)
+    except OSError as e:
+        raise CrashtestError(f"--workdir {given}: {e.strerror or e}") from None
+    if names:
+        raise CrashtestError(f"--workdir {given} is not empty; crashtest needs an empty one")
+    return given
 
 
 def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
@@ -283,16 +321,19 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     skip = unseeded(ref_records, _read_log(logs[0], "run0"))
     ignore = list(args.ignore or ())
     rng_keys = sorted({k for r in ref_records for k in r.data.get("rng_keys", [])})
-    if skip - {"torch"}:
-        names = [f"{k}/{g}" for k in rng_keys for g in sorted(skip - {"torch"})]
+    names = [f"{k}/{g}" for k in rng_keys for g in sorted(skip - {"torch"})]
+    if names:
         ignore += names + [f"rank*/{n}" for n in names]  # the per-rank states of a job
         _say(
-            f"not compared: {', '.join(names) or 'none'} (the script does not seed "
+            f"not compared: {', '.join(names)} (the script does not seed "
             f"{' and '.join(sorted(skip - {'torch'}))}: they differ between any two runs)"
         )
     from pitstop.cli.compare import compare  # torch: only once the runs are done
 
-    (step_a, a, ranks), (step_b, b, _) = _load(ref_dir), _load(crash_dir)
+    (step_a, a, ranks), (step_b, b, _) = (
+        _load(ref_dir, args.allow_pickle),
+        _load(crash_dir, args.allow_pickle),
+    )
     if ranks > 1:
         _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
     diffs = compare(a, b, ignore=ignore)
@@ -452,14 +493,30 @@ def _settings(
     return None
 
 
+def _at_least(low: float, kind: type = int) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command; {dir} is replaced")
-    p.add_argument("--kills", type=int, default=1, help="kill this many times (default 1)")
+    p.add_argument("--kills", type=_at_least(1), default=1, help="kill this many times (default 1)")
     p.add_argument("--seed", type=int, help="seed of the random kill steps (default: random)")
     p.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the runs' directories and output")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
-    p.add_argument("--restarts", type=int, default=2,
+    p.add_argument("--timeout", type=_at_least(1, float), default=900.0,
+                   help="seconds per run (default 900)")  # fmt: skip
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="the script saves with allow_pickle=True (trusted checkpoints only)")  # fmt: skip
+    p.add_argument("--restarts", type=_at_least(0), default=2,
                    help="reruns allowed after the resumed run fails (default 2)")  # fmt: skip
     p.add_argument("--ignore", action="append", metavar="GLOB",
                    help="key paths not compared, e.g. 'progress/wall_secs' (repeatable)")  # fmt: skip

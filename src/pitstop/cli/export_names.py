@@ -136,6 +136,13 @@ def name_optimizers(value: Any, found: Found) -> list[str]:
             continue
         if why:
             notes.append(f"note: optimizer state at {key!r}: {why}")
+        if len(sd["state"]) < len(names):
+            notes.append(
+                f"note: optimizer state at {key!r} has no state for {len(names) - len(sd['state'])}"
+                f" of {len(names)} parameters (it had not stepped for them); get_state_dict makes "
+                "state for every parameter, so load it with dcp.load(sd, checkpoint_id=..., "
+                "planner=DefaultLoadPlanner(allow_partial_load=True))"
+            )
         sd["state"] = {names[i]: v for i, v in sd["state"].items()}
         for group in sd["param_groups"]:
             group["params"] = [names[i] for i in group["params"]]
