@@ -248,9 +248,8 @@ def env_crashtest() -> tuple[int | None, str | None]:
     PITSTOP_CRASHTEST_KILL_STEP (SIGKILL at the first step at or after it once a checkpoint
     has committed) and PITSTOP_CRASHTEST_LOG (a file to append one JSON line per save and
     restore to). Each is None when unset."""
-    kill = (
-        None
-        if _env("PITSTOP_CRASHTEST_KILL_STEP") is None
-        else _env_int("PITSTOP_CRASHTEST_KILL_STEP", 0)
-    )
+    name = "PITSTOP_CRASHTEST_KILL_STEP"
+    kill = None if _env(name) is None else _env_int(name, 0)
+    if kill is not None and kill < 1:
+        raise ValueError(f"environment variable {name}={kill} is not a step (an integer >= 1)")
     return kill, _env("PITSTOP_CRASHTEST_LOG")

@@ -255,3 +255,18 @@ def test_load_reads_the_view_of_any_saved_rank_and_refuses_others(tmp_path: Any)
     assert torch.equal(pitstop.load(str(tmp_path / "c"), rank=0)["x"], torch.ones(2))
     with pytest.raises(ValueError, match="rank 1: step 0 was saved by 1 rank"):
         pitstop.load(str(tmp_path / "c"), rank=1)
+
+
+def test_crashtest_variables_set_by_hand_are_checked_and_never_stop_training(
+    tmp_path: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    monkeypatch.setenv("PITSTOP_CRASHTEST_KILL_STEP", "0")
+    with pytest.raises(ValueError, match="PITSTOP_CRASHTEST_KILL_STEP=0 is not a step"):
+        pitstop.CheckpointManager(str(tmp_path / "a"))
+    monkeypatch.delenv("PITSTOP_CRASHTEST_KILL_STEP")
+    monkeypatch.setenv("PITSTOP_CRASHTEST_LOG", str(tmp_path))  # a directory: cannot append
+    with pitstop.CheckpointManager(str(tmp_path / "b")) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+        ckpt.save(2, {"w": torch.ones(2)})
+        assert ckpt.steps() == [1, 2]
+    assert sum("crashtest's log is off" in r.getMessage() for r in caplog.records) == 1
