@@ -53,7 +53,7 @@ TORCH_FREE = [
     "pitstop.format.objects", "pitstop.format.jsonsafe", "pitstop.engine.recovery",
     "pitstop.storage.retry", "pitstop.io.locks",
     "pitstop.testing", "pitstop.policy", "pitstop.sim", "pitstop.cli.simulate", "pitstop.profiler",
-    "pitstop.cli.crashtest",
+    "pitstop.cli.crashtest", "pitstop.cli.crashtest_causes",
 ]  # fmt: skip
 
 

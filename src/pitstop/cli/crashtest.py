@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -39,47 +38,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from pitstop.cli.crashtest_causes import Record, diagnose, loader_state, read_log, unseeded
 
 if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
 
-__all__ = ["Record", "diagnose", "run_crashtest", "unseeded"]
+__all__ = ["add_arguments", "main_exit", "run_crashtest"]
 
 DOCS = "docs/determinism.md"
 
 
 class CrashtestError(Exception):
     """A run that could not be used for the comparison (exit 2)."""
-
-
-@dataclass
-class Record:
-    """One line of a run's crashtest log (see :mod:`pitstop.probe`)."""
-
-    run: str
-    event: str
-    step: int
-    rank: int
-    pid: int
-    data: dict[str, Any] = field(default_factory=dict)
-
-
-def _read_log(path: str, run: str) -> list[Record]:
-    out: list[Record] = []
-    if not os.path.exists(path):
-        return out
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                d = json.loads(line)
-                out.append(
-                    Record(run, d["event"], int(d["step"]), int(d["rank"]), int(d["pid"]), d)
-                )
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by the kill
-    return out
 
 
 def _committed(root: str) -> dict[int, int]:
@@ -184,7 +157,7 @@ def _crash_runs(
         log = os.path.join(runner.workdir, f"crashed-{i + 1}.log")
         logs.append(log)
         run = runner.run(f"crashed-{i + 1}", crash_dir, log, kill)
-        records = _read_log(log, "")
+        records = read_log(log, "")
         kills = [r.step for r in records if r.event == "kill"]
         if not kills:  # the probe did not kill it: it ended, or something else did
             raise CrashtestError(_not_killed(i + 1, kill, run))
@@ -201,7 +174,7 @@ def _crash_runs(
         logs.append(log)
         run = runner.run(f"resumed-{attempt + 1}", crash_dir, log, None)
         if run.returncode == 0:
-            _check_restored("the resumed run", _read_log(log, ""), resumed=True)
+            _check_restored("the resumed run", read_log(log, ""), resumed=True)
             _say(f"resumed run: exit 0 ({run.secs:.1f} s)")
             return logs
         _say(f"resumed run {attempt + 1}: {_exit(run.returncode)}\n{_tail(run.output)}")
@@ -301,7 +274,7 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     run = runner.run("reference", ref_dir, ref_log, None)
     if run.returncode != 0:
         raise CrashtestError(f"the reference run exited {run.returncode}\n{_tail(run.output)}")
-    ref_records = _read_log(ref_log, "reference")
+    ref_records = read_log(ref_log, "reference")
     saves = sorted({r.step for r in ref_records if r.event == "save"})
     committed = _committed_steps(ref_dir)
     final = committed[-1] if committed else None
@@ -317,8 +290,8 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
         )
     _say(f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves")
     logs = _crash_runs(runner, args, rng, crash_dir, range(saves[0] + 1, final))
-    crash_records = [r for i, log in enumerate(logs) for r in _read_log(log, f"run{i}")]
-    skip = unseeded(ref_records, _read_log(logs[0], "run0"))
+    crash_records = [r for i, log in enumerate(logs) for r in read_log(log, f"run{i}")]
+    skip = unseeded(ref_records, read_log(logs[0], "run0"))
     ignore = list(args.ignore or ())
     rng_keys = sorted({k for r in ref_records for k in r.data.get("rng_keys", [])})
     names = [f"{k}/{g}" for k in rng_keys for g in sorted(skip - {"torch"})]
@@ -337,7 +310,7 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     if ranks > 1:
         _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
     diffs = compare(a, b, ignore=ignore)
-    causes = _loader_state(diffs) + diagnose(ref_records, crash_records, skip)
+    causes = loader_state(diffs) + diagnose(ref_records, crash_records, skip)
     return _report(step_a, step_b, a, diffs, causes, args)
 
 
@@ -365,132 +338,6 @@ def _report(
             _say(f"  - {c}")
     _say(f"see the determinism checklist: {DOCS}")
     return 1
-
-
-def unseeded(ref: list[Record], fresh: list[Record]) -> set[str]:
-    """Generators that two fresh processes start differently (the script does not seed them):
-    their digests differ at the first step both saved before any restore."""
-    mine = {(r.step, r.rank): r.data for r in fresh if r.event == "save"}
-    restored = {r.pid for r in fresh if r.event == "restore"}
-    for r in ref:
-        other = mine.get((r.step, r.rank))
-        if r.event != "save" or other is None or any(x.pid in restored for x in fresh):
-            continue
-        a, b = r.data.get("generators") or {}, other.get("generators") or {}
-        return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-    return set()
-
-
-def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[str]:
-    """The causes of a difference that the runs' logs show (see the module docstring);
-    generators in ``skip`` (unseeded ones) are left out of the comparison of digests."""
-    causes: list[str] = []
-    saves = [r for r in ref if r.event == "save"]
-    ref_saves = {(r.step, r.rank): _seeded(r.data, skip) for r in saves}
-    if "torch" in skip:
-        causes.append(
-            "the script does not seed torch (torch.manual_seed): two fresh runs already "
-            "differ before any kill, so no resume can match the reference"
-        )
-    if any(not r.data.get("rng_keys") for r in saves):
-        causes.append(
-            "the state holds no pitstop.RNGState: the random streams (dropout, augmentation, "
-            "shuffling from the global generator) restart from the script's seed on a resume"
-        )
-    loaders = sorted({k for r in saves for k in r.data.get("loaders_without_generator", [])})
-    if loaders:
-        causes.append(
-            f"loaders in the state without their own generator: {', '.join(loaders)} "
-            "(DataLoader(..., generator=torch.Generator().manual_seed(seed)))"
-        )
-    drift = _generator_drift(ref_saves, crashed, skip)
-    for found in (drift, _settings(ref_saves, crashed)):
-        if found:
-            causes.append(found)
-    if not causes:
-        causes.append(
-            "the global random generators agree with the reference at every save after the "
-            "resume, so the computation itself differs: non-deterministic kernels "
-            "(torch.use_deterministic_algorithms(True)), or training state kept outside the "
-            "checkpoint (a counter, a schedule, a cache)"
-        )
-    return causes
-
-
-def _loader_state(diffs: list[Difference]) -> list[str]:
-    """A difference inside a loader's or sampler's own state: the data order after a resume."""
-    keys = [
-        d.key for d in diffs if any(w in d.key for w in ("sampler", "_iter_state", "_num_yielded"))
-    ]
-    if not keys:
-        return []
-    return [
-        f"the data loader's own state differs ({keys[0]}): batches after the resume do not "
-        "come in the reference's order; torchdata's StatefulDataLoader needs its own "
-        "RandomSampler (torchdata.stateful_dataloader.sampler) with a generator apart from the "
-        "loader's: StatefulDataLoader(ds, sampler=RandomSampler(ds, generator=torch.Generator()"
-        ".manual_seed(s)), generator=torch.Generator().manual_seed(s + 1))"
-    ]
-
-
-def _seeded(data: dict[str, Any], skip: set[str]) -> dict[str, Any]:
-    gens = data.get("generators") or {}
-    return dict(data, generators={k: v for k, v in gens.items() if k not in skip})
-
-
-def _generator_drift(
-    ref_saves: dict[tuple[int, int], dict[str, Any]], crashed: list[Record], skip: set[str]
-) -> str | None:
-    """The first place, in run order, where the crashed runs' generators leave the reference's:
-    a restore that does not put them back where the checkpoint's writer saved them, or a save
-    of a process that restored exactly and then drew outside the state."""
-    written: dict[tuple[int, int], dict[str, Any]] = {}  # what each checkpoint was saved with
-    restored: dict[tuple[int, int], Record] = {}  # (pid, rank) -> its restore
-    for r in crashed:
-        got = _seeded(r.data, skip)["generators"]
-        if r.event == "restore":
-            restored[(r.pid, r.rank)] = r
-            want = written.get((r.step, r.rank))
-            if want is not None and got != want:
-                return (
-                    f"after the restore of step {r.step} the global generators "
-                    f"({_differing(got, want)}) are not where they were when it was saved: the "
-                    "state does not restore them (add pitstop.RNGState() to the state)"
-                )
-        elif r.event == "save":
-            written[(r.step, r.rank)] = got
-            ref = ref_saves.get((r.step, r.rank))
-            back = restored.get((r.pid, r.rank))
-            if ref is not None and back is not None and got != ref["generators"]:
-                return (
-                    f"the global random generators ({_differing(got, ref['generators'])}) were "
-                    f"drawn outside the saved state: restored exactly at step {back.step}, they "
-                    f"differ from the reference at step {r.step} (rank {r.rank}); typical: a "
-                    "DataLoader without generator= (evaluation loaders draw a seed at every "
-                    "iter(), with persistent workers only at the first), evaluation or "
-                    "augmentation in the main process drawing a different amount after a resume"
-                )
-    return None
-
-
-def _differing(a: dict[str, Any], b: dict[str, Any]) -> str:
-    return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))) or "?"
-
-
-def _settings(
-    ref_saves: dict[tuple[int, int], dict[str, Any]], crashed: list[Record]
-) -> str | None:
-    for r in crashed:
-        want = ref_saves.get((r.step, r.rank))
-        if r.event != "save" or want is None:
-            continue
-        for name in ("threads", "deterministic", "cudnn_benchmark"):
-            if r.data.get(name) != want.get(name):
-                return (
-                    f"{name} differs between the runs ({want.get(name)} in the reference, "
-                    f"{r.data.get(name)} after the resume)"
-                )
-    return None
 
 
 def _at_least(low: float, kind: type = int) -> Any:
