@@ -120,7 +120,7 @@ def main() -> None:
         callbacks=callbacks,
     )  # fmt: skip
     output = hf.train(trainer)  # pitstop: instead of trainer.train(); resumes from --dir
-    print(f"done at step {output.global_step}", flush=True)
+    print(f"done at step {output.global_step}, train_loss {output.training_loss!r}", flush=True)
 
 
 if __name__ == "__main__":

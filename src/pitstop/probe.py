@@ -16,11 +16,13 @@ the :class:`CheckpointManager` of each run:
 Call sequence (training thread): ``CrashProbe.from_env()`` once in the manager's
 constructor (None when crashtest is not running it); ``saved(step, state)`` from
 ``async_save``; ``restored(step)`` after a restore; ``reached(step, committed)`` once per
-training step, from ``CheckpointManager.step``/``reached``.
+training step, from ``CheckpointManager.step``/``reached``; at a clean exit, the last step
+reached (``atexit``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -89,6 +91,8 @@ class CrashProbe:
         self.kill_step = kill_step
         self.log_path = log_path
         self.rank = env_rank()
+        self.last_step: int | None = None
+        atexit.register(self._end)  # a clean exit says how far training went
         if kill_step is not None:
             _log.warning(
                 "PITSTOP_CRASHTEST_KILL_STEP=%d: this process will SIGKILL itself at step %d or "
@@ -105,6 +109,7 @@ class CrashProbe:
 
     def reached(self, step: int, committed: bool) -> None:
         """Training finished ``step``: die here if crashtest asked for it."""
+        self.last_step = step if self.last_step is None else max(step, self.last_step)
         if self.kill_step is not None and committed and step >= self.kill_step:
             self._write({"event": "kill", "step": step})
             print(f"pitstop crashtest: SIGKILL at step {step}", file=sys.stderr, flush=True)
@@ -124,6 +129,10 @@ class CrashProbe:
 
     def restored(self, step: int) -> None:
         self._write({"event": "restore", "step": step, "generators": generator_digests()})
+
+    def _end(self) -> None:
+        if self.last_step is not None:
+            self._write({"event": "end", "step": self.last_step})
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.log_path is None:

@@ -74,10 +74,10 @@ def _differences(a: Any, b: Any, key: str = "") -> list[str]:
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("broken", [False, True], ids=["exact", "broken"])
-def test_killed_and_resumed_run_ends_bit_identical(tmp_path: Path, broken: bool) -> None:
-    """--broken draws from the global generator after each resume: it must be caught."""
-    flags = ["--broken"] if broken else []
+def test_killed_and_resumed_run_ends_bit_identical(tmp_path: Path) -> None:
+    """Also what crashtest does not see: the train_loss hf.train returns is the whole run's.
+    (tests/examples runs the --broken variant through crashtest.)"""
+    flags: list[str] = []
     ref, crashed = str(tmp_path / "ref"), str(tmp_path / "crashed")
     ref_proc = _start(ref, *flags)
     kill_proc = _start(crashed, *flags, PITSTOP_CRASHTEST_KILL_STEP="13")
@@ -94,13 +94,12 @@ def test_killed_and_resumed_run_ends_bit_identical(tmp_path: Path, broken: bool)
     a, b = pitstop.load(ref), pitstop.load(crashed)
     assert a["trainer"]["global_step"] == b["trainer"]["global_step"] == 16
     differences = _differences(a, b)
-    if broken:
-        assert "/model/transformer.wte.weight" in differences, differences
-        return
     assert {"model", "optimizer", "scheduler", "rng", "trainer", "data"} <= set(a)
     assert a["optimizer"]["state"], "AdamW state (exp_avg, exp_avg_sq) is compared too"
     assert a["scheduler"]["last_epoch"] == 16
     assert differences == []
+    loss = ref_out.split("train_loss ")[1].split()[0]
+    assert f"train_loss {loss}" in out, out  # the whole run's average, not this process's
 
     exe = shutil.which("pitstop", path=os.path.dirname(sys.executable))
     assert exe is not None, "the pitstop console script is not installed"

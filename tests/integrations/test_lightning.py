@@ -69,6 +69,12 @@ def test_one_step_saved_under_two_paths_is_saved_once(tmp_path: Any, capsys: Any
     assert callback["last_model_path"] == os.path.join(real, "last.ckpt")
     assert io.load_checkpoint(top)["callbacks"]["ModelCheckpoint{}"]["last_model_path"] == ""
     io.close()
+    # after close (the docs' end of a script), a later trainer.test() still loads and tears down
+    assert torch.equal(io.load_checkpoint(top)["state_dict"]["w"], torch.full((4,), 5.0))
+    io.teardown()
+    io.close()
+    with pytest.raises(pitstop.UnsupportedSetupError, match="is closed: cannot save"):
+        io.save_checkpoint(_ckpt(6, root), top)
     capsys.readouterr()
     assert pitstop_main(["ls", root]) == 0
     assert "committed" in capsys.readouterr().out

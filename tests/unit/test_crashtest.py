@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     if a.variant.startswith("torchdata"):
         from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import RandomSampler
@@ -51,7 +51,10 @@ SCRIPT = textwrap.dedent(
             loader = StatefulDataLoader(data, batch_size=8, shuffle=True, generator=gen)
     else:
         loader = pitstop.ResumableLoader(data, batch_size=8, shuffle=True, seed=2)
-    state = {"model": model, "optimizer": opt, "data": loader, "progress": {"step": 0}}
+    progress = {"step": 0}
+    state = {"model": model, "optimizer": opt, "data": loader, "progress": progress}
+    if a.variant == "outside-counter":  # the step counter is not in the state
+        del state["progress"]
     if a.variant != "no-rng":
         state["rng"] = pitstop.RNGState()
     every = a.steps if a.variant == "late" else a.every
@@ -64,17 +67,17 @@ SCRIPT = textwrap.dedent(
         if a.variant == "eval-draws":  # evaluates what it starts from, drawing from torch's RNG
             for _ in torch.utils.data.DataLoader(data, batch_size=16, shuffle=True):
                 pass
-        while state["progress"]["step"] < a.steps:
+        while progress["step"] < a.steps:
             for x, y in loader:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 opt.zero_grad(); loss.backward(); opt.step()
-                state["progress"]["step"] += 1
-                ckpt.step(state["progress"]["step"], state)
-                if state["progress"]["step"] >= a.steps:
+                progress["step"] += 1
+                ckpt.step(progress["step"], state)
+                if progress["step"] >= a.steps:
                     break
         ckpt.wait()
-        if ckpt.latest_step() != state["progress"]["step"]:
-            ckpt.save(state["progress"]["step"], state)
+        if ckpt.latest_step() != progress["step"] and a.variant != "no-final":
+            ckpt.save(progress["step"], state)
     """
 )
 
@@ -124,6 +127,24 @@ def test_a_state_without_rng_state_is_named(tmp_path: Any, capsys: Any) -> None:
     assert code == 1, out
     assert "the state holds no pitstop.RNGState" in out
     assert "the state does not restore them" in out
+
+
+def test_a_step_counter_outside_the_state_is_named(tmp_path: Any, capsys: Any) -> None:
+    code, out = _crashtest(tmp_path, capsys, "outside-counter", "--kill-at", "13")
+    assert code == 1, out
+    assert "SIGKILL at step 13" in out
+    assert "the runs made a different number of optimizer steps" in out
+    assert "optimizer/state/0/step differs by" in out
+
+
+def test_a_run_that_does_not_save_its_final_state_is_noted(tmp_path: Any, capsys: Any) -> None:
+    code, out = _crashtest(tmp_path, capsys, "no-final", "--kill-at", "9")
+    assert code == 0, out
+    assert "trained to step 30 but its newest checkpoint is of step 28" in out
+    assert "SIGKILL at step 9" in out
+    (tmp_path / "x").mkdir()
+    code, out = _crashtest(tmp_path / "x", capsys, "good", "--kill-at", "30")
+    assert code == 2 and "choose a step from 5 to 29" in out
 
 
 def test_an_unseeded_script_is_named(tmp_path: Any, capsys: Any) -> None:

@@ -328,6 +328,9 @@ def test_safetensors_only_model_loads_into_load_state_dict(root: str, tmp_path: 
     model = Net()
     model.load_state_dict(loaded)
     _same(live["model"].state_dict(), model.state_dict())
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~mask  # like any new file, not 0600
 
 
 def test_safetensors_metadata_holds_the_values(

@@ -161,15 +161,19 @@ def compare(a: Any, b: Any, *, ignore: Iterable[str] = ()) -> list[Difference]:
 
 
 def format_differences(diffs: list[Difference], limit: int = 20) -> list[str]:
-    """One line per difference (the first ``limit``), tensors first."""
-    ordered = sorted(diffs, key=lambda d: not d.is_tensor)
-    width = min(max((len(d.key) for d in ordered[:limit]), default=10), 70)
+    """One line per difference: the first ``limit`` plain values (few, and often what tells:
+    a learning rate, a counter), then the first ``limit`` tensors."""
+    values = [d for d in diffs if not d.is_tensor]
+    tensors = [d for d in diffs if d.is_tensor]
+    shown = values[:limit] + tensors[:limit]
+    width = min(max((len(d.key) for d in shown), default=10), 70)
     lines = []
-    for d in ordered[:limit]:
+    for d in shown:
         extra = "" if d.max_abs is None else f"  max |a-b| = {d.max_abs:.6g}"
         lines.append(f"  {d.key:{width}}  {d.what}{extra}")
-    if len(ordered) > limit:
-        lines.append(f"  ... and {len(ordered) - limit} more")
+    hidden = len(diffs) - len(shown)
+    if hidden:
+        lines.append(f"  ... and {hidden} more (--show N shows more)")
     return lines
 
 

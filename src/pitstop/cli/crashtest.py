@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pitstop.cli.crashtest_causes import Record, diagnose, loader_state, read_log, unseeded
+from pitstop.cli.crashtest_causes import Record, diagnose, read_log, state_causes, unseeded
 
 if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
@@ -147,10 +148,19 @@ def _crash_runs(
     reruns until one exits 0; the log files of all of them. Every run after the first must
     have restored what the previous one left, or nothing was tested."""
     logs: list[str] = []
+    warnings: dict[str, None] = {}  # pitstop's warnings in the runs' output, in order, once
     first, final = steps.start, steps.stop
     for i in range(args.kills):
         have = _committed_steps(crash_dir)
-        kill = _pick(rng, max(first, (have[-1] + 1) if have else first), final - 1)
+        low = max(first, (have[-1] + 1) if have else first)
+        kill = _pick(rng, low, final - 1)
+        if i == 0 and args.kill_at is not None:
+            if not first <= args.kill_at < final:
+                raise CrashtestError(
+                    f"--kill-at {args.kill_at}: the reference checkpointed first at step "
+                    f"{first - 1} and ended at {final}; choose a step from {first} to {final - 1}"
+                )
+            kill = args.kill_at
         if kill is None:
             _say(f"kill {i + 1}: no step left between the newest checkpoint and the last step")
             break
@@ -162,6 +172,7 @@ def _crash_runs(
         if not kills:  # the probe did not kill it: it ended, or something else did
             raise CrashtestError(_not_killed(i + 1, kill, run))
         _check_restored(f"crashed run {i + 1}", records, resumed=i > 0)
+        warnings.update(_warnings(run.output))
         newest = _committed_steps(crash_dir)
         _say(
             f"crashed run {i + 1}: SIGKILL at step {min(kills)} ({run.secs:.1f} s); newest "
@@ -179,6 +190,19 @@ def _crash_runs(
             return logs
         _say(f"resumed run {attempt + 1}: {_exit(run.returncode)}\n{_tail(run.output)}")
     raise CrashtestError(f"the resumed run did not exit 0 in {1 + args.restarts} attempts")
+
+
+_WARNED = re.compile(r"^\[rank \d+\] [a-z-]+: |\bpitstop\b.*\bWARNING\b")
+
+
+def _warnings(output: str) -> dict[str, None]:
+    """pitstop's warnings in a run's output (its log lines name the rank), but for the kill
+    step's own."""
+    return {
+        line.strip()[:300]: None
+        for line in output.splitlines()
+        if _WARNED.search(line) and "PITSTOP_CRASHTEST_KILL_STEP" not in line
+    }
 
 
 def _exit(code: int) -> str:
@@ -289,6 +313,12 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
             "to kill at after a checkpoint; checkpoint more often or train longer"
         )
     _say(f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves")
+    trained = max((r.step for r in ref_records if r.event == "end"), default=final)
+    if trained > final:
+        _say(
+            f"note: the reference trained to step {trained} but its newest checkpoint is of step "
+            f"{final}: what came after is not compared (save the final state at the end)"
+        )
     logs = _crash_runs(runner, args, rng, crash_dir, range(saves[0] + 1, final))
     crash_records = [r for i, log in enumerate(logs) for r in read_log(log, f"run{i}")]
     skip = unseeded(ref_records, read_log(logs[0], "run0"))
@@ -310,7 +340,7 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     if ranks > 1:
         _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
     diffs = compare(a, b, ignore=ignore)
-    causes = loader_state(diffs) + diagnose(ref_records, crash_records, skip)
+    causes = state_causes(diffs) + diagnose(ref_records, crash_records, skip)
     return _report(step_a, step_b, a, diffs, causes, args)
 
 
@@ -357,6 +387,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command; {dir} is replaced")
     p.add_argument("--kills", type=_at_least(1), default=1, help="kill this many times (default 1)")
     p.add_argument("--seed", type=int, help="seed of the random kill steps (default: random)")
+    p.add_argument("--kill-at", type=_at_least(1), help="the first kill's step (default: random)")
     p.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the runs' directories and output")
     p.add_argument("--timeout", type=_at_least(1, float), default=900.0,

@@ -5,10 +5,10 @@ Every process crashtest runs appends one JSON line per save and per restore (see
 seed, and :func:`diagnose` names the causes it can see: no ``RNGState`` in the state, loaders
 without a generator of their own, generators drawn outside the state after an exact restore,
 a restore that did not put them back, settings that changed between runs, or (when the
-generators agree) the computation itself. :func:`loader_state` reads the differences.
+generators agree) the computation itself. :func:`state_causes` reads the differences.
 
 Call sequence (the CLI's thread, after the runs): ``read_log`` per log file ->
-``unseeded(reference, first crashed run)`` -> ``loader_state(diffs)`` + ``diagnose(...)``.
+``unseeded(reference, first crashed run)`` -> ``state_causes(diffs)`` + ``diagnose(...)``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
 
-__all__ = ["Record", "diagnose", "loader_state", "read_log", "unseeded"]
+__all__ = ["Record", "diagnose", "read_log", "state_causes", "unseeded"]
 
 
 @dataclass
@@ -92,6 +92,13 @@ def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[s
     for found in (drift, _settings(ref_saves, crashed)):
         if found:
             causes.append(found)
+    if skip - {"torch"}:
+        names = " and ".join(sorted(skip - {"torch"}))
+        causes.append(
+            f"the script does not seed {names}: if anything draws from them (augmentation in "
+            "the main process, random.shuffle), two runs differ; seed them at the start "
+            "(random.seed, numpy.random.seed)"
+        )
     if not causes:
         causes.append(
             "the global random generators agree with the reference at every save after the "
@@ -102,20 +109,32 @@ def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[s
     return causes
 
 
-def loader_state(diffs: list[Difference]) -> list[str]:
-    """A difference inside a loader's or sampler's own state: the data order after a resume."""
-    keys = [
-        d.key for d in diffs if any(w in d.key for w in ("sampler", "_iter_state", "_num_yielded"))
-    ]
-    if not keys:
-        return []
-    return [
-        f"the data loader's own state differs ({keys[0]}): batches after the resume do not "
-        "come in the reference's order; torchdata's StatefulDataLoader needs its own "
-        "RandomSampler (torchdata.stateful_dataloader.sampler) with a generator apart from the "
-        "loader's: StatefulDataLoader(ds, sampler=RandomSampler(ds, generator=torch.Generator()"
-        ".manual_seed(s)), generator=torch.Generator().manual_seed(s + 1))"
-    ]
+def state_causes(diffs: list[Difference]) -> list[str]:
+    """Causes that the differing keys themselves show: a different number of optimizer steps,
+    a different data position, a torchdata loader whose order does not resume."""
+    causes = []
+    steps = [d for d in diffs if d.key.endswith("/step") and "state" in d.key]
+    if steps:
+        by = f" by {steps[0].max_abs:g}" if steps[0].max_abs else ""
+        causes.append(
+            f"the runs made a different number of optimizer steps ({steps[0].key} differs{by}): "
+            "a step or epoch counter, or a loop bound, kept outside the state?"
+        )
+    torchdata = [d.key for d in diffs if "_sampler_iter_state" in d.key or "_num_yielded" in d.key]
+    position = [d.key for d in diffs if "sampler" in d.key and d.key not in torchdata]
+    if torchdata:
+        causes.append(
+            f"the data loader's own state differs ({torchdata[0]}): batches after the resume do "
+            "not come in the reference's order; torchdata's StatefulDataLoader needs its own "
+            "RandomSampler (torchdata.stateful_dataloader.sampler) with a generator apart from "
+            "the loader's: StatefulDataLoader(ds, sampler=RandomSampler(ds, generator="
+            "torch.Generator().manual_seed(s)), generator=torch.Generator().manual_seed(s + 1))"
+        )
+    elif position and not steps:
+        causes.append(
+            f"the data position differs ({position[0]}): the runs consumed different batches"
+        )
+    return causes
 
 
 def _seeded(data: dict[str, Any], skip: set[str]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -165,6 +166,9 @@ def export_safetensors(value: Any, out: str, only: str | None) -> list[str]:
     if split.values:
         metadata[VALUES_KEY] = json.dumps(split.values, allow_nan=False)
     save_file(_unshared(split.tensors), out, metadata=metadata)
+    mask = os.umask(0o022)  # safetensors writes 0600: give it the mode any new file gets
+    os.umask(mask)
+    os.chmod(out, 0o666 & ~mask)
     if not split.lost:
         return []
     return ["note: safetensors holds tensors and JSON values; not carried: " + _shown(split.lost)]

@@ -146,7 +146,8 @@ class _TrainerProgress:
     log history, flos, best metric, callback states) and the loss accumulators of logging."""
 
     _LOSS: ClassVar[dict[str, str]] = {
-        "total": "_total_loss_scalar", "last_logged": "_globalstep_last_logged"
+        "total": "_total_loss_scalar", "last_logged": "_globalstep_last_logged",
+        "initial_step": "_initial_global_step",  # train_loss averages the whole run's steps
     }  # fmt: skip
 
     def __init__(self, trainer: Trainer) -> None:

@@ -76,6 +76,7 @@ class PitstopCheckpointIO(CheckpointIO):
         self._owns_run = False  # this process saved, or adopted the run it loaded
         self._error: BaseException | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pitstop-lightning")
+        self._closed = False
         self._registry_dirs, self._registry_last = self._read_registry()
         self._repair()
 
@@ -89,6 +90,10 @@ class PitstopCheckpointIO(CheckpointIO):
         """Stage ``checkpoint`` as step ``global_step`` (or reuse that step) and return; the
         pointer at ``path`` follows the commit. Raises the error of a failed earlier save."""
         self._raise_error()
+        if self._closed:
+            raise UnsupportedSetupError(
+                f"PitstopCheckpointIO({self.manager.storage.url!r}) is closed: cannot save {path}"
+            )
         if storage_options is not None:
             raise TypeError("PitstopCheckpointIO.save_checkpoint takes no storage_options")
         _one_process("save")
@@ -173,7 +178,10 @@ class PitstopCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """End of fit/validate/test (Lightning's strategy teardown): wait for the saves in
         flight and their pointers, apply retention, raise a failed save's error. The IO stays
-        usable (``trainer.save_checkpoint`` after ``fit``); ``close()`` releases it."""
+        usable (``trainer.save_checkpoint`` after ``fit``); ``close()`` releases it. After
+        ``close()`` (a later ``trainer.test()``) there is nothing in flight: it returns."""
+        if self._closed:
+            return
         try:
             self.manager.wait()
         except BaseException as e:
@@ -183,10 +191,14 @@ class PitstopCheckpointIO(CheckpointIO):
         self._raise_error()
 
     def close(self) -> None:
-        """``teardown()``, then close the manager and the pointer thread."""
+        """``teardown()``, then close the manager and the pointer thread (once; loading still
+        works afterwards, saving raises)."""
+        if self._closed:
+            return
         try:
             self.teardown()
         finally:
+            self._closed = True
             self._writer.shutdown(wait=True)
             self.manager.close()
 
