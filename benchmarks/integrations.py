@@ -332,50 +332,32 @@ def lightning_section(args: argparse.Namespace, root: str, cache: PageCache) -> 
 
     comps: list[Competitor] = []
 
-    # TorchCheckpointIO ----------------------------------------------------
-    tdir = os.path.join(root, "torch")
+    # Lightning's own IO, synchronous and thread-based: the same file, fsynced when durable
     tio = TorchCheckpointIO()
 
-    def tpath(step: int) -> str:
-        return os.path.join(tdir, f"epoch=0-step={step}.ckpt")
+    def lightning_io(key: str, label: str, io: Any, wait: Callable[[], None]) -> Competitor:
+        where = os.path.join(root, key)
 
-    def t_durable(step: int) -> None:
-        fsync_file(tpath(step))
-        fsync_dir(tdir)
+        def path(step: int) -> str:
+            return _ckpt_file(root, key, step)
 
-    comps.append(
-        Competitor(
-            "torch",
-            "TorchCheckpointIO (+ fsync)",
-            save=lambda s: tio.save_checkpoint(ckpt(s), tpath(s)),
-            durable=t_durable,
-            cleanup=lambda s: tio.remove_checkpoint(tpath(s)),
-            verify=lambda s: differences(ckpt(s), tio.load_checkpoint(tpath(s))),
+        def durable(step: int) -> None:
+            wait()  # AsyncCheckpointIO: its save thread (the next save starts a new one)
+            fsync_file(path(step))
+            fsync_dir(where)
+
+        return Competitor(
+            key,
+            label,
+            save=lambda s: io.save_checkpoint(ckpt(s), path(s)),
+            durable=durable,
+            cleanup=lambda s: io.remove_checkpoint(path(s)),
+            verify=lambda s: differences(ckpt(s), tio.load_checkpoint(path(s))),
         )
-    )
 
-    # AsyncCheckpointIO(TorchCheckpointIO()) -------------------------------
-    adir = os.path.join(root, "async")
     aio = AsyncCheckpointIO(TorchCheckpointIO())
-
-    def apath(step: int) -> str:
-        return os.path.join(adir, f"epoch=0-step={step}.ckpt")
-
-    def a_durable(step: int) -> None:
-        aio.teardown()  # waits for the save thread (the next save starts a new one)
-        fsync_file(apath(step))
-        fsync_dir(adir)
-
-    comps.append(
-        Competitor(
-            "async",
-            "AsyncCheckpointIO(Torch) (+ fsync)",
-            save=lambda s: aio.save_checkpoint(ckpt(s), apath(s)),
-            durable=a_durable,
-            cleanup=lambda s: aio.remove_checkpoint(apath(s)),
-            verify=lambda s: differences(ckpt(s), tio.load_checkpoint(apath(s))),
-        )
-    )
+    comps.append(lightning_io("torch", "TorchCheckpointIO (+ fsync)", tio, lambda: None))
+    comps.append(lightning_io("async", "AsyncCheckpointIO(Torch) (+ fsync)", aio, aio.teardown))
 
     # PitstopCheckpointIO --------------------------------------------------
     pdir = os.path.join(root, "pitstop")
@@ -440,8 +422,8 @@ def lightning_section(args: argparse.Namespace, root: str, cache: PageCache) -> 
             verified[c.key] = {"ok": not diffs, "differences": diffs, "secs": perf() - t0}
             log(f"  {c.label}: {diffs if diffs else 'equal'}")
         sizes = {
-            "torch_file_bytes": os.path.getsize(tpath(last)),
-            "async_file_bytes": os.path.getsize(apath(last)),
+            "torch_file_bytes": os.path.getsize(_ckpt_file(root, "torch", last)),
+            "async_file_bytes": os.path.getsize(_ckpt_file(root, "async", last)),
             "pitstop_dir_bytes": _du(pdir),
         }
     finally:
@@ -498,6 +480,10 @@ def lightning_section(args: argparse.Namespace, root: str, cache: PageCache) -> 
         "orders": orders,
         "verified": verified,
     }
+
+
+def _ckpt_file(root: str, key: str, step: int) -> str:
+    return os.path.join(root, key, f"epoch=0-step={step}.ckpt")
 
 
 def _du(path: str) -> int:
