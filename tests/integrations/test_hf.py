@@ -133,7 +133,7 @@ class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def _trainer(tmp_path: Path, callback: Any, steps: int = 4) -> Trainer:
+def _trainer(tmp_path: Path, callback: Any, steps: int = 4, accumulate: int = 1) -> Trainer:
     torch.manual_seed(0)
     config = GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16, bos_token_id=0,
@@ -142,6 +142,7 @@ def _trainer(tmp_path: Path, callback: Any, steps: int = 4) -> Trainer:
     args = TrainingArguments(
         output_dir=str(tmp_path / "trainer"), max_steps=steps, per_device_train_batch_size=8,
         save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=0,
+        gradient_accumulation_steps=accumulate,
     )  # fmt: skip
     callbacks = [callback] if callback is not None else []
     return Trainer(
@@ -182,3 +183,16 @@ def test_a_finished_run_trains_nothing_more(tmp_path: Path) -> None:
         assert torch.equal(value, first.model.state_dict()[name]), name
     with pitstop.CheckpointManager(root) as mgr:
         assert mgr.steps() == [3, 4]  # the Trainer alone would have trained a step 5
+
+
+def test_a_changed_setting_is_refused_before_anything_is_overwritten(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpts")
+    first = _trainer(tmp_path, hf.PitstopCallback(root, every=1), steps=2)
+    hf.train(first)
+    again = _trainer(tmp_path, hf.PitstopCallback(root, every=1), steps=4, accumulate=2)
+    before = {k: v.clone() for k, v in again.model.state_dict().items()}
+    with pytest.raises(pitstop.StateMismatchError, match="gradient_accumulation_steps=1") as info:
+        hf.train(again)
+    assert not isinstance(info.value, pitstop.PartialRestoreError)
+    for name, value in again.model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # the live model was not touched

@@ -241,6 +241,7 @@ class _Resume:
 
     step: int
     trainer: dict[str, Any]
+    data: dict[str, Any] | None = None
 
     @property
     def trainer_state(self) -> dict[str, Any]:
@@ -310,8 +311,10 @@ class PitstopCallback(TrainerCallback):
         return self._resume
 
     def _peek(self, mgr: CheckpointManager) -> _Resume | None:
-        progress = _Holder()
-        step = mgr.restore({"trainer": progress, "rng": self._rng}, strict=False, rollback=False)
+        progress, data = _Holder(), _Holder()
+        step = mgr.restore(
+            {"trainer": progress, "data": data, "rng": self._rng}, strict=False, rollback=False
+        )
         if step is None:
             return None
         if progress.value is None:
@@ -320,7 +323,7 @@ class PitstopCallback(TrainerCallback):
                 "entry): give PitstopCallback a root of its own",
                 step=step, path=mgr.storage.url, phase="restore",
             )  # fmt: skip
-        return _Resume(step, progress.value)
+        return _Resume(step, progress.value, data.value)
 
     def close(self) -> None:
         """After ``trainer.train()``: wait for saves in flight (a failed one raises) and close."""
@@ -361,6 +364,8 @@ class PitstopCallback(TrainerCallback):
         self._state = self._build_state(trainer, kw.get("train_dataloader"))
         resume = self._resume
         if resume is not None:
+            if resume.data is not None:  # a changed setting is refused before anything lands
+                self._state["data"].load_state_dict(resume.data)
             if mgr.restore(self._state, resume.step) is None:
                 raise CheckpointNotFoundError(
                     f"step {resume.step} vanished before the Trainer restored it",
