@@ -216,3 +216,17 @@ def test_a_validation_loader_drawing_from_the_global_generator_breaks_it(
     a, b = ref["state_dict"], crash["state_dict"]
     assert a.keys() == b.keys()
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_final_save_to_another_path_is_not_taken_for_a_kill(tmp_path: Any, caplog: Any) -> None:
+    root = str(tmp_path / "run")
+    last, final = os.path.join(root, "last.ckpt"), os.path.join(root, "final.ckpt")
+    io = PitstopCheckpointIO(root)
+    io.save_checkpoint(_ckpt(3, root), last)
+    io.save_checkpoint(_ckpt(7, root), final)  # trainer.save_checkpoint("final.ckpt") after fit
+    io.close()
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        io = PitstopCheckpointIO(root)  # a clean rerun
+    assert _named(last) == 3 and _named(final) == 7  # last stays what Lightning made it
+    assert "ended between its commit and its pointer" not in caplog.text
+    io.close()

@@ -316,7 +316,7 @@ class PitstopCheckpointIO(CheckpointIO):
     def _repair(self) -> None:
         """Constructor, before Lightning resolves "last": read the registered pointer
         directories; point the registered ``last`` path at the newest committed step if it
-        names another (a kill between a commit and its pointer)."""
+        names another and no pointer names it (a kill between a commit and its pointer)."""
         for directory in sorted(self._registry_dirs):
             self._know_dir(directory)
         newest, last = self.manager.latest_step(), self._registry_last
@@ -328,6 +328,9 @@ class PitstopCheckpointIO(CheckpointIO):
             return
         if pointer is not None and (not self._ours(pointer.root) or pointer.step == newest):
             return
+        with self._lock:
+            if newest in self._pointers.values():  # its pointer was written: a save elsewhere
+                return  # (trainer.save_checkpoint("final.ckpt")), not a kill before a pointer
         os.makedirs(os.path.dirname(last), exist_ok=True)
         write_json(last, self._pointer_body(last, newest))
         with self._lock:
