@@ -205,9 +205,7 @@ class PitstopCheckpointIO(CheckpointIO):
     def reached(self, step: int) -> None:
         """Training finished ``step`` (PitstopCallback, once per optimizer step): the manager's
         crash-test hook (``pitstop crashtest`` kills the process here)."""
-        hook = getattr(self.manager, "reached", None)
-        if hook is not None:
-            hook(step)
+        self.manager.reached(step)
 
     # ------------------------------------------------------------------ pointers
     def _write_pointer(self, path: str, step: int, gen: int, handle: SaveHandle | None) -> None:
