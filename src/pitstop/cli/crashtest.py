@@ -58,13 +58,11 @@ class CrashtestError(Exception):
 
 def _committed(root: str) -> dict[int, int]:
     """The committed steps under ``root``, each with the number of ranks that saved it."""
-    from pitstop.engine.catalog import Catalog
-    from pitstop.storage.local import LocalStorage
-    from pitstop.storage.retry import RetryingStorage
+    from pitstop.cli.main import catalog_of
 
     if not os.path.isdir(root):
         return {}
-    catalog = Catalog(RetryingStorage(LocalStorage(root)))  # type: ignore[arg-type]
+    catalog = catalog_of(root)
     try:
         return {
             e.step: e.manifest.world_size

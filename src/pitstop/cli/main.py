@@ -55,7 +55,7 @@ def _open_root(path: str) -> tuple[Catalog, str | None]:
     """The catalog of a root and, when ``path`` is itself a checkpoint directory, its name."""
     norm = os.path.normpath(path)
     if os.path.lexists(os.path.join(path, MANIFEST)) and parse_step_dir(os.path.basename(norm)):
-        return _catalog(os.path.dirname(norm) or "."), os.path.basename(norm)
+        return catalog_of(os.path.dirname(norm) or "."), os.path.basename(norm)
     if not os.path.isdir(path):
         raise _UsageError(f"{path}: no such directory")
     names = os.listdir(path)
@@ -65,10 +65,11 @@ def _open_root(path: str) -> tuple[Catalog, str | None]:
         raise _UsageError(
             f"{path} is not a pitstop checkpoint directory (no manifest.json, no step-* directories)"
         )
-    return _catalog(path), None
+    return catalog_of(path), None
 
 
-def _catalog(root: str) -> Catalog:
+def catalog_of(root: str) -> Catalog:
+    """The catalog of the local root ``root`` (I/O retried); the caller closes it."""
     storage: Any = RetryingStorage(LocalStorage(root))
     return Catalog(storage)
 

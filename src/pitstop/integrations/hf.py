@@ -68,6 +68,7 @@ from pitstop.manager import CheckpointManager
 from pitstop.options import SaveOptions
 from pitstop.policy import CheckpointPolicy, EveryN, RetentionPolicy
 from pitstop.state.rng import RNGState
+from pitstop.state.tree import hookable_optimizer
 from pitstop.storage.base import Storage
 
 try:
@@ -225,16 +226,6 @@ class _DataPosition:
             )  # fmt: skip
 
 
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's wrapper: its ``step`` runs the hooks that make
-    an async save wait for its copy (AcceleratedOptimizer skips ``Optimizer.__init__``)."""
-    while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
-        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
-    ):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 @dataclass
 class _Resume:
     """The checkpoint a run resumes from, as the partial restore before ``train()`` saw it."""
@@ -374,9 +365,10 @@ class PitstopCallback(TrainerCallback):
             self._saved = resume.step
 
     def _build_state(self, trainer: Trainer, loader: Any) -> dict[str, Any]:
+        optimizer = trainer.optimizer  # Accelerate's wrapper: the torch optimizer inside it
         state: dict[str, Any] = {
             "model": trainer.model,
-            "optimizer": _inner_optimizer(trainer.optimizer),
+            "optimizer": optimizer and hookable_optimizer(optimizer, "optimizer"),
             "scheduler": trainer.lr_scheduler,
             "rng": self._rng,
             "trainer": _TrainerProgress(trainer),

@@ -272,11 +272,14 @@ class _BatchSampler(Sampler[list[int]]):
         n = self.sampler.shard_len()
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
+    def delivered(self) -> int:
+        """Batches of the epoch already handed out (a partial last batch counts as delivered)."""
+        return -(-self.sampler.consumed // self.batch_size)
+
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
         indices = s.shard_indices()
-        first = -(-s.consumed // self.batch_size)  # a partial last batch counts as delivered
-        for b in range(first, len(self)):
+        for b in range(self.delivered(), len(self)):
             items = indices[b * self.batch_size : (b + 1) * self.batch_size]
             yield _make_batch(items, batch_seed(s.seed, s.epoch, b, s.rank, s.start))
 
@@ -447,7 +450,7 @@ class ResumableLoader:
     @property
     def position(self) -> int:
         """The index in the epoch of the next batch this loader delivers (0 at an epoch's start)."""
-        return -(-self.sampler.consumed // self.batch_size)
+        return self._batches.delivered()
 
     @property
     def dataset(self) -> Any:

@@ -59,6 +59,7 @@ __all__ = [
     "Flat",
     "children",
     "flatten",
+    "hookable_optimizer",
     "is_stateful",
     "join_key",
     "node_kind",
@@ -199,7 +200,7 @@ class _Flattener:
                 node["params"] = [self.seen.get(_tensor_identity(p.detach())) for p in params]
 
     def _note_optimizer(self, opt: torch.optim.Optimizer, key: str) -> None:
-        self.flat.optimizers.append(_hookable(opt, key))
+        self.flat.optimizers.append(hookable_optimizer(opt, key))
         for group in opt.param_groups:
             for p in group["params"]:
                 self.owned_params.add(_tensor_identity(p.detach()))
@@ -379,7 +380,7 @@ class _Flattener:
         }
 
 
-def _hookable(opt: torch.optim.Optimizer, key: str) -> torch.optim.Optimizer:
+def hookable_optimizer(opt: torch.optim.Optimizer, key: str) -> torch.optim.Optimizer:
     """The optimizer whose ``step`` the engine hooks: ``opt``, or the one a wrapper that never
     ran ``Optimizer.__init__`` holds as ``.optimizer`` (Accelerate's AcceleratedOptimizer)."""
     seen = 0
