@@ -464,15 +464,23 @@ def lightning_section(args: argparse.Namespace, root: str, cache: PageCache) -> 
         )
         + " (pitstop's first save allocates its host buffer)"
     )
+    config = {
+        "layers": args.layers,
+        "width": args.width,
+        "tensor_bytes": nb,
+        "parameter_bytes": params,
+        "lightning": lightning.__version__,
+        **sizes,
+    }
+    return _section(config, comps, r, orders, verified)
+
+
+def _section(
+    config: dict[str, Any], comps: list[Competitor], r: Any, orders: Any, verified: Any
+) -> dict[str, Any]:
+    """One section of the final JSON line: the set-up and every competitor's figures."""
     return {
-        "config": {
-            "layers": args.layers,
-            "width": args.width,
-            "tensor_bytes": nb,
-            "parameter_bytes": params,
-            "lightning": lightning.__version__,
-            **sizes,
-        },
+        "config": config,
         "medians": {c.key: {k: c.med(k) for k in c.samples} for c in comps},
         "ratios": r,
         "first_save": {c.key: c.info["first_save"] for c in comps},
@@ -686,22 +694,15 @@ def hf_section(args: argparse.Namespace, root: str, cache: PageCache) -> dict[st
         f"next optimizer.step() waiting for the deferred copy {fmt(pitstop_c.med('copy_wait'))} s "
         "(the worst case: in training, forward and backward hide it)"
     )
-    return {
-        "config": {
-            "n_layer": args.hf_layers,
-            "n_embd": args.hf_width,
-            "vocab": args.hf_vocab,
-            "model_optimizer_bytes": state_nb,
-            "parameter_bytes": params_nb,
-            "transformers": transformers.__version__,
-        },
-        "medians": {c.key: {k: c.med(k) for k in c.samples} for c in comps},
-        "ratios": r,
-        "first_save": {c.key: c.info["first_save"] for c in comps},
-        "samples": {c.key: c.samples for c in comps},
-        "orders": orders,
-        "verified": verified,
+    config = {
+        "n_layer": args.hf_layers,
+        "n_embd": args.hf_width,
+        "vocab": args.hf_vocab,
+        "model_optimizer_bytes": state_nb,
+        "parameter_bytes": params_nb,
+        "transformers": transformers.__version__,
     }
+    return _section(config, comps, r, orders, verified)
 
 
 # --------------------------------------------------------------------------- main
