@@ -52,6 +52,7 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLast",
+    "Local",
     "ManifestError",
     "MissingExtraError",
     "NotACheckpointError",
@@ -62,6 +63,7 @@ __all__ = [
     "ResumableSampler",
     "SaveHandle",
     "SaveOptions",
+    "Shared",
     "StateMismatchError",
     "StepResult",
     "UnsafePathError",
@@ -76,6 +78,8 @@ __all__ = [
 
 _LAZY = {
     "CheckpointManager": "pitstop.manager",
+    "Local": "pitstop.multilevel.levels",
+    "Shared": "pitstop.multilevel.levels",
     "RNGState": "pitstop.state.rng",
     "ResumableLoader": "pitstop.state.data",
     "ResumableSampler": "pitstop.state.data",
@@ -91,6 +95,7 @@ if TYPE_CHECKING:
     from pitstop.engine.handle import SaveHandle
     from pitstop.loop import StepResult
     from pitstop.manager import CheckpointManager
+    from pitstop.multilevel.levels import Local, Shared
     from pitstop.oneshot import load, save
     from pitstop.state.data import ResumableLoader, ResumableSampler
     from pitstop.state.keys import add_prefix, strip_prefix

@@ -26,6 +26,8 @@ KILL_POINTS: tuple[str, ...] = (
     "commit.after_rename",  # manifest renamed: the checkpoint is committed
     "retention.mid",  # an old checkpoint un-committed, its files not yet removed
     "gc.mid",  # gc holds a directory it is about to remove
+    "replicate.mid",  # multi-level: every rank's files durable, redundancy being written
+    "flush.mid",  # multi-level: a rank's first file of a flush written to the shared level
 )
 
 _lock = threading.Lock()

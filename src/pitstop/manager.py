@@ -28,7 +28,7 @@ process group.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
@@ -37,9 +37,12 @@ from pitstop.engine.recovery import RestoreResult, recover
 from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointNotFoundError
+from pitstop.format.names import step_dir_name
 from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
-from pitstop.options import SaveOptions
+from pitstop.multilevel.levels import Local, Shared
+from pitstop.multilevel.stack import LevelStack
+from pitstop.options import IOOptions, SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
 from pitstop.probe import CrashProbe
 from pitstop.profiler import ProfileStats
@@ -66,9 +69,11 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | Storage,
+        root: str | os.PathLike[str] | Storage | None = None,
         keep_last: int | None = None,
         *,
+        levels: Sequence[Local | Shared] | None = None,
+        topology: Mapping[int, str] | Sequence[str] | None = None,
         retention: RetentionPolicy | None = None,
         options: SaveOptions | None = None,
         allow_pickle: bool | None = None,
@@ -85,18 +90,44 @@ class CheckpointManager:
             raise ValueError("give keep_last= or retention=, not both")
         self.retention = KeepLast(keep_last) if keep_last is not None else retention
         knobs = {"threads": io_threads, "chunk_bytes": chunk_bytes, "direct": direct_io}
-        inner, io = open_root(root, options.io if options else None, **knobs)
+        if (root is None) == (levels is None):
+            raise ValueError(
+                "give a root directory or levels=[pitstop.Local(...), ...], one of them"
+            )
+        if levels is not None:
+            local, shared = _levels(levels)
+            io = options.io if options else IOOptions.from_env(**knobs)
+        else:
+            if topology is not None:
+                raise ValueError("topology= places ranks on nodes for levels=; a root has none")
+            inner, io = open_root(root, options.io if options else None, **knobs)
         flags = {
             "allow_pickle": allow_pickle, "max_in_flight": max_in_flight, "overlap": overlap,
             "replicated": replicated, "dist_timeout_secs": dist_timeout_secs,
         }  # fmt: skip
         self.options = SaveOptions.resolve(options, io, **flags)
-        self.storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
-        self.catalog = Catalog(self.storage)
         self.group = make_group(self.options.dist_timeout_secs)  # collective under torchrun
-        self._saver = Saver(self.storage, self.options, on_commit=self._retain, group=self.group)
+        self.levels: LevelStack | None = None
+        if levels is not None:
+            self.levels = LevelStack(
+                local, shared, self.group, io, topology=topology, shared_retention=self.retention
+            )
+            self.storage = self.levels.local_storage
+            self.catalog = self.levels.local_catalog
+        else:
+            self.storage = RetryingStorage(inner)  # type: ignore[assignment]
+            self.catalog = Catalog(self.storage)
+        nodes = self.levels.node_commit() if self.levels is not None else None
+        self._saver = Saver(
+            self.storage, self.options, on_commit=self._retain, group=self.group, nodes=nodes
+        )
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
         self.identity = RunIdentity()
+        if self.levels is not None:  # node leaders apply retention: one run id for all ranks
+            self.identity.run = self.identity.timeline = self.group.broadcast(
+                self.identity.run, "plan"
+            )
+            self.levels.identity = self.identity
         self.last_restore: RestoreResult | None = None
         self._probe = CrashProbe.from_env()  # None unless `pitstop crashtest` runs this process
         self._committed = False  # a checkpoint of this root committed (or was restored)
@@ -146,7 +177,10 @@ class CheckpointManager:
         try:
             self._saver.close()
         finally:
-            self.catalog.close()
+            if self.levels is not None:
+                self.levels.close()
+            else:
+                self.catalog.close()
             self.group.close()
 
     @property
@@ -239,12 +273,8 @@ class CheckpointManager:
         self._saver.raise_pending()
         self._saver.wait_staged()  # a save in flight must not copy what restore writes
         rollback = strict if rollback is None else rollback
-        result = recover(
-            self.catalog,
-            lambda e: self._load(e, state, strict, key_map),
-            step=step,
-            rollback=rollback,
-            group=self.group,
+        result = self._recover(
+            lambda s, e: self._load(e, state, strict, key_map, storage=s), step, rollback
         )
         if result.step is None:
             return None
@@ -284,9 +314,10 @@ class CheckpointManager:
         strict: bool,
         key_map: KeyMap | None,
         rank: int | None = None,
+        storage: Storage | None = None,
     ) -> Any:
         return load_entry(
-            self.storage, entry, state, saver=self._saver, allow_pickle=self.options.allow_pickle,
+            storage or self.storage, entry, state, saver=self._saver, allow_pickle=self.options.allow_pickle,
             strict=strict, key_map=key_map, view_rank=rank,
         )  # fmt: skip
 
@@ -302,10 +333,9 @@ class CheckpointManager:
                 "torch.distributed every rank loads its own"
             )
         self._saver.wait_staged()
-        result = recover(
-            self.catalog, lambda e: self._load(e, None, True, None, rank), step=step,
-            group=self.group,
-        )  # fmt: skip
+        result = self._recover(
+            lambda s, e: self._load(e, None, True, None, rank, storage=s), step, False
+        )
         if result.step is None:
             raise CheckpointNotFoundError("no committed checkpoint", path=self.storage.url)
         self.last_restore = result
@@ -313,11 +343,55 @@ class CheckpointManager:
         result.value = None
         return value
 
+    def _recover(
+        self, load: Callable[[Storage, Entry], Any], step: int | None, rollback: bool
+    ) -> RestoreResult:
+        """One level: ``recover``. Several: the newest step any level can deliver: the local
+        level's (rebuilt from redundancy where a node lost it), unless the shared level has a
+        newer one; a step served by the shared level is fetched into the local level."""
+        if self.levels is None:
+            return recover(
+                self.catalog, lambda e: load(self.storage, e), step=step, rollback=rollback,
+                group=self.group,
+            )  # fmt: skip
+        stack = self.levels
+        choice = stack.restore_local(step)
+        shared = stack.shared_catalog
+        newest = None
+        if shared is not None:
+            steps = [e.step for e in shared.committed() if e.step is not None]
+            newest = self.group.broadcast(max(steps) if steps else None, "restore")
+        if choice is not None and (newest is None or choice.step >= newest or step is not None):
+            result = recover(
+                stack.local_catalog, lambda e: load(stack.local_storage, e), step=choice.step,
+                group=self.group,
+            )  # fmt: skip
+            result.level, result.sources = "local", choice.sources
+            result.set_aside, result.repaired = choice.set_aside, choice.repaired
+            return result
+        if shared is None:
+            return RestoreResult()
+        result = recover(
+            shared, lambda e: load(shared.storage, e), step=step, rollback=rollback,
+            group=self.group,
+        )  # fmt: skip
+        if result.step is not None and result.manifest is not None:
+            result.level = "shared"
+            result.sources = {"shared": result.manifest.nbytes}
+            stack.fetch(
+                Entry(step_dir_name(result.step), result.step, "committed", result.manifest)
+            )
+        return result
+
     # ------------------------------------------------------------------ retention and gc
     def _retain(self, newest: int) -> None:
         """Persist thread, after ``newest`` committed: apply the retention policy to this run
-        (the retired ones stop being checkpoints now; their files are deleted in the background)."""
+        (the retired ones stop being checkpoints now; their files are deleted in the background).
+        Several levels: the local level's own retention and the flush (``LevelStack``)."""
         self._committed = True
+        if self.levels is not None:
+            self.levels.committed(newest)
+            return
         if self.retention is not None and self.group.coordinator:
             retired = self.catalog.retire(self.retention, newest=newest, identity=self.identity)
             self.catalog.purge_later(retired)
@@ -333,3 +407,16 @@ class CheckpointManager:
             abandoned=abandoned, damaged=damaged, busy=self._saver.busy_directories, dry_run=dry_run
         )
         return [e.name for e, what in done if what in ("removed", "would remove")]
+
+
+def _levels(levels: Sequence[Local | Shared]) -> tuple[Local, Shared | None]:
+    """The one Local level and at most one Shared level of ``levels=``."""
+    local = [lv for lv in levels if isinstance(lv, Local)]
+    shared = [lv for lv in levels if isinstance(lv, Shared)]
+    others = [lv for lv in levels if not isinstance(lv, (Local, Shared))]
+    if others or len(local) != 1 or len(shared) > 1:
+        raise ValueError(
+            "levels= takes one pitstop.Local(...) and at most one pitstop.Shared(...), got "
+            f"{list(levels)!r}"
+        )
+    return local[0], (shared[0] if shared else None)

@@ -40,6 +40,7 @@ __all__ = [
     "env_crashtest",
     "env_kill_at",
     "env_log_level",
+    "env_node",
     "env_rank",
 ]
 
@@ -253,3 +254,16 @@ def env_crashtest() -> tuple[int | None, str | None]:
     if kill is not None and kill < 1:
         raise ValueError(f"environment variable {name}={kill} is not a step (an integer >= 1)")
     return kill, _env("PITSTOP_CRASHTEST_LOG")
+
+
+def env_node() -> tuple[str | None, int | None]:
+    """Which node this process runs on, for the multi-level local level: PITSTOP_NODE (an
+    explicit node id) and torchrun's LOCAL_WORLD_SIZE (ranks per node, used with the
+    hostname when PITSTOP_NODE is not set)."""
+    node = _env("PITSTOP_NODE")
+    local = _env("LOCAL_WORLD_SIZE")
+    try:
+        per_node = int(local) if local else None
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be an integer, got {local!r}") from None
+    return (node or None), per_node

@@ -10,7 +10,16 @@ Call sequence (every rank, the same saves in the same order)::
 ``commit_together``: rank 0 creates the step directory and posts ``prepared``; every
 rank writes its files and posts its result (or its error); rank 0 gathers them, commits
 one manifest if all succeeded (aborts the directory otherwise) and posts the outcome,
-which every other rank waits for. Only the store is used: the background threads never
+which every other rank waits for.
+
+With ``nodes`` (a :class:`NodeCommit`: the ranks write to one storage per node, the
+node-local level of :mod:`pitstop.multilevel`) the leader of each node (its lowest rank)
+creates and later commits that node's directory, and two rounds come between: rank 0
+posts the manifest; every rank runs ``nodes.replicate`` (partner copies, parity) and
+posts that it is done; rank 0 posts ``nodes.decide()``'s word once every rank is, and
+only then does each leader write the manifest into its node's directory. A kill before
+that leaves no manifest on any node; a kill during it leaves some nodes committed, which
+is enough: their manifest proves that every rank's files and redundancy were complete. Only the store is used: the background threads never
 issue collectives on a process group. A rank that dies or hangs makes the others fail
 after ``dist_timeout_secs`` with DistributedCheckpointError naming it; nothing is
 committed unless every rank's files are durable.
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pitstop.engine.persist import PersistResult, result_from_json, result_to_json
@@ -31,7 +41,24 @@ from pitstop.state.dtensor import local_box
 from pitstop.state.tree import Flat
 from pitstop.storage.base import Storage
 
-__all__ = ["agree", "commit_together", "local_items"]
+__all__ = ["NodeCommit", "agree", "commit_together", "local_items"]
+
+
+_MANIFEST = b"manifest:"  # rank 0's word that carries the manifest (an error word is JSON)
+
+
+@dataclass(frozen=True)
+class NodeCommit:
+    """How a save whose ranks write to one storage per node commits (see the module
+    docstring). ``leaders[r]``: the rank that creates and commits rank r's node directory.
+    ``replicate(directory, manifest)``: every rank's persist thread, once every rank's files
+    are durable. ``decide()``: rank 0, once every rank replicated: a JSON value that every
+    rank's ``decided(value)`` receives before the commit (whether to flush this step)."""
+
+    leaders: tuple[int, ...]
+    replicate: Callable[[str, bytes], None]
+    decide: Callable[[], Any]
+    decided: Callable[[Any], None]
 
 
 def local_items(flat: Flat, *, overlap: bool) -> list[LocalItem]:
@@ -94,33 +121,37 @@ def commit_together(
     group: Group,
     storage: Storage,
     directory: str,
-    seq: int,
+    seq: int | str,
     write: Callable[[], PersistResult],
     manifest: Callable[[list[PersistResult], list[str]], bytes],
+    nodes: NodeCommit | None = None,
 ) -> PersistResult:
     """Write this rank's part and commit the checkpoint with every other rank (see above)."""
     key = f"save/{seq}"
-    if group.coordinator:
+    leader = nodes.leaders[group.rank] if nodes is not None else 0
+    prepared = f"{key}/prepared" if leader == 0 else f"{key}/prepared/{leader}"
+    if group.rank == leader:
         try:
             token = storage.prepare(directory)
         except BaseException as e:
-            group.post(f"{key}/prepared", _error_word(e, "plan", [0]))
+            group.post(prepared, _error_word(e, "plan", [group.rank]))
             raise
-        group.post(f"{key}/prepared", json.dumps({"ok": token}).encode())
+        group.post(prepared, json.dumps({"ok": token}).encode())
     else:
-        word = group.read(f"{key}/prepared", "plan")
+        word = group.read(prepared, "plan")
         try:
             token = json.loads(word)["ok"]
         except (ValueError, KeyError, TypeError):
-            raise _failure(word, "rank 0 could not create it", directory, group.rank) from None
+            why = f"rank {leader} could not create it"
+            raise _failure(word, why, directory, group.rank) from None
     result: PersistResult | None = None
     try:
-        if not group.coordinator:  # into the very directory rank 0 created, or not at all
+        if group.rank != leader:  # into the very directory the leader created, or not at all
             storage.join(directory, str(token))
         try:
             result = write()
         finally:
-            if not group.coordinator:
+            if group.rank != leader:
                 storage.leave(directory)
         report = json.dumps({"ok": result_to_json(result)}).encode()
     except BaseException as e:
@@ -128,14 +159,55 @@ def commit_together(
         if not group.coordinator:
             group.post(f"{key}/result/{group.rank}", report)
             raise
-    if not group.coordinator:
+    if group.coordinator:
+        data = _coordinate(group, storage, directory, key, report, manifest, nodes is None)
+    else:
         group.post(f"{key}/result/{group.rank}", report)
-        word = group.read(f"{key}/commit", "commit")
-        if word != b"ok":
+        word = group.read(f"{key}/commit" if nodes is None else f"{key}/manifest", "commit")
+        if word != b"ok" and not (nodes is not None and word.startswith(_MANIFEST)):
             raise _failure(word, "reported by rank 0", directory, group.rank)
-        assert result is not None
-        return result
-    return _coordinate(group, storage, directory, key, report, manifest)
+        data = word[len(_MANIFEST) :]
+    assert result is not None
+    if nodes is not None:
+        _commit_nodes(group, storage, directory, key, data, nodes, leader)
+    return result
+
+
+def _commit_nodes(
+    group: Group, storage: Storage, directory: str, key: str, manifest: bytes,
+    nodes: NodeCommit, leader: int,
+) -> None:  # fmt: skip
+    """Every rank: replicate; rank 0: decide once all did; leaders: commit their node's copy."""
+    failure: BaseException | None = None
+    try:
+        nodes.replicate(directory, manifest)
+        mine = b"ok"
+    except BaseException as e:
+        failure, mine = e, _error_word(e, "replicate", [group.rank])
+    group.post(f"{key}/replicated/{group.rank}", mine)
+    if group.coordinator:
+        try:
+            if failure is not None:
+                raise failure
+            words = group.collect(f"{key}/replicated", "replicate")
+            failed = [r for r, w in enumerate(words) if w != b"ok"]
+            if failed:
+                raise _failure(words[failed[0]], f"rank(s) {failed}", directory, 0)
+            group.post(f"{key}/decided", json.dumps({"ok": nodes.decide()}).encode())
+        except BaseException as e:
+            ranks = e.ranks if isinstance(e, DistributedCheckpointError) else [0]
+            group.post(f"{key}/decided", _error_word(e, "replicate", ranks))
+            raise
+    elif failure is not None:
+        raise failure
+    word = group.read(f"{key}/decided", "replicate")
+    try:
+        decision = json.loads(word)["ok"]
+    except (ValueError, KeyError, TypeError):
+        raise _failure(word, "reported by rank 0", directory, group.rank) from None
+    nodes.decided(decision)
+    if group.rank == leader:
+        storage.commit(directory, manifest)
 
 
 def _coordinate(
@@ -145,8 +217,10 @@ def _coordinate(
     key: str,
     own: bytes,
     manifest: Callable[[list[PersistResult], list[str]], bytes],
-) -> PersistResult:
-    """Rank 0: gather every rank's result, commit or abort, and tell everyone."""
+    commit: bool,
+) -> bytes:
+    """Rank 0: gather every rank's result, commit (or, for ``NodeCommit``, post the manifest)
+    or abort, and tell everyone. Returns the manifest."""
     group.post(f"{key}/result/0", own)
     try:
         reports: list[dict[str, Any]] = [
@@ -161,10 +235,15 @@ def _coordinate(
             )  # fmt: skip
         results = [result_from_json(rep["ok"]) for rep in reports]
         hosts = sorted({str(rep["ok"].get("host")) for rep in reports})
-        storage.commit(directory, manifest(results, hosts))
+        data = manifest(results, hosts)
+        if commit:
+            storage.commit(directory, data)
     except BaseException as e:
         ranks = e.ranks if isinstance(e, DistributedCheckpointError) else [0]
-        group.post(f"{key}/commit", _error_word(e, "commit", ranks))
+        word = _error_word(e, "commit", ranks)
+        group.post(f"{key}/commit" if commit else f"{key}/manifest", word)
         raise
-    group.post(f"{key}/commit", b"ok")
-    return results[0]
+    group.post(
+        f"{key}/commit" if commit else f"{key}/manifest", b"ok" if commit else _MANIFEST + data
+    )
+    return data

@@ -59,6 +59,9 @@ class RestoreResult:
     keys: Any = None
     secs: float = 0.0
     value: Any = field(default=None, repr=False)
+    level: str | None = None  # multi-level: "local" or "shared"
+    sources: dict[str, int] = field(default_factory=dict)  # bytes by source (own, partner, ...)
+    repaired: list[str] = field(default_factory=list)  # multi-level: what was rebuilt
 
 
 def _chain(entries: list[Entry], step: int | None) -> list[Entry]:

@@ -72,6 +72,7 @@ from pitstop.errors import (
 )
 from pitstop.format.codec import dtype_from_name
 from pitstop.format.manifest import FileEntry, Manifest, TensorEntry
+from pitstop.format.names import objects_file_name
 from pitstop.io.arena import Arena
 
 if TYPE_CHECKING:
@@ -165,6 +166,13 @@ class ReadLayout:
         for i in range(max((len(q) for q in queues), default=0)):
             order.extend(q[i] for q in queues if i < len(q))
         return order
+
+    def reads(self) -> set[str]:
+        """The files this rank reads (their sizes are its to check; a node-local level
+        holds no other rank's files)."""
+        out = {objects_file_name(self.source_rank), *self.own}
+        out.update(p.file for p in self.pieces if p.reader == self.rank)
+        return out
 
     def meta(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         first = self.entries[key][0]
@@ -444,9 +452,9 @@ def load_entry(
     landing: Landing | None = None
     try:
         problems: list[str] = []
-        check_sizes(storage, entry.name, manifest, problems)
-        raise_problems(problems, step=manifest.step, path=path)
         layout = ReadLayout(manifest, group.rank if view_rank is None else view_rank, group.size)
+        check_sizes(storage, entry.name, manifest, problems, names=layout.reads())
+        raise_problems(problems, step=manifest.step, path=path)
         tree = read_objects(storage, entry.name, manifest, layout.source_rank, problems)
         raise_problems(problems, step=manifest.step, path=path)
         try:

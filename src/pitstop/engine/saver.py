@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pitstop.engine.collective import agree, commit_together, local_items
+from pitstop.engine.collective import NodeCommit, agree, commit_together, local_items
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.persist import PersistResult, encode_objects, manifest_for, persist
 from pitstop.engine.plan import PlanCache, SavePlan, plan_from_layout
@@ -100,8 +100,10 @@ class Saver:
         on_commit: Callable[[int], None] | None = None,
         algorithm: str | None = None,
         group: Group | None = None,
+        nodes: NodeCommit | None = None,
     ) -> None:
         self.storage = storage
+        self.nodes = nodes  # one storage per node (the multi-level local level)
         self.options = options
         self.group = group if group is not None else Group()
         self._seq = 0  # saves started; every rank counts the same (saves are collective)
@@ -537,10 +539,14 @@ class Saver:
 
             if self.group.size == 1:
                 result = write()
-                self.storage.commit(directory, manifest([result], []))
+                data = manifest([result], [])
+                if self.nodes is not None:
+                    self.nodes.replicate(directory, data)
+                    self.nodes.decided(self.nodes.decide())
+                self.storage.commit(directory, data)
             else:
                 result = commit_together(
-                    self.group, self.storage, directory, meta.seq, write, manifest
+                    self.group, self.storage, directory, meta.seq, write, manifest, self.nodes
                 )
             stats = handle.stats
             stats.nbytes, stats.direct_io = result.nbytes, result.direct
@@ -589,7 +595,9 @@ class Saver:
 
         def round_() -> None:
             try:
-                commit_together(self.group, self.storage, directory, seq, fail, _no_manifest)
+                commit_together(
+                    self.group, self.storage, directory, seq, fail, _no_manifest, self.nodes
+                )
             except BaseException:  # the caller already has its error; the debris goes
                 self._abort(directory)
 

@@ -55,9 +55,18 @@ class VerifyReport:
         return not self.problems
 
 
-def check_sizes(storage: Storage, directory: str, manifest: Manifest, problems: list[str]) -> None:
-    """Every file of the manifest exists as a regular file of the recorded size."""
+def check_sizes(
+    storage: Storage,
+    directory: str,
+    manifest: Manifest,
+    problems: list[str],
+    names: set[str] | None = None,
+) -> None:
+    """Every file of the manifest (or those in ``names``) exists as a regular file of the
+    recorded size."""
     for f in manifest.files:
+        if names is not None and f.name not in names:
+            continue
         try:
             size = storage.file_size(directory, f.name)
         except CorruptCheckpointError as e:

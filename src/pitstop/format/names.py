@@ -7,6 +7,9 @@
         manifest.json               written last: the commit marker
         rank-00000.bin              tensors of rank 0, each at a 4 KiB-aligned offset
         objects-00000.json          the state's structure and non-tensor values of rank 0
+        partner-rank-00003.bin      node-local level only: a partner's copy of rank 3's files
+        xor-00002.bin / .json       node-local level only: the parity block rank 2 holds for
+                                    its XOR set, and what it covers (see pitstop.multilevel)
         DAMAGED                     only after it failed verification: why (JSON)
         ABANDONED / ROLLBACK        only after a rollback (see MARKERS)
       .writing-step-0000001300-<id>/  a save being created; renamed to step-* before any data
@@ -27,6 +30,7 @@ from pitstop.errors import UnsafePathError
 __all__ = [
     "ASIDE_KINDS",
     "DAMAGED_MARKER",
+    "LEVELS_FILE",
     "MANIFEST",
     "MANIFEST_TMP",
     "MARKERS",
@@ -34,8 +38,10 @@ __all__ = [
     "aside_dir_name",
     "data_file_name",
     "objects_file_name",
+    "parity_file_names",
     "parse_aside_dir",
     "parse_step_dir",
+    "partner_copy_name",
     "step_dir_name",
     "validate_file_name",
     "writing_dir_name",
@@ -99,6 +105,21 @@ def data_file_name(rank: int) -> str:
 
 def objects_file_name(rank: int) -> str:
     return f"objects-{rank:05d}.json"
+
+
+def partner_copy_name(name: str) -> str:
+    """The name under which a partner node keeps its copy of another rank's file ``name``."""
+    validate_file_name(name)
+    return f"partner-{name}"
+
+
+def parity_file_names(rank: int) -> tuple[str, str]:
+    """The parity block rank ``rank`` holds for its XOR set, and its description (JSON)."""
+    return f"xor-{rank:05d}.bin", f"xor-{rank:05d}.json"
+
+
+LEVELS_FILE = "levels.json"
+"""Under a root of a multi-level setup: its levels, redundancy and nodes (``pitstop ls``)."""
 
 
 def validate_file_name(name: object, *, path: str | None = None) -> str:

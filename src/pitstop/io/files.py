@@ -41,7 +41,7 @@ def fsync_dir(path: str) -> None:
 
 
 def write_bytes_durable(
-    path: str, data: bytes, *, fsync: bool = True, dir_fd: int | None = None
+    path: str, data: bytes | memoryview, *, fsync: bool = True, dir_fd: int | None = None
 ) -> None:
     """Write ``data`` to ``path`` (replacing it; never through a symlink) and fsync the file.
     With ``dir_fd``, ``path`` is a name in that open directory."""

@@ -9,6 +9,7 @@ Call sequence::
     group.post(key, data)                # persist thread: this rank's part of a save
     group.collect(key, phase)            # persist thread, coordinator: every rank's part
     group.read(key, phase)               # persist thread: the coordinator's word
+    group.channel()                      # the same for one more thread (own connection)
     group.close()
 
 Collectives of the training thread run on a gloo group of pitstop's own (so they work
@@ -22,6 +23,7 @@ Without torch.distributed (or with one rank) :class:`Group` does all this in-pro
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -63,6 +65,11 @@ class Group:
 
     def post(self, key: str, data: bytes) -> None:
         self._posts[key] = data
+
+    def channel(self) -> Group:
+        """This group for one more background thread (the flush): the store calls of two
+        threads must not share a connection, where one thread's wait blocks the other's."""
+        return self
 
     def collect(self, key: str, phase: str) -> list[bytes]:
         return [self._posts.pop(f"{key}/0")]
@@ -130,6 +137,12 @@ class StoreGroup(Group):
 
     def post(self, key: str, data: bytes) -> None:
         self._store.set(key, data)  # type: ignore[arg-type]
+
+    def channel(self) -> Group:
+        twin = copy.copy(self)
+        twin._store = self._store.clone()
+        twin._pg = None  # the training thread's collectives stay with this group
+        return twin
 
     def collect(self, key: str, phase: str) -> list[bytes]:
         keys = [f"{key}/{r}" for r in range(self.size)]

@@ -317,7 +317,7 @@ class LocalStorage:
         self._dir(directory, "persist")
         return self._path(directory, name), None
 
-    def write_object(self, directory: str, name: str, data: bytes) -> None:
+    def write_object(self, directory: str, name: str, data: bytes | memoryview) -> None:
         path = self._path(directory, name)
         target, dir_fd = self._target(directory, name)
         try:

@@ -1,0 +1,158 @@
+"""Flush: copy a committed node-local checkpoint to the shared level, in the background.
+
+Call sequence::
+
+    flusher = Flusher(local, shared, group, on_done=...)   # every rank
+    flusher.submit(member)       # persist thread, after step t committed on the local level,
+                                 #   when rank 0 decided that t is flushed (every rank the same)
+    flusher.pending              # rank 0's decide(): how many flushes are queued or running
+    flusher.close()              # waits for the flushes in flight
+
+One ``pitstop-flush`` thread per rank runs the flushes in order. Each holds a pin on its
+local step (retention skips it), reads the rank's member files from its node, verifies
+every checksum of the bytes in memory, writes them to the shared level and takes part in a
+commit round through the store (``commit_together``: rank 0 creates the directory and
+writes the manifest last, after every rank's files are durable). A failure (ENOSPC on the
+shared file system, a damaged local file, a rank that is gone) is logged and recorded in
+``records``; it never reaches training, and the local checkpoint stays as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from pitstop.engine.catalog import Catalog
+from pitstop.engine.collective import commit_together
+from pitstop.engine.persist import PersistResult
+from pitstop.errors import CorruptCheckpointError
+from pitstop.faults import killpoint
+from pitstop.log import get_logger
+from pitstop.multilevel.redundancy import Member, read_payload, verify_payload
+from pitstop.ranks.group import Group
+from pitstop.storage.base import Storage
+
+__all__ = ["FlushRecord", "Flusher"]
+
+_log = get_logger("pitstop.multilevel")
+
+
+@dataclass
+class FlushRecord:
+    """The outcome of one flush: ``ok``, or the ``error`` that failed it."""
+
+    step: int
+    ok: bool = False
+    error: str | None = None
+    nbytes: int = 0
+    secs: float = 0.0
+
+
+class Flusher:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        local: Catalog,
+        shared: Storage,
+        group: Group,
+        on_done: Callable[[FlushRecord], None] | None = None,
+    ) -> None:
+        self.local, self.shared, self.group = local, shared, group
+        self._on_done = on_done
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-flush")
+        self._lock = threading.Lock()
+        self._pending = 0
+        self.records: deque[FlushRecord] = deque(maxlen=256)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def submit(self, member: Member) -> None:
+        """Pin the step now (retention must not take it while the flush waits its turn)."""
+        pin = contextlib.ExitStack()
+        try:
+            pin.enter_context(self.local.pin(member.directory))
+        except BaseException as e:
+            pin.close()
+            self._report(FlushRecord(member.manifest.step), e)
+            return
+        with self._lock:
+            self._pending += 1
+        self._pool.submit(self._run, member, pin)
+
+    def _report(self, record: FlushRecord, e: BaseException) -> None:
+        record.error = f"{type(e).__name__}: {e}"
+        _log.warning(
+            "flush of step %d to %s failed (training goes on; the local checkpoint is "
+            "kept): %s", record.step, self.shared.url, record.error, phase="flush",
+        )  # fmt: skip
+        self.records.append(record)
+        if self._on_done is not None:
+            self._on_done(record)
+
+    def _run(self, m: Member, pin: contextlib.ExitStack) -> None:
+        record = FlushRecord(m.manifest.step)
+        t0 = time.perf_counter()
+        try:
+            with pin:
+                record.nbytes = self._copy(m)
+            record.ok = True
+            _log.info("flushed step %d to %s", m.manifest.step, self.shared.url, phase="flush")
+            record.secs = time.perf_counter() - t0
+            self.records.append(record)
+            if self._on_done is not None:
+                self._on_done(record)
+        except BaseException as e:  # reported, never raised into training
+            record.secs = time.perf_counter() - t0
+            self._report(record, e)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _copy(self, m: Member) -> int:
+        data = m.manifest.dumps()
+        arena, total = read_payload(m)
+        try:
+            if not verify_payload(m, arena.view):
+                raise CorruptCheckpointError(
+                    f"rank {m.rank}'s files of step {m.manifest.step} fail their checksums on "
+                    f"{m.storage.url}; not flushed", step=m.manifest.step, phase="flush",
+                )  # fmt: skip
+
+            def write() -> PersistResult:
+                for f, at in m.files():
+                    self.shared.write_object(m.directory, f.name, arena.view[at : at + f.nbytes])
+                    killpoint("flush.mid")
+                return PersistResult((), (), total, 0.0, False)
+
+            if self.group.size == 1:
+                self.shared.prepare(m.directory)
+                try:
+                    write()
+                    self.shared.commit(m.directory, data)
+                except BaseException:
+                    self.shared.abort(m.directory)
+                    raise
+            else:
+                try:
+                    commit_together(
+                        self.group, self.shared, m.directory, f"flush-{m.manifest.step}", write,
+                        lambda results, hosts: data,
+                    )  # fmt: skip
+                except BaseException:
+                    self.shared.abort(m.directory)
+                    raise
+        finally:
+            arena.close()
+        return total
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,144 @@
+"""The levels a multi-level setup writes to, and where every rank's redundancy lives.
+
+::
+
+    ckpt = CheckpointManager(levels=[
+        pitstop.Local("/local/ckpt/{node}", redundancy="partner"),   # every checkpoint
+        pitstop.Shared("/shared/ckpt", every=10),                   # every 10th, in the background
+    ])
+
+``{node}`` in a path is replaced by the node's id: ranks of one node share that directory,
+and on one machine distinct ids emulate distinct nodes. The id comes from ``topology=``
+(rank -> node), else PITSTOP_NODE, else the hostname (with torchrun's LOCAL_WORLD_SIZE:
+host and rank // LOCAL_WORLD_SIZE, so that ranks launched as separate nodes on one host stay
+apart). :class:`Placement` turns the ids into failure groups (SCR's sets): nodes are cut
+into sets of ``set_size``; within a set, rank r's partner copy lives on the next node of a
+ring (the rank of the same local index there) and its XOR set is the ranks of its local
+index on the set's nodes, so a copy or a parity block is never on its own node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pitstop.errors import UnsupportedSetupError
+from pitstop.options import env_node
+
+__all__ = ["SCHEMES", "Local", "Placement", "Shared", "node_ids"]
+
+SCHEMES = ("single", "partner", "xor")
+
+
+@dataclass(frozen=True)
+class Local:
+    """The node-local level: every checkpoint, protected across nodes by ``redundancy``
+    (``single``: own node only; ``partner``: plus a full copy on the next node; ``xor``:
+    plus rotating parity, storage N/(N-1) for sets of N nodes). ``keep_last`` checkpoints
+    are kept (default 2: a crash during a save never leaves none)."""
+
+    path: str | os.PathLike[str]
+    redundancy: str = "partner"
+    set_size: int = 8
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if self.redundancy not in SCHEMES:
+            raise ValueError(
+                f"Local(redundancy=) must be one of {', '.join(SCHEMES)}, got {self.redundancy!r}"
+            )
+        if type(self.set_size) is not int or self.set_size < 2:
+            raise ValueError(f"Local(set_size=) must be an int >= 2, got {self.set_size!r}")
+        if type(self.keep_last) is not int or self.keep_last < 1:
+            raise ValueError(f"Local(keep_last=) must be an int >= 1, got {self.keep_last!r}")
+
+    def path_of(self, node: str) -> str:
+        return os.fspath(self.path).replace("{node}", node)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """The shared (parallel) file system: every ``every``-th committed local checkpoint is
+    copied there in the background, verified on the way, with its own commit."""
+
+    path: str | os.PathLike[str]
+    every: int = 10
+
+    def __post_init__(self) -> None:
+        if type(self.every) is not int or self.every < 1:
+            raise ValueError(f"Shared(every=) must be an int >= 1, got {self.every!r}")
+        if "{node}" in os.fspath(self.path):
+            raise ValueError(
+                f"Shared({os.fspath(self.path)!r}): the shared level is one directory for the "
+                "whole job; {node} belongs in a Local path"
+            )
+
+
+def node_ids(
+    topology: Mapping[int, str] | Sequence[str] | None, rank: int, gather: object
+) -> list[str]:
+    """Every rank's node id (see the module docstring); ``gather(obj)`` all-gathers."""
+    if topology is not None:
+        ids = [str(topology[r]) for r in range(len(topology))]
+        if not all(ids) or any("/" in n or n in (".", "..") for n in ids):
+            raise ValueError(f"topology= node ids must be non-empty names without '/': {ids}")
+        return ids
+    node, per_node = env_node()
+    if node is None:
+        host = socket.gethostname() or "localhost"
+        node = f"{host}-{rank // per_node}" if per_node else host
+    if "/" in node or node in (".", ".."):
+        raise ValueError(f"PITSTOP_NODE must be a name without '/', got {node!r}")
+    return [str(n) for n in gather(node)]  # type: ignore[operator]
+
+
+class Placement:
+    """Nodes, sets, leaders, partners and XOR sets of a job (see the module docstring)."""
+
+    def __init__(self, nodes: Sequence[str], scheme: str, set_size: int = 8) -> None:
+        self.nodes = list(nodes)
+        self.order = list(dict.fromkeys(self.nodes))  # nodes by their first rank
+        self.ranks_of = {n: [r for r, m in enumerate(self.nodes) if m == n] for n in self.order}
+        self.leaders = tuple(self.ranks_of[n][0] for n in self.nodes)
+        self.scheme = scheme
+        if scheme != "single" and len(self.order) < 2:
+            self.scheme = "single"  # one node: nothing to protect against; said by the caller
+        counts = {len(v) for v in self.ranks_of.values()}
+        if self.scheme != "single" and len(counts) > 1:
+            raise UnsupportedSetupError(
+                f"redundancy={scheme!r} needs the same number of ranks on every node; "
+                f"ranks per node: { {n: len(v) for n, v in self.ranks_of.items()} }",
+                phase="replicate",
+            )
+        sets = [self.order[i : i + set_size] for i in range(0, len(self.order), set_size)]
+        if len(sets) > 1 and len(sets[-1]) < 2:
+            sets[-2].extend(sets.pop())  # a set of one node protects nothing
+        self.set_of_node = {n: i for i, s in enumerate(sets) for n in s}
+        self.sets = sets
+
+    def local_index(self, rank: int) -> int:
+        return self.ranks_of[self.nodes[rank]].index(rank)
+
+    def _ring(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s local index on the nodes of its set, in ring order."""
+        i = self.local_index(rank)
+        return [self.ranks_of[n][i] for n in self.sets[self.set_of_node[self.nodes[rank]]]]
+
+    def partner_holder(self, rank: int) -> int:
+        """The rank whose node keeps ``rank``'s partner copy."""
+        ring = self._ring(rank)
+        return ring[(ring.index(rank) + 1) % len(ring)]
+
+    def partner_source(self, rank: int) -> int:
+        """The rank whose partner copy ``rank``'s node keeps."""
+        ring = self._ring(rank)
+        return ring[ring.index(rank) - 1]
+
+    def xor_set(self, rank: int) -> list[int]:
+        return self._ring(rank)
+
+    def describe(self) -> dict[str, object]:
+        """For levels.json and manifests: enough for ``pitstop ls`` to say who holds what."""
+        return {"nodes": self.nodes, "scheme": self.scheme, "sets": self.sets}
