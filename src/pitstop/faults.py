@@ -27,7 +27,7 @@ KILL_POINTS: tuple[str, ...] = (
     "retention.mid",  # an old checkpoint un-committed, its files not yet removed
     "gc.mid",  # gc holds a directory it is about to remove
     "replicate.mid",  # multi-level: every rank's files durable, redundancy being written
-    "flush.mid",  # multi-level: a rank's first file of a flush written to the shared level
+    "flush.mid",  # multi-level: a rank's files of a flush on the shared level, not committed
 )
 
 _lock = threading.Lock()

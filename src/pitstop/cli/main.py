@@ -21,7 +21,7 @@ from typing import Any
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.engine.verify import verify_checkpoint
 from pitstop.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
-from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir
+from pitstop.format.names import LEVELS_FILE, MANIFEST, parse_aside_dir, parse_step_dir
 from pitstop.storage.local import LocalStorage
 from pitstop.storage.retry import RetryingStorage
 
@@ -127,7 +127,21 @@ def _select(catalog: Catalog, only: str | None, step: int | None) -> list[Entry]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if os.path.isfile(os.path.join(args.dir, LEVELS_FILE)):
+        from pitstop.cli.levels import ls_levels
+
+        return ls_levels(args)
     catalog, only = _open_root(args.dir)
+    rows = ls_rows(catalog, only)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print_ls(catalog.storage.url, rows)
+    return 0
+
+
+def ls_rows(catalog: Catalog, only: str | None = None) -> list[dict[str, Any]]:
+    """``pitstop ls``'s rows (also its ``--json``) of a root, or only of ``only``."""
     entries = [e for e in catalog.scan() if only is None or e.name == only]
     rows: list[dict[str, Any]] = []
     for e in entries:
@@ -150,12 +164,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "error": e.error,
             }
         )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
+    return rows
+
+
+def print_ls(url: str, rows: list[dict[str, Any]]) -> None:
     if not rows:
-        print(f"{catalog.storage.url}: no checkpoints")
-        return 0
+        print(f"{url}: no checkpoints")
+        return
     print(f"{'STEP':>12}  {'TIME':19}  {'SIZE':>10}  {'TENSORS':>7}  {'WORLD':>5}  STATUS")
     for r in rows:
         step = "-" if r["step"] is None else str(r["step"])
@@ -167,7 +182,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(
             f"{step:>12}  {r['time']:19}  {size:>10}  {tensors:>7}  {world:>5}  {r['status']}{note}{why}"
         )
-    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -227,7 +241,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if os.path.isfile(os.path.join(args.dir, LEVELS_FILE)):
+        from pitstop.cli.levels import verify_levels
+
+        return verify_levels(args)
+    if args.level == "local":
+        raise _UsageError(f"{args.dir} has no {LEVELS_FILE}: it is not a level of levels=")
     catalog, only = _open_root(args.dir)
+    return verify_root(catalog, only, args)
+
+
+def verify_root(catalog: Catalog, only: str | None, args: argparse.Namespace) -> int:
+    """The checks of ``pitstop verify`` on one root: 1 if any checkpoint is bad, else 0."""
     storage = catalog.storage
     entries = _select(catalog, only, args.step)
     if not entries:
@@ -403,6 +428,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="reader threads")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress on stderr (default: when stderr is a terminal)")  # fmt: skip
+    p.add_argument("--level", choices=["local", "shared", "all"], default=None,
+                   help="under levels=: which level (default all)")  # fmt: skip
     p.set_defaults(func=cmd_verify)
 
     p = add("gc", "remove debris of interrupted saves")

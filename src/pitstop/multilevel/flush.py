@@ -130,7 +130,7 @@ class Flusher:
             def write() -> PersistResult:
                 for f, at in m.files():
                     self.shared.write_object(m.directory, f.name, arena.view[at : at + f.nbytes])
-                    killpoint("flush.mid")
+                killpoint("flush.mid")
                 return PersistResult((), (), total, 0.0, False)
 
             if self.group.size == 1:

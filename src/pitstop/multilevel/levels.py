@@ -23,6 +23,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pitstop.errors import UnsupportedSetupError
 from pitstop.options import env_node
@@ -61,15 +62,16 @@ class Local:
 @dataclass(frozen=True)
 class Shared:
     """The shared (parallel) file system: every ``every``-th committed local checkpoint is
-    copied there in the background, verified on the way, with its own commit."""
+    copied there in the background, verified on the way, with its own commit. ``path`` is a
+    directory or a :class:`~pitstop.storage.Storage`."""
 
-    path: str | os.PathLike[str]
+    path: Any
     every: int = 10
 
     def __post_init__(self) -> None:
         if type(self.every) is not int or self.every < 1:
             raise ValueError(f"Shared(every=) must be an int >= 1, got {self.every!r}")
-        if "{node}" in os.fspath(self.path):
+        if isinstance(self.path, (str, os.PathLike)) and "{node}" in os.fspath(self.path):
             raise ValueError(
                 f"Shared({os.fspath(self.path)!r}): the shared level is one directory for the "
                 "whole job; {node} belongs in a Local path"
@@ -138,6 +140,27 @@ class Placement:
 
     def xor_set(self, rank: int) -> list[int]:
         return self._ring(rank)
+
+    def recoverable(self, lost: set[int], copies_ok: list[bool], parity_ok: list[bool]) -> bool:
+        """Whether a step whose ranks in ``lost`` lost their files can be rebuilt, given per
+        rank whether the partner copy its node keeps (``copies_ok``) and its parity block
+        (``parity_ok``) are whole: every lost rank's copy is whole on a node that kept its
+        own files (``partner``), or its XOR set lost no other member and every survivor's
+        parity is whole (``xor``); ``single`` needs nothing lost."""
+        if self.scheme == "single":
+            return not lost
+        if self.scheme == "partner":
+            return all(
+                copies_ok[self.partner_holder(r)] and self.partner_holder(r) not in lost
+                for r in lost
+            )
+        for r in lost:
+            members = self.xor_set(r)
+            if sum(x in lost for x in members) > 1:
+                return False
+            if not all(parity_ok[k] for k in members if k != r):
+                return False
+        return True
 
     def describe(self) -> dict[str, object]:
         """For levels.json and manifests: enough for ``pitstop ls`` to say who holds what."""

@@ -57,7 +57,7 @@ from pitstop.policy import KeepLast, RetentionPolicy
 from pitstop.ranks.group import Group
 from pitstop.ranks.peers import make_link
 from pitstop.storage.base import Storage
-from pitstop.storage.local import LocalStorage
+from pitstop.storage.local import LocalStorage, open_root
 from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["LevelStack", "LocalChoice"]
@@ -109,13 +109,12 @@ class LevelStack:
         self.flusher: Flusher | None = None
         self.shared_retention = shared_retention
         if shared is not None:
-            self.shared_storage = RetryingStorage(LocalStorage(shared.path, io))  # type: ignore[assignment]
-            self.shared_catalog = Catalog(self.shared_storage)  # type: ignore[arg-type]
+            inner, _ = open_root(shared.path, io)
+            shared_storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
+            self.shared_storage = shared_storage
+            self.shared_catalog = Catalog(shared_storage)
             self.flusher = Flusher(
-                self.local_catalog,
-                self.shared_storage,
-                group.channel(),
-                on_done=self.flushed,  # type: ignore[arg-type]
+                self.local_catalog, shared_storage, group.channel(), on_done=self.flushed
             )
         self.identity: RunIdentity | None = None
         self._commits = 0
@@ -170,8 +169,9 @@ class LevelStack:
 
     def flushed(self, record: FlushRecord) -> None:
         """Flush thread, rank 0: shared retention after a flush committed."""
-        if record.ok and self.shared_retention is not None and self.shared_catalog is not None:
-            if self.group.coordinator and self.identity is not None:
+        ready = self.shared_catalog is not None and self.identity is not None
+        if record.ok and self.shared_retention is not None and ready and self.group.coordinator:
+            if self.shared_catalog is not None and self.identity is not None:
                 retired = self.shared_catalog.retire(
                     self.shared_retention, newest=record.step, identity=self.identity
                 )
@@ -224,7 +224,7 @@ class LevelStack:
         )
         words = self.group.all_gather(word, "restore")
         lost = {r for r, w in enumerate(words) if not w[0]}
-        if not self._recoverable(lost, words):
+        if not self.placement.recoverable(lost, [w[1] for w in words], [w[2] for w in words]):
             _log.warning(
                 "step %d cannot be rebuilt on the local level (ranks %s lost their files; "
                 "redundancy %s); trying older", s, sorted(lost), scheme, phase="restore",
@@ -255,24 +255,6 @@ class LevelStack:
                 sources[k] = sources.get(k, 0) + v
         return LocalChoice(s, sources, [], repaired)
 
-    def _recoverable(self, lost: set[int], words: list[tuple[bool, bool, bool]]) -> bool:
-        scheme = self.placement.scheme
-        if scheme == "single":
-            return not lost
-        if scheme == "partner":
-            return all(
-                words[self.placement.partner_holder(r)][1]
-                and self.placement.partner_holder(r) not in lost
-                for r in lost
-            )
-        for r in lost:
-            members = self.placement.xor_set(r)
-            if sum(x in lost for x in members) > 1:
-                return False
-            if not all(words[k][2] for k in members if k != r):
-                return False
-        return True
-
     def _ensure_dir(self, m: Member, committed_here: bool) -> None:
         """The step directory exists on every node (a spare node's is created)."""
         if (
@@ -294,40 +276,33 @@ class LevelStack:
         return out
 
     def fetch(self, entry: Entry) -> None:
-        """After a restore from the shared level: copy ``entry`` into the local level of every
-        node and protect it there, so the next failure restarts from the local level.
-        Collective; a failure is logged (the restore itself succeeded)."""
+        """After a restore from the shared level: copy ``entry`` into the local level where a
+        node lacks it and protect it there, so that the next failure restarts from the local
+        level. Collective; a failure is logged (the restore itself succeeded)."""
         manifest = entry.manifest
-        if (
-            manifest is None
-            or manifest.world_size != self.group.size
-            or self.shared_storage is None
-        ):
+        if manifest is None or manifest.world_size != self.group.size or self.shared_storage is None:
             return
         m = self.member(entry.name, manifest)
-        try:
-            if self.local_storage.entry_kind(entry.name) != "missing":
-                raise CheckpointError(f"{entry.name} already exists on node {self.node}")
-            if self.leader:
-                self.local_storage.prepare(entry.name)
-            self.group.all_gather(None, "restore")
-            arena, _total = read_payload(self.member(entry.name, manifest, self.shared_storage))
+        there = self.local_storage.entry_kind(entry.name) != "missing"
+        committed = there and self.local_storage.has_manifest(entry.name)
+        self._ensure_dir(m, there)
+        error = None
+        if not (there and verify_own(m)):
             try:
-                write_payload(m, self.group.rank, arena.view, copy=False)
-            finally:
-                arena.close()
-            error = None
-        except CheckpointError as e:
-            error = str(e)
-        errors = self.group.all_gather(error, "restore")
-        if any(errors):
-            _log.warning("step %d stays on the shared level only: %s", manifest.step,
-                         next(e for e in errors if e), phase="restore")  # fmt: skip
-            if self.leader:
-                self.local_storage.abort(entry.name)
+                arena, _ = read_payload(self.member(entry.name, manifest, self.shared_storage))
+                try:
+                    write_payload(m, self.group.rank, arena.view, copy=False)
+                finally:
+                    arena.close()
+            except CheckpointError as e:
+                error = str(e)
+        errors = [e for e in self.group.all_gather(error, "restore") if e]
+        if errors:
+            _log.warning("step %d stays on the shared level only: %s", manifest.step, errors[0],
+                         phase="restore")  # fmt: skip
             return
         protect(m)
-        if self.leader:
+        if self.leader and not committed:
             self.local_storage.commit(entry.name, manifest.dumps())
         self.group.all_gather(None, "restore")
 
@@ -339,14 +314,15 @@ class LevelStack:
         doc = {
             "local": os.fspath(self.local.path), "redundancy": self.placement.scheme,
             "set_size": self.local.set_size, "keep_last": self.local.keep_last,
-            "shared": os.fspath(self.shared.path) if self.shared else None,
+            "shared": self.shared_storage.url if self.shared_storage else None,
             "every": self.shared.every if self.shared else None,
             "nodes": self.placement.nodes,
         }  # fmt: skip
         data = json.dumps(doc, indent=1).encode()
         targets = [self.local.path_of(self.node)] if self.leader else []
         if self.shared is not None and self.group.coordinator:
-            targets.append(os.fspath(self.shared.path))
+            if isinstance(self.shared.path, (str, os.PathLike)):
+                targets.append(os.fspath(self.shared.path))
         for root in targets:
             try:
                 os.makedirs(root, exist_ok=True)

@@ -140,7 +140,7 @@ class StoreGroup(Group):
 
     def channel(self) -> Group:
         twin = copy.copy(self)
-        twin._store = self._store.clone()
+        twin._store = self._store.clone()  # type: ignore[attr-defined]
         twin._pg = None  # the training thread's collectives stay with this group
         return twin
 

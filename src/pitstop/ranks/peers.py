@@ -60,7 +60,7 @@ class PeerLink:
             for peer, t in sends:
                 works.append((peer, dist.isend(t, dst=peer, group=self._pg)))
             timeout = datetime.timedelta(seconds=self.timeout_secs)
-            for peer, w in works:
+            for peer, w in works:  # noqa: B007 (the except names the peer that failed)
                 if w is not None:
                     w.wait(timeout)
         except RuntimeError as e:

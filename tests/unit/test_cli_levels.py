@@ -1,0 +1,194 @@
+"""``pitstop ls`` and ``pitstop verify`` of a multi-level setup (levels.json): both levels
+listed, every rank's files and redundancy checked, recoverability as the restore decides."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import pitstop
+from conftest import flip_byte
+from pitstop.cli.main import main
+from pitstop.multilevel.levels import Placement
+
+NODES4 = ["n0", "n1", "n2", "n3"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def single(tmp_path: Path) -> Path:
+    """One rank on node n0, redundancy single, steps 1 and 2 on both levels."""
+    levels = [
+        pitstop.Local(tmp_path / "local" / "{node}", redundancy="single"),
+        pitstop.Shared(tmp_path / "shared", every=1),
+    ]
+    ckpt = pitstop.CheckpointManager(levels=levels, topology=["n0"])
+    for step in (1, 2):
+        ckpt.save(step, {"w": torch.full((64,), float(step)), "extra": {"step": step}})
+    ckpt.close()  # waits for the flushes
+    return tmp_path
+
+
+# ---------------------------------------------------------------------- the rule
+def test_recoverable_rule_of_each_scheme() -> None:
+    ok4 = [True] * 4
+    single = Placement(NODES4, "single")
+    assert single.recoverable(set(), ok4, ok4) and not single.recoverable({1}, ok4, ok4)
+    partner = Placement(NODES4, "partner")  # rank r's copy lives on rank r+1's node
+    assert partner.recoverable({1}, ok4, ok4)
+    assert not partner.recoverable({1}, [True, True, False, True], ok4)  # its copy is bad
+    assert not partner.recoverable({1, 2}, ok4, ok4)  # its copy's node is lost too
+    assert partner.recoverable({1, 3}, ok4, ok4)
+    xor = Placement(NODES4, "xor")
+    assert xor.recoverable({2}, ok4, ok4) and not xor.recoverable({1, 2}, ok4, ok4)
+    assert not xor.recoverable({2}, ok4, [True, False, True, True])  # a survivor's parity
+    assert xor.recoverable({2}, ok4, [True, True, False, True])  # the lost one's own: unused
+
+
+# ---------------------------------------------------------------------- ls
+def test_ls_shows_both_levels_and_the_nodes_of_each_step(
+    single: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for root in (single / "shared", single / "local" / "n0"):
+        code, out = _run(capsys, "ls", str(root))
+        assert code == 0
+        shared, local = out.split("local level:")
+        assert "shared level:" in shared and shared.count("committed") == 2
+        assert local.count("1/1: n0") == 2 and "single" in local and "yes" in local
+    code, out = _run(capsys, "ls", str(single / "shared"), "--json")
+    doc = json.loads(out)
+    assert code == 0 and [r["step"] for r in doc["shared"]] == [1, 2]
+    assert [(r["step"], r["nodes"], r["flushed"]) for r in doc["local"]] == [
+        (1, ["n0"], True), (2, ["n0"], True),
+    ]  # fmt: skip
+    assert doc["levels"]["redundancy"] == "single" and doc["levels"]["node_dirs"][0]["exists"]
+
+
+def test_ls_of_a_root_without_levels_is_unchanged(
+    root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pitstop.save(root, {"x": torch.ones(3)}, step=4)
+    code, out = _run(capsys, "ls", root, "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [4]
+    assert main(["verify", root, "--level", "local"]) == 2
+
+
+def test_relative_paths_are_found_from_any_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    levels = [pitstop.Local("ck/local/{node}", redundancy="single"), pitstop.Shared("ck/shared", 1)]
+    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+        ckpt.save(3, {"w": torch.ones(8)})
+    monkeypatch.chdir("/")
+    for root in (tmp_path / "ck" / "shared", tmp_path / "ck" / "local" / "n0"):
+        code, out = _run(capsys, "ls", str(root), "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["levels"]["local"] == str(tmp_path / "ck" / "local" / "{node}")
+        assert [(r["step"], r["nodes"], r["flushed"]) for r in doc["local"]] == [(3, ["n0"], True)]
+
+
+# ---------------------------------------------------------------------- verify
+def test_verify_passes_on_a_good_tree(single: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _run(capsys, "verify", str(single / "shared"))
+    assert code == 0
+    shared, local = out.split("local level:")
+    assert shared.count(": ok") == 2 and local.count(": ok (1 ranks on 1 nodes, single)") == 2
+    code, out = _run(capsys, "verify", str(single / "local" / "n0"), "--step", "1")
+    assert code == 0 and out.count(": ok") == 2
+    code, out = _run(capsys, "verify", str(single / "shared"), "--level", "shared")
+    assert code == 0 and "local level" not in out
+    assert main(["verify", str(single / "shared"), "--step", "9"]) == 2
+
+
+def test_a_flipped_byte_under_single_is_not_recoverable(
+    single: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flip_byte(str(single / "local" / "n0" / "step-0000000002" / "rank-00000.bin"), 100)
+    code, out = _run(capsys, "verify", str(single / "shared"), "--level", "local")
+    assert code == 1
+    assert "step-0000000002: NOT RECOVERABLE" in out and "rank 0 on n0: own files BAD" in out
+    assert "step-0000000001: ok" in out
+    assert main(["verify", str(single / "shared"), "--level", "shared"]) == 0  # its flush
+
+
+def test_a_deleted_node_dir_is_reported(single: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.rmtree(single / "local" / "n0")
+    for cmd in ("ls", "verify"):
+        code, out = _run(capsys, cmd, str(single / "shared"))
+        assert code == 0  # the shared level still has both steps
+        assert f"node n0: {single / 'local' / 'n0'} does not exist" in out
+
+
+def test_a_bad_levels_file_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "levels.json").write_text(json.dumps({"local": 3, "nodes": ["../x"]}))
+    assert main(["ls", str(tmp_path)]) == 1
+    assert "not a levels file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- four nodes
+def _train(rank: int, world: int, base: str, scheme: str) -> None:
+    levels = [
+        pitstop.Local(os.path.join(base, "local", "{node}"), redundancy=scheme),
+        pitstop.Shared(os.path.join(base, "shared"), every=2),
+    ]
+    with pitstop.CheckpointManager(levels=levels, topology=NODES4, dist_timeout_secs=20) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((256,), float(rank + step)), "r": rank})
+
+
+def _tree(tmp_path: Path, scheme: str) -> Path:
+    """Steps 1 and 2 of four ranks on nodes n0..n3 (step 2 flushed)."""
+    from pitstop.testing.distributed import run_ranks
+
+    run_ranks(_train, 4, str(tmp_path), scheme, timeout_secs=60)
+    return tmp_path
+
+
+def _rank_file(base: Path, node: str, rank: int, step: int = 2) -> str:
+    return str(base / "local" / node / f"step-{step:010d}" / f"rank-{rank:05d}.bin")
+
+
+@pytest.mark.dist
+def test_partner_four_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = _tree(tmp_path, "partner")
+    code, out = _run(capsys, "ls", str(base / "local" / "n2"))
+    assert code == 0 and "4/4: n0 n1 n2 n3" in out and "partner" in out
+    code, out = _run(capsys, "verify", str(base / "shared"))
+    assert code == 0 and out.count("ok (4 ranks on 4 nodes, partner)") == 2
+    flip_byte(_rank_file(base, "n1", 1), 100)
+    shutil.rmtree(base / "local" / "n3")
+    code, out = _run(capsys, "verify", str(base / "shared"), "--level", "local")
+    assert code == 0, out  # rank 1's copy is whole on n2, rank 3's on n0
+    assert "step-0000000002: recoverable" in out and "node n3:" in out
+    assert "rank 1 on n1: own files BAD, partner copy of rank 0 ok" in out
+    assert "rank 3 on n3: own files MISSING, partner copy of rank 2 BAD" in out
+    code, out = _run(capsys, "ls", str(base / "shared"))
+    assert "3/4: n0 n1 n2 (n3: missing)" in out
+    shutil.rmtree(base / "local" / "n2")  # rank 1's copy goes with it
+    code, out = _run(capsys, "verify", str(base / "shared"), "--level", "local", "--step", "2")
+    assert code == 1 and "step-0000000002: NOT RECOVERABLE" in out
+
+
+@pytest.mark.dist
+def test_xor_four_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = _tree(tmp_path, "xor")
+    code, out = _run(capsys, "verify", str(base / "local" / "n0"))
+    assert code == 0 and out.count("ok (4 ranks on 4 nodes, xor)") == 2
+    flip_byte(_rank_file(base, "n1", 1), 100)
+    code, out = _run(capsys, "verify", str(base / "local" / "n0"), "--level", "local")
+    assert code == 0 and "rank 1 on n1: own files BAD, parity ok" in out
+    flip_byte(_rank_file(base, "n3", 3), 100)  # a second member of the one XOR set
+    code, out = _run(capsys, "verify", str(base / "local" / "n0"), "--level", "local")
+    assert code == 1 and "step-0000000002: NOT RECOVERABLE" in out
