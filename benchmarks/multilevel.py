@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/multilevel.py                  # 4 ranks on 4 emulated nodes, ~64 MB per rank, 5 saves
-    python benchmarks/multilevel.py --quick          # ~16 MB per rank, 3 saves, 2 restore rounds (under a minute)
+    python benchmarks/multilevel.py                  # 4 ranks on 4 emulated nodes, ~64 MB per rank, 5 saves, 3 restart rounds
+    python benchmarks/multilevel.py --quick          # ~8 MB per rank, 3 saves, 1 restart round (under a minute)
     python benchmarks/multilevel.py --mb 256 --reps 7 --dir /data/tmp
     python benchmarks/multilevel.py --state own      # every rank saves its own tensors (FSDP-like)
 
@@ -48,8 +48,8 @@ rounds, configurations in a fresh seeded order, each a new ``CheckpointManager``
 construction, with the peer group of the levels, is the *open* column) and a timed
 ``restore`` into a scrambled state of the same shapes, verified bit for bit afterwards.
 Before each, rank 0 syncs and drops the page cache when permitted (cold, as after a
-reboot; tmpfs pages stay in RAM whatever happens). Scenarios, set up and undone outside
-the timings by renaming node directories aside (and back):
+reboot; tmpfs pages stay in RAM whatever happens; ``--warm``: not dropped). Scenarios,
+set up and undone outside the timings by renaming node directories aside (and back):
 
 * the newest step on its own level (``root``, ``split``, the levels: served by the
   local level);
@@ -58,6 +58,9 @@ the timings by renaming node directories aside (and back):
 * ``from shared``: every node's local directory is gone: the newest flushed step is read
   from the shared level, then fetched back into the local level and re-protected (all
   inside ``restore``).
+
+``--quick`` runs the two failure scenarios on the /dev/shm levels only (the disk levels'
+restore rows are the newest step alone): a smoke run, not a measurement.
 
 stdout: the save table (median stall, durable, flush; ratios root/this, >1: faster than
 root), the restart table (level that served it, bytes by source, median open and
@@ -115,11 +118,12 @@ CONFIGS: dict[str, tuple[str, str | None, str | None]] = {
 SCENARIOS = {"": "newest step", "lost": "n1 lost", "shared": "from shared"}
 
 
-def _restore_keys(configs: list[str]) -> list[str]:
+def _restore_keys(configs: list[str], quick: bool) -> list[str]:
+    """The restart rows; ``quick``: the failure scenarios on the /dev/shm levels only."""
     out = []
     for c in configs:
         out.append(c)
-        if CONFIGS[c][1] is not None:
+        if CONFIGS[c][1] == "shm" or (CONFIGS[c][1] == "disk" and not quick):
             out += [f"{c}/lost", f"{c}/shared"]
     return out
 
@@ -254,6 +258,7 @@ def save_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             flushes[key] = [(r.step, r.ok, r.secs, r.error) for r in ckpt.levels.flusher.records]
         ckpt.close()
     dist.barrier()
+    say("managers closed")
     last = cfg["reps"]
     stored: dict[str, dict[str, int]] = {}
     if lead:  # bytes of the newest step on each level (every node's directory)
@@ -272,6 +277,7 @@ def save_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 else 0
             )
             stored[key] = {"local": local, "shared": shared}
+    say("done")
     return {
         "samples": samples,
         "flushes": flushes,
@@ -300,7 +306,7 @@ def restore_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     lead = rank == 0
     _, expected = _make_state(cfg, rank, target=False)
     target, got = _make_state(cfg, rank, target=True)
-    keys = _restore_keys(cfg["configs"])
+    keys = _restore_keys(cfg["configs"], cfg["quick"])
     samples: dict[str, dict[str, list[float]]] = {k: {"open": [], "restore": []} for k in keys}
     served: dict[str, list[Any]] = {k: [] for k in keys}
     verified: dict[str, bool] = {}
@@ -317,7 +323,7 @@ def restore_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if lead:
                 if moved:
                     _aside(base, moved)
-                if not drop_caches():
+                if not cfg["drop_caches"] or not drop_caches():
                     cache = "warm"
             dist.barrier()
             t0 = perf()
@@ -360,7 +366,7 @@ def _max_over_ranks(per_rank: list[dict[str, Any]], key: str, what: str) -> list
 
 
 def _flush_secs(per_rank: list[dict[str, Any]], key: str) -> list[float]:
-    """Per flushed step (warm-up's included): the maximum over the ranks of its time."""
+    """Per flushed step (every flush of the run): the maximum over the ranks of its time."""
     by_step: dict[int, float] = {}
     for r in per_rank:
         for step, ok, secs, _err in r["flushes"].get(key, []):
@@ -386,7 +392,9 @@ def report(
     med: dict[str, dict[str, float]] = {}
     maxes: dict[str, dict[str, list[float]]] = {}
     for key in configs:
-        maxes[key] = {w: _max_over_ranks(saves, key, w) for w in ("stall", "durable")}
+        maxes[key] = {
+            w: _max_over_ranks(saves, key, w) for w in ("stall", "durable", "stage", "persist")
+        }
         maxes[key]["flush"] = _flush_secs(saves, key)
         med[key] = {w: median(v) for w, v in maxes[key].items()}
     base = med.get("root", {})
@@ -416,8 +424,8 @@ def report(
         )
     out(
         "stall: async_save returns; durable: until handle.wait() returns (levels: committed on "
-        "every node's local dir with its redundancy); flush: the background copy of every "
-        f"{cfg['every']}-th commit (warm-up's counted) to the shared level, median over "
+        "every node's local dir with its redundancy); flush: the background copy to the "
+        f"shared level of one commit in {cfg['every']} (warm-up's counted), median over "
         "every flush of the run, max over ranks (waited for between saves, untimed); "
         "ratios: root's median / this median"
     )
@@ -436,7 +444,7 @@ def report(
     )
 
     # restarts
-    keys = _restore_keys(configs)
+    keys = _restore_keys(configs, cfg["quick"])
     rmed: dict[str, dict[str, float]] = {}
     rmax: dict[str, dict[str, list[float]]] = {}
     for k in keys:
@@ -517,7 +525,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--mb", type=float, default=None, help="MB of state per rank (default 64; --quick 16)"
+        "--mb", type=float, default=None, help="MB of state per rank (default 64; --quick 8)"
     )
     p.add_argument("--state", choices=("replicated", "own"), default="replicated")
     p.add_argument(
@@ -530,7 +538,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--restore-reps", type=int, default=None, help="restart rounds (default 3; --quick 1)"
     )
     p.add_argument("--every", type=int, default=2, help="Shared(every=) (default 2)")
-    p.add_argument("--quick", action="store_true", help="~16 MB per rank, 3 saves, 1 restart round")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="~8 MB per rank, 3 saves, 1 restart round, no failure rows for the disk levels",
+    )
+    p.add_argument("--warm", action="store_true", help="do not drop the page cache before restores")
     p.add_argument("--no-shm", action="store_true", help="skip the /dev/shm configurations")
     p.add_argument(
         "--dir", default=None, help="parent of the disk scratch directory (default: temp dir)"
@@ -539,7 +552,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout", type=float, default=600.0, help="seconds for each phase and its collectives"
     )
     args = p.parse_args(argv)
-    args.mb = args.mb or (16.0 if args.quick else 64.0)
+    args.mb = args.mb or (8.0 if args.quick else 64.0)
     args.reps = args.reps or (3 if args.quick else 5)
     args.restore_reps = args.restore_reps or (1 if args.quick else 3)
     if args.mb <= 0 or args.reps < 1 or args.restore_reps < 1 or args.every < 1:
@@ -566,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         "every": args.every,
         "configs": configs,
         "dist_timeout": args.timeout,
+        "drop_caches": not args.warm,
+        "quick": args.quick,
     }
     parent = args.dir or tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)

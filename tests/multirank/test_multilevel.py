@@ -157,13 +157,6 @@ def _node(base: str, node: str, step: int | None = None) -> str:
     return path if step is None else os.path.join(path, f"step-{step:010d}")
 
 
-@pytest.mark.parametrize("scheme", ["partner", "xor"])
-def test_clean_restart_is_served_by_the_local_level(tmp_path: Any, scheme: str) -> None:
-    base = _trained(tmp_path, scheme)
-    sources = _check(_resumed(base, scheme), 4, "local")
-    assert sources["own"] > 0 and not sources.get("partner") and not sources.get("parity")
-
-
 def test_a_rank_that_crashes_between_checkpoints_resumes_locally(tmp_path: Any) -> None:
     base = str(tmp_path)
     out = run_ranks(
@@ -198,83 +191,115 @@ def test_a_kill_during_a_flush_keeps_the_local_step_and_the_older_shared_one(
     _check(_resumed(base, "partner"), 4, "local")
 
 
-@pytest.mark.parametrize("scheme", ["single", "partner", "xor"])
-def test_a_lost_node_then_a_spare_then_a_second_loss(tmp_path: Any, scheme: str) -> None:
-    """single: the shared level serves; partner/xor: the local level, rebuilt onto the
-    spare, which is protected again: a second node lost afterwards is rebuilt too."""
-    base = _trained(tmp_path, scheme)
-    shutil.rmtree(_node(base, "n1"))
-    spare = ["n0", "spare", "n2", "n3"]
-    results = _resumed(base, scheme, spare)
-    if scheme == "single":
-        assert _check(results, 4, "shared") == {"shared": results[0]["sources"]["shared"]}
-        return
-    sources = _check(results, 4, "local")
-    assert sources["partner" if scheme == "partner" else "parity"] > 0
-    assert "rank 1" in results[0]["repaired"]
-    shutil.rmtree(_node(base, "n0"))  # its partner copy / parity now lives on the spare
-    results = _resumed(base, scheme, spare)
-    _check(results, 4, "local")
-    assert "rank 0" in results[0]["repaired"]
+def _resume_all(rank: int, world: int, jobs: list[tuple[str, str, list[str]]]) -> list[Any]:
+    """Several restarts in one set of processes (spawning ranks is what tests wait for)."""
+    return [_resume(rank, world, base, scheme, nodes) for base, scheme, nodes in jobs]
 
 
-@pytest.mark.parametrize("scheme", ["partner", "xor"])
-def test_two_ring_adjacent_nodes_lost_fall_back_to_shared(tmp_path: Any, scheme: str) -> None:
-    base = _trained(tmp_path, scheme)
-    shutil.rmtree(_node(base, "n1"))
-    shutil.rmtree(_node(base, "n2"))
-    _check(_resumed(base, scheme), 4, "shared")
+def _first_data_offset(base: str, step: int, name: str) -> int:
+    manifest = pitstop.CheckpointManager(os.path.join(base, "shared")).entries()
+    entry = next(e for e in manifest if e.step == step)
+    assert entry.manifest is not None
+    return min(t.offset for t in entry.manifest.tensors if t.file == name and t.nbytes)
 
 
-def test_two_non_adjacent_nodes_lost_partner_still_local(tmp_path: Any) -> None:
-    base = _trained(tmp_path, "partner")
-    shutil.rmtree(_node(base, "n0"))
-    shutil.rmtree(_node(base, "n2"))
-    results = _resumed(base, "partner")
-    _check(results, 4, "local")
-    assert {"rank 0", "rank 2"} <= set(results[0]["repaired"])
+def _lose(*nodes: str) -> Any:
+    return lambda base: [shutil.rmtree(_node(base, n)) for n in nodes]
 
 
-@pytest.mark.parametrize("scheme", ["single", "partner", "xor"])
-def test_a_flipped_byte_in_a_member_file(tmp_path: Any, scheme: str) -> None:
-    base = _trained(tmp_path, scheme)
-    flip_byte(os.path.join(_node(base, "n2", 4), "rank-00002.bin"), 100)
-    results = _resumed(base, scheme)
-    if scheme == "single":  # nothing to repair from: the shared level has step 4
-        _check(results, 4, "shared")
-        return
-    _check(results, 4, "local")
-    assert "rank 2" in results[0]["repaired"]
-    assert _resumed(base, scheme)[0]["repaired"] == []  # repaired for good
+def _flip(node: str, name: str) -> Any:
+    def damage(base: str) -> None:
+        path = os.path.join(_node(base, node, 4), name)
+        offset = _first_data_offset(base, 4, name) if name.startswith("rank-") else 10
+        flip_byte(path, offset)
+
+    return damage
 
 
-@pytest.mark.parametrize("scheme", ["partner", "xor"])
-def test_a_corrupt_copy_or_parity_is_repaired(tmp_path: Any, scheme: str) -> None:
-    base = _trained(tmp_path, scheme)
-    name = "partner-rank-00000.bin" if scheme == "partner" else "xor-00001.bin"
-    flip_byte(os.path.join(_node(base, "n1", 4), name), 10)
-    results = _resumed(base, scheme)
-    _check(results, 4, "local")
-    assert results[0]["sources"].get("partner", 0) == results[0]["sources"].get("parity", 0) == 0
-    assert results[0]["repaired"] == [
-        "partner copy on rank 1" if scheme == "partner" else "parity on rank 1"
-    ]
-    assert _resumed(base, scheme)[0]["repaired"] == []
-
-
-def test_newest_shared_corrupt_and_caches_empty_gives_the_older_shared(tmp_path: Any) -> None:
-    base = _trained(tmp_path, "partner")
+def _corrupt_shared_and_empty_caches(base: str) -> None:
     shutil.rmtree(os.path.join(base, "local"))
-    flip_byte(os.path.join(base, "shared", "step-0000000004", "rank-00003.bin"), 50)
-    results = _resumed(base, "partner")
-    _check(results, 2, "shared")
-    entries = {
-        e.name: e.status for e in pitstop.CheckpointManager(os.path.join(base, "shared")).entries()
-    }
-    assert entries["step-0000000004"] == "damaged"
+    name = "rank-00003.bin"
+    offset = _first_data_offset(base, 4, name)
+    flip_byte(os.path.join(base, "shared", "step-0000000004", name), offset)
+
+
+SPARE = ["n0", "spare", "n2", "n3"]
+# case: (damage, topology at restart, {scheme: (step, level, repaired)}); repaired None: any
+CASES: dict[str, tuple[Any, list[str], dict[str, tuple[int, str, list[str] | None]]]] = {
+    "clean restart": (
+        lambda base: None, NODES4,
+        {"single": (4, "local", []), "partner": (4, "local", []), "xor": (4, "local", [])},
+    ),
+    "lost node, spare in its place": (
+        _lose("n1"), SPARE,
+        {"single": (4, "shared", None),
+         "partner": (4, "local", ["rank 1", "partner copy on rank 1"]),
+         "xor": (4, "local", ["rank 1", "parity on rank 1"])},
+    ),
+    "two ring-adjacent nodes lost": (
+        _lose("n1", "n2"), NODES4, {"partner": (4, "shared", None), "xor": (4, "shared", None)},
+    ),
+    "two non-adjacent nodes lost": (
+        _lose("n0", "n2"), NODES4,
+        {"partner": (4, "local", ["rank 0", "rank 2", "partner copy on rank 0",
+                                  "partner copy on rank 2"])},
+    ),
+    "flipped byte in a member file": (
+        _flip("n2", "rank-00002.bin"), NODES4,
+        {"single": (4, "shared", None), "partner": (4, "local", ["rank 2"]),
+         "xor": (4, "local", ["rank 2"])},
+    ),
+    "corrupt partner copy": (
+        _flip("n1", "partner-rank-00000.bin"), NODES4,
+        {"partner": (4, "local", ["partner copy on rank 1"])},
+    ),
+    "corrupt parity": (
+        _flip("n1", "xor-00001.bin"), NODES4, {"xor": (4, "local", ["parity on rank 1"])},
+    ),
+    "newest shared corrupt, caches empty": (
+        _corrupt_shared_and_empty_caches, NODES4,
+        {"single": (2, "shared", None), "partner": (2, "shared", None)},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("scheme", ["single", "partner", "xor"])
+def test_the_fault_matrix(tmp_path: Any, scheme: str) -> None:
+    """Each case: the step resumed from, the level that served it, bit-identical state, what
+    was repaired; then every case restarts once more with nothing repaired (redundancy was
+    re-established), and a second node lost after the spare came in is rebuilt too."""
+    cases = {name: c for name, c in CASES.items() if scheme in c[2]}
+    jobs = []
+    for i, (damage, nodes, _) in enumerate(cases.values()):
+        base = _trained(tmp_path / str(i), scheme)
+        damage(base)
+        jobs.append((base, scheme, nodes))
+    results = run_ranks(_resume_all, 4, jobs, timeout_secs=TIMEOUT * 6)
+    for j, (name, (_, _, expect)) in enumerate(cases.items()):
+        per_rank = [r[j] for r in results]
+        step, level, repaired = expect[scheme]
+        sources = _check(per_rank, step, level)
+        if repaired is not None:
+            assert per_rank[0]["repaired"] == repaired, name
+        if level == "shared":
+            assert sources == {"shared": sources["shared"]} and sources["shared"] > 0, name
+        elif "rank 1" in (repaired or []):
+            assert sources["partner" if scheme == "partner" else "parity"] > 0, name
+    if scheme == "single":
+        return
+    spare = list(cases).index("lost node, spare in its place")
+    shutil.rmtree(_node(jobs[spare][0], "n0"))  # its copy / parity was rebuilt on the spare
+    again = run_ranks(_resume_all, 4, jobs, timeout_secs=TIMEOUT * 6)
+    for j, (name, (_, _, expect)) in enumerate(cases.items()):
+        per_rank = [r[j] for r in again]
+        if j == spare:  # a second loss after the spare came in: rebuilt again
+            _check(per_rank, 4, "local")
+            what = "partner copy" if scheme == "partner" else "parity"
+            assert per_rank[0]["repaired"] == ["rank 0", f"{what} on rank 0"]
+        elif expect[scheme][1] == "local":
+            assert per_rank[0]["repaired"] == [], name
 
 
 def test_a_different_world_size_restores_from_shared(tmp_path: Any) -> None:
     base = _trained(tmp_path, "partner")
-    results = _resumed(base, "partner", ["n0", "n1"])
-    _check(results, 4, "shared")
+    _check(_resumed(base, "partner", ["n0", "n1"]), 4, "shared")

@@ -6,6 +6,7 @@ Call sequence::
     flusher.submit(member)       # persist thread, after step t committed on the local level,
                                  #   when rank 0 decided that t is flushed (every rank the same)
     flusher.pending              # rank 0's decide(): how many flushes are queued or running
+    flusher.drain()              # any thread: wait until none is
     flusher.close()              # waits for the flushes in flight
 
 One ``pitstop-flush`` thread per rank runs the flushes in order. Each holds a pin on its
@@ -66,7 +67,7 @@ class Flusher:
         self.local, self.shared, self.group = local, shared, group
         self._on_done = on_done
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-flush")
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._pending = 0
         self.records: deque[FlushRecord] = deque(maxlen=256)
 
@@ -74,6 +75,11 @@ class Flusher:
     def pending(self) -> int:
         with self._lock:
             return self._pending
+
+    def drain(self, timeout_secs: float | None = None) -> bool:
+        """Wait until no flush is queued or running; False if ``timeout_secs`` passed first."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._pending == 0, timeout_secs)
 
     def submit(self, member: Member) -> None:
         """Pin the step now (retention must not take it while the flush waits its turn)."""
@@ -116,6 +122,7 @@ class Flusher:
         finally:
             with self._lock:
                 self._pending -= 1
+                self._lock.notify_all()
 
     def _copy(self, m: Member) -> int:
         data = m.manifest.dumps()

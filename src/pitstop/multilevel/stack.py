@@ -146,9 +146,9 @@ class LevelStack:
             self.flusher is not None and self.shared is not None
             and self._commits % self.shared.every == 0 and self.flusher.pending < 2
         )  # fmt: skip
-        if self.flusher is not None and self.shared is not None and not flush:
-            if self._commits % self.shared.every == 0:
-                _log.warning("flush skipped: two flushes are still queued", phase="flush")
+        due = self.shared is not None and self._commits % self.shared.every == 0
+        if due and not flush:
+            _log.warning("flush skipped: two flushes are still queued", phase="flush")
         return {"flush": flush}
 
     def _decided(self, word: Any) -> None:
@@ -169,13 +169,10 @@ class LevelStack:
 
     def flushed(self, record: FlushRecord) -> None:
         """Flush thread, rank 0: shared retention after a flush committed."""
-        ready = self.shared_catalog is not None and self.identity is not None
-        if record.ok and self.shared_retention is not None and ready and self.group.coordinator:
-            if self.shared_catalog is not None and self.identity is not None:
-                retired = self.shared_catalog.retire(
-                    self.shared_retention, newest=record.step, identity=self.identity
-                )
-                self.shared_catalog.purge_later(retired)
+        catalog, identity, policy = self.shared_catalog, self.identity, self.shared_retention
+        ready = catalog is not None and identity is not None and policy is not None
+        if record.ok and self.group.coordinator and ready:
+            catalog.purge_later(catalog.retire(policy, newest=record.step, identity=identity))  # type: ignore[union-attr,arg-type]
 
     # ------------------------------------------------------------------ restore
     def restore_local(self, step: int | None = None) -> LocalChoice | None:
@@ -280,7 +277,11 @@ class LevelStack:
         node lacks it and protect it there, so that the next failure restarts from the local
         level. Collective; a failure is logged (the restore itself succeeded)."""
         manifest = entry.manifest
-        if manifest is None or manifest.world_size != self.group.size or self.shared_storage is None:
+        if (
+            manifest is None
+            or manifest.world_size != self.group.size
+            or self.shared_storage is None
+        ):
             return
         m = self.member(entry.name, manifest)
         there = self.local_storage.entry_kind(entry.name) != "missing"
@@ -320,9 +321,9 @@ class LevelStack:
         }  # fmt: skip
         data = json.dumps(doc, indent=1).encode()
         targets = [self.local.path_of(self.node)] if self.leader else []
-        if self.shared is not None and self.group.coordinator:
-            if isinstance(self.shared.path, (str, os.PathLike)):
-                targets.append(os.fspath(self.shared.path))
+        shared = self.shared.path if self.shared is not None else None
+        if isinstance(shared, (str, os.PathLike)) and self.group.coordinator:
+            targets.append(os.fspath(shared))
         for root in targets:
             try:
                 os.makedirs(root, exist_ok=True)

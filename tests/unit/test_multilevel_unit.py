@@ -1,0 +1,86 @@
+"""Multi-level pieces in one process: placement of copies and parity, level arguments, a
+flush that fails on the shared level (ENOSPC) while training goes on."""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import pitstop
+from pitstop.multilevel.levels import Placement
+from pitstop.storage.local import LocalStorage
+from pitstop.testing import FaultyStorage
+
+
+def test_two_ranks_per_node_keep_their_partners_and_sets_on_other_nodes() -> None:
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    p = Placement(nodes, "partner")
+    assert p.leaders == (0, 0, 2, 2, 4, 4)
+    for r in range(6):
+        assert nodes[p.partner_holder(r)] != nodes[r]
+        assert p.partner_source(p.partner_holder(r)) == r
+        members = p.xor_set(r)
+        assert len({nodes[m] for m in members}) == len(members) == 3
+    assert p.partner_holder(0) == 2 and p.partner_holder(1) == 3 and p.partner_holder(4) == 0
+
+
+def test_sets_split_the_nodes_and_never_leave_a_set_of_one() -> None:
+    p = Placement([f"n{i}" for i in range(5)], "xor", set_size=2)
+    assert p.sets == [["n0", "n1"], ["n2", "n3", "n4"]]
+    assert p.xor_set(4) == [2, 3, 4]
+    assert p.recoverable({1, 3}, [True] * 5, [True] * 5)
+    assert not p.recoverable({2, 3}, [True] * 5, [True] * 5)
+
+
+def test_one_node_keeps_a_single_copy_and_uneven_nodes_are_refused() -> None:
+    assert Placement(["a", "a"], "partner").scheme == "single"
+    with pytest.raises(pitstop.UnsupportedSetupError, match="same number of ranks"):
+        Placement(["a", "a", "b"], "xor")
+
+
+def test_bad_level_arguments_name_what_is_wrong(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="redundancy"):
+        pitstop.Local(tmp_path / "{node}", redundancy="raid6")
+    with pytest.raises(ValueError, match="every"):
+        pitstop.Shared(tmp_path, every=0)
+    with pytest.raises(ValueError, match="Local path"):
+        pitstop.Shared(tmp_path / "{node}")
+    with pytest.raises(ValueError, match="one of them"):
+        pitstop.CheckpointManager(tmp_path, levels=[pitstop.Local(tmp_path / "{node}")])
+    with pytest.raises(ValueError, match="at most one"):
+        pitstop.CheckpointManager(
+            levels=[pitstop.Local(tmp_path / "a"), pitstop.Local(tmp_path / "b")]
+        )
+
+
+def test_a_full_shared_level_fails_the_flush_not_training(tmp_path: Any) -> None:
+    shared = FaultyStorage(
+        LocalStorage(str(tmp_path / "shared")), fail={"write_object": [1, 2, 3]}, errno=errno.ENOSPC
+    )
+    model = torch.nn.Linear(4, 4)
+    levels = [pitstop.Local(tmp_path / "local" / "{node}"), pitstop.Shared(shared, every=1)]
+    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight += 1
+            ckpt.save(step, {"model": model})
+            assert ckpt.levels is not None and ckpt.levels.flusher is not None
+            ckpt.levels.flusher.drain()
+        assert ckpt.levels is not None and ckpt.levels.flusher is not None
+        ckpt.levels.flusher.close()
+        records = [(r.step, r.ok) for r in ckpt.levels.flusher.records]
+        error = ckpt.levels.flusher.records[0].error
+    assert records == [(1, False), (2, True), (3, True)]
+    assert error is not None and "No space left" in error
+    assert sorted(os.listdir(tmp_path / "local" / "n0")) == [
+        "levels.json", "step-0000000002", "step-0000000003",
+    ]  # fmt: skip
+    fresh = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 3
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
+    assert torch.equal(fresh.weight, model.weight)
