@@ -55,8 +55,16 @@ def _check_restore(root: str, expected_step: int) -> None:
     ckpt.close()
 
 
+# kill points of the multi-level save, killed on one rank of four emulated nodes there
+MULTILEVEL = {"replicate.mid", "flush.mid"}
+
+
 def test_every_kill_point_is_covered() -> None:
-    assert {k.split(":")[0] for k in EXPECTED} == set(KILL_POINTS)
+    assert {k.split(":")[0] for k in EXPECTED} | MULTILEVEL == set(KILL_POINTS)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(here, "multirank", "test_multilevel.py")) as f:
+        text = f.read()
+    assert all(f'"PITSTOP_KILL_AT": "{name}:' in text for name in MULTILEVEL)
 
 
 @pytest.mark.parametrize("kill_at", sorted(EXPECTED))
