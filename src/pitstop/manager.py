@@ -359,8 +359,9 @@ class CheckpointManager:
         shared = stack.shared_catalog
         newest = None
         if shared is not None:
-            steps = [e.step for e in shared.committed() if e.step is not None]
-            newest = self.group.broadcast(max(steps) if steps else None, "restore")
+            mine = shared.committed() if self.group.coordinator else []  # rank 0's scan decides
+            steps = [e.step for e in mine if e.step is not None]
+            newest = self.group.broadcast(max(steps, default=None), "restore")
         if choice is not None and (newest is None or choice.step >= newest or step is not None):
             result = recover(
                 stack.local_catalog, lambda e: load(stack.local_storage, e), step=choice.step,

@@ -166,7 +166,7 @@ def commit_together(
         word = group.read(f"{key}/commit" if nodes is None else f"{key}/manifest", "commit")
         if word != b"ok" and not (nodes is not None and word.startswith(_MANIFEST)):
             raise _failure(word, "reported by rank 0", directory, group.rank)
-        data = word[len(_MANIFEST) :]
+        data = word[len(_MANIFEST) :] if nodes is not None else b""  # the manifest rank 0 sent
     assert result is not None
     if nodes is not None:
         _commit_nodes(group, storage, directory, key, data, nodes, leader)

@@ -154,7 +154,7 @@ def _blocks(m: Member, arena_view: memoryview, block: int, rank: int) -> dict[in
     return {k: arena_view[i * block : (i + 1) * block] for i, k in enumerate(others)}
 
 
-def _padded(m: Member, view: memoryview, total: int, block: int, n: int) -> Arena:
+def _padded(view: memoryview, total: int, block: int, n: int) -> Arena:
     out = Arena(block * (n - 1))
     out.view[:total] = view[:total]
     return out
@@ -164,7 +164,7 @@ def _protect_xor(m: Member, arena: Arena) -> int:
     members = m.placement.xor_set(m.rank)
     block = m.block_bytes()
     total = m.payload_bytes()
-    padded = _padded(m, arena.view, total, block, len(members))
+    padded = _padded(arena.view, total, block, len(members))
     others = [k for k in members if k != m.rank]
     inbox = Arena(block * len(others))
     try:
@@ -332,7 +332,7 @@ def _rebuild_xor(m: Member, lost: set[int]) -> dict[str, int]:
     if m.rank != x:  # what this survivor holds of each k != x, in x's block order
         out = Arena(span)
         own, total = read_payload(m)
-        padded = _padded(m, own.view, total, block, len(members))
+        padded = _padded(own.view, total, block, len(members))
         own.close()
         try:
             mine = _blocks(m, padded.view, block, m.rank)

@@ -28,6 +28,7 @@ recovered are set aside (abandoned), so the steps the run takes next are free.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -237,11 +238,7 @@ class LevelStack:
                 f"rank {self.group.rank}'s files of step {s} were rebuilt but fail their checksums",
                 step=s, phase="restore",
             )  # fmt: skip
-        if repaired:
-            protect(m)  # a spare node gets its copies; a bad copy or parity is rewritten
-        if self.leader and s not in mine:
-            self.local_storage.commit(m.directory, manifest.dumps())
-        self.group.all_gather(None, "restore")  # every node holds the step again
+        self._settle(m, protect_again=bool(repaired), committed_here=s in mine)
         if repaired and self.group.coordinator:
             _log.warning(
                 "step %d: repaired on the local level: %s", s, ", ".join(repaired), phase="restore"
@@ -302,16 +299,21 @@ class LevelStack:
             _log.warning("step %d stays on the shared level only: %s", manifest.step, errors[0],
                          phase="restore")  # fmt: skip
             return
-        protect(m)
-        if self.leader and not committed:
-            self.local_storage.commit(entry.name, manifest.dumps())
+        self._settle(m, protect_again=True, committed_here=committed)
+
+    def _settle(self, m: Member, *, protect_again: bool, committed_here: bool) -> None:
+        """Every rank's files are in place: write the redundancy again if asked (a spare
+        node gets its copies; a bad copy or parity is rewritten), the manifest on each node
+        that lacks it, and wait until every node holds the step."""
+        if protect_again:
+            protect(m)
+        if self.leader and not committed_here:
+            self.local_storage.commit(m.directory, m.manifest.dumps())
         self.group.all_gather(None, "restore")
 
     # ------------------------------------------------------------------ misc
     def _write_levels_file(self) -> None:
         """levels.json under every node's directory and the shared root: ``pitstop ls``."""
-        import json
-
         doc = {
             "local": os.fspath(self.local.path), "redundancy": self.placement.scheme,
             "set_size": self.local.set_size, "keep_last": self.local.keep_last,
