@@ -37,9 +37,9 @@ from pitstop.engine.recovery import RestoreResult, recover
 from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointNotFoundError
-from pitstop.format.names import step_dir_name
 from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
+from pitstop.multilevel.flush import FlushRecord
 from pitstop.multilevel.levels import Local, Shared
 from pitstop.multilevel.stack import LevelStack
 from pitstop.options import IOOptions, SaveOptions
@@ -138,8 +138,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(flush=exc_type is None)
 
     # ------------------------------------------------------------------ save
     def async_save(
@@ -171,11 +171,25 @@ class CheckpointManager:
         """Wait for every save in flight and its retention; raise the error of a failed one."""
         self._saver.wait_all()
 
-    def close(self) -> None:
-        """Wait for saves in flight and release memory and threads."""
+    def flush(self) -> FlushRecord | None:
+        """With a shared level: copy the newest checkpoint this process committed to it now,
+        unless it is there already, and wait. Collective. Its FlushRecord (``ok``/``error``);
+        None if there was nothing to flush. ``close()`` does this itself."""
+        self._saver.wait_all()
+        return self.levels.flush() if self.levels is not None else None
+
+    def close(self, *, flush: bool = True) -> None:
+        """Wait for saves in flight, flush the newest checkpoint to the shared level if it is
+        not there yet (``flush=False``, or leaving a ``with`` block on an exception: not),
+        and release memory and threads."""
         self._loop.restore_signals()
         try:
             self._saver.close()
+            if flush and self.levels is not None:
+                record = self.levels.flush()
+                if record is not None and not record.ok:
+                    _log.warning("the newest checkpoint stays on the local level only",
+                                 phase="flush")  # fmt: skip
         finally:
             if self.levels is not None:
                 self.levels.close()
@@ -334,7 +348,7 @@ class CheckpointManager:
             )
         self._saver.wait_staged()
         result = self._recover(
-            lambda s, e: self._load(e, None, True, None, rank, storage=s), step, False
+            lambda s, e: self._load(e, None, True, None, rank, storage=s), step, False, False
         )
         if result.step is None:
             raise CheckpointNotFoundError("no committed checkpoint", path=self.storage.url)
@@ -344,45 +358,22 @@ class CheckpointManager:
         return value
 
     def _recover(
-        self, load: Callable[[Storage, Entry], Any], step: int | None, rollback: bool
+        self,
+        load: Callable[[Storage, Entry], Any],
+        step: int | None,
+        rollback: bool,
+        fetch: bool = True,
     ) -> RestoreResult:
-        """One level: ``recover``. Several: the newest step any level can deliver: the local
-        level's (rebuilt from redundancy where a node lost it), unless the shared level has a
-        newer one; a step served by the shared level is fetched into the local level."""
+        """One level: ``recover``. Several: ``LevelStack.recover``, the newest step any level
+        can deliver (the local level's, rebuilt from redundancy where a node lost it, first
+        for a step both hold); ``fetch``: a step the shared level served is copied into the
+        local level."""
         if self.levels is None:
             return recover(
                 self.catalog, lambda e: load(self.storage, e), step=step, rollback=rollback,
                 group=self.group,
             )  # fmt: skip
-        stack = self.levels
-        choice = stack.restore_local(step)
-        shared = stack.shared_catalog
-        newest = None
-        if shared is not None:
-            mine = shared.committed() if self.group.coordinator else []  # rank 0's scan decides
-            steps = [e.step for e in mine if e.step is not None]
-            newest = self.group.broadcast(max(steps, default=None), "restore")
-        if choice is not None and (newest is None or choice.step >= newest or step is not None):
-            result = recover(
-                stack.local_catalog, lambda e: load(stack.local_storage, e), step=choice.step,
-                group=self.group,
-            )  # fmt: skip
-            result.level, result.sources = "local", choice.sources
-            result.set_aside, result.repaired = choice.set_aside, choice.repaired
-            return result
-        if shared is None:
-            return RestoreResult()
-        result = recover(
-            shared, lambda e: load(shared.storage, e), step=step, rollback=rollback,
-            group=self.group,
-        )  # fmt: skip
-        if result.step is not None and result.manifest is not None:
-            result.level = "shared"
-            result.sources = {"shared": result.manifest.nbytes}
-            stack.fetch(
-                Entry(step_dir_name(result.step), result.step, "committed", result.manifest)
-            )
-        return result
+        return self.levels.recover(load, step, rollback=rollback, fetch=fetch)
 
     # ------------------------------------------------------------------ retention and gc
     def _retain(self, newest: int) -> None:

@@ -17,7 +17,8 @@ node-local level of :mod:`pitstop.multilevel`) the leader of each node (its lowe
 creates and later commits that node's directory, and two rounds come between: rank 0
 posts the manifest; every rank runs ``nodes.replicate`` (partner copies, parity) and
 posts that it is done; rank 0 posts ``nodes.decide()``'s word once every rank is, and
-only then does each leader write the manifest into its node's directory. A kill before
+only then does each leader write the manifest into its node's directory (and tell its
+node's other ranks, which return only then: committed on their node). A kill before
 that leaves no manifest on any node; a kill during it leaves some nodes committed, which
 is enough: their manifest proves that every rank's files and redundancy were complete. Only the store is used: the background threads never
 issue collectives on a process group. A rank that dies or hangs makes the others fail
@@ -206,8 +207,18 @@ def _commit_nodes(
     except (ValueError, KeyError, TypeError):
         raise _failure(word, "reported by rank 0", directory, group.rank) from None
     nodes.decided(decision)
+    done = f"{key}/committed/{leader}"  # the node's word: a rank returns once its node holds it
     if group.rank == leader:
-        storage.commit(directory, manifest)
+        try:
+            storage.commit(directory, manifest)
+        except BaseException as e:
+            group.post(done, _error_word(e, "commit", [group.rank]))
+            raise
+        group.post(done, b"ok")
+    else:
+        word = group.read(done, "commit")
+        if word != b"ok":
+            raise _failure(word, f"its node's leader, rank {leader}", directory, group.rank)
 
 
 def _coordinate(

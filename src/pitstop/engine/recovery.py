@@ -64,14 +64,19 @@ class RestoreResult:
     repaired: list[str] = field(default_factory=list)  # multi-level: what was rebuilt
 
 
-def _chain(entries: list[Entry], step: int | None) -> list[Entry]:
+def _chain(
+    entries: list[Entry], step: int | None, window: tuple[int | None, int] | None = None
+) -> list[Entry]:
     """Step directories that could hold the checkpoint, newest first."""
+    lo, hi = window if window is not None else (None, None)
     out = [
         e
         for e in entries
         if e.is_step_dir
         and e.status in ("committed", "damaged", "newer")
         and (step is None or e.step == step)
+        and (hi is None or (e.step or 0) <= hi)
+        and (lo is None or (e.step or 0) > lo)
     ]
     return sorted(out, key=lambda e: e.step or 0, reverse=True)
 
@@ -83,8 +88,11 @@ def recover(
     step: int | None = None,
     rollback: bool = False,
     group: Group | None = None,
+    window: tuple[int | None, int] | None = None,
 ) -> RestoreResult:
-    """Load the newest checkpoint that verifies (or ``step``) with ``load(entry)``.
+    """Load the newest checkpoint that verifies (or ``step``) with ``load(entry)``;
+    ``window=(lo, hi)``: only steps above ``lo`` (None: any) and at most ``hi`` (the shared
+    level of :mod:`pitstop.multilevel`, between the local level's candidates).
 
     Several ranks (``group``): collective. Rank 0's scan decides the candidates; every rank
     loads the same one (``load`` agrees with the others before it touches the live state);
@@ -98,7 +106,7 @@ def recover(
     for _ in range(_RESCANS):
         entries = catalog.scan()
         words = group.all_gather(
-            (step, _chain(entries, step) if group.coordinator else []), "restore"
+            (step, _chain(entries, step, window) if group.coordinator else []), "restore"
         )
         asked = [w[0] for w in words]
         if len(set(asked)) > 1:

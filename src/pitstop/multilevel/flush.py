@@ -4,7 +4,8 @@ Call sequence::
 
     flusher = Flusher(local, shared, group, on_done=...)   # every rank
     flusher.submit(member)       # persist thread, after step t committed on the local level,
-                                 #   when rank 0 decided that t is flushed (every rank the same)
+                                 #   when rank 0 decided that t is flushed (every rank the same);
+                                 #   or the training thread (``flush()``, ``close()``)
     flusher.pending              # rank 0's decide(): how many flushes are queued or running
     flusher.drain()              # any thread: wait until none is
     flusher.close()              # waits for the flushes in flight
@@ -31,8 +32,9 @@ from dataclasses import dataclass
 from pitstop.engine.catalog import Catalog
 from pitstop.engine.collective import commit_together
 from pitstop.engine.persist import PersistResult
-from pitstop.errors import CorruptCheckpointError
+from pitstop.errors import CheckpointNotFoundError, CorruptCheckpointError
 from pitstop.faults import killpoint
+from pitstop.io.arena import Arena
 from pitstop.log import get_logger
 from pitstop.multilevel.redundancy import Member, read_payload, verify_payload
 from pitstop.ranks.group import Group
@@ -69,6 +71,7 @@ class Flusher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-flush")
         self._lock = threading.Condition()
         self._pending = 0
+        self._seq = 0  # flushes submitted: every rank submits the same ones in the same order
         self.records: deque[FlushRecord] = deque(maxlen=256)
 
     @property
@@ -82,17 +85,25 @@ class Flusher:
             return self._lock.wait_for(lambda: self._pending == 0, timeout_secs)
 
     def submit(self, member: Member) -> None:
-        """Pin the step now (retention must not take it while the flush waits its turn)."""
+        """Pin the step now (retention must not take it while the flush waits its turn). A
+        pin that fails makes this rank's part of the flush fail (the others learn it in the
+        flush's commit round, not after a timeout)."""
         pin = contextlib.ExitStack()
+        error: BaseException | None = None
         try:
-            pin.enter_context(self.local.pin(member.directory))
+            if not pin.enter_context(self.local.pin(member.directory)):
+                raise CheckpointNotFoundError(
+                    f"{member.directory} is no longer committed on {self.local.storage.url}",
+                    step=member.manifest.step, phase="flush",
+                )  # fmt: skip
         except BaseException as e:
             pin.close()
-            self._report(FlushRecord(member.manifest.step), e)
-            return
+            error = e
         with self._lock:
             self._pending += 1
-        self._pool.submit(self._run, member, pin)
+            self._seq += 1
+            seq = self._seq
+        self._pool.submit(self._run, member, pin, seq, error)
 
     def _report(self, record: FlushRecord, e: BaseException) -> None:
         record.error = f"{type(e).__name__}: {e}"
@@ -104,12 +115,14 @@ class Flusher:
         if self._on_done is not None:
             self._on_done(record)
 
-    def _run(self, m: Member, pin: contextlib.ExitStack) -> None:
+    def _run(
+        self, m: Member, pin: contextlib.ExitStack, seq: int, error: BaseException | None
+    ) -> None:
         record = FlushRecord(m.manifest.step)
         t0 = time.perf_counter()
         try:
             with pin:
-                record.nbytes = self._copy(m)
+                record.nbytes = self._copy(m, seq, error)
             record.ok = True
             _log.info("flushed step %d to %s", m.manifest.step, self.shared.url, phase="flush")
             record.secs = time.perf_counter() - t0
@@ -124,42 +137,47 @@ class Flusher:
                 self._pending -= 1
                 self._lock.notify_all()
 
-    def _copy(self, m: Member) -> int:
+    def _copy(self, m: Member, seq: int, error: BaseException | None) -> int:
         data = m.manifest.dumps()
-        arena, total = read_payload(m)
-        try:
+        held: list[Arena] = []
+
+        def write() -> PersistResult:  # read, verify and write inside the round: a failure
+            if error is not None:  # of any rank is every rank's at once
+                raise error
+            arena, total = read_payload(m)
+            held.append(arena)
             if not verify_payload(m, arena.view):
                 raise CorruptCheckpointError(
                     f"rank {m.rank}'s files of step {m.manifest.step} fail their checksums on "
                     f"{m.storage.url}; not flushed", step=m.manifest.step, phase="flush",
                 )  # fmt: skip
+            for f, at in m.files():
+                self.shared.write_object(m.directory, f.name, arena.view[at : at + f.nbytes])
+            killpoint("flush.mid")
+            return PersistResult((), (), total, 0.0, False)
 
-            def write() -> PersistResult:
-                for f, at in m.files():
-                    self.shared.write_object(m.directory, f.name, arena.view[at : at + f.nbytes])
-                killpoint("flush.mid")
-                return PersistResult((), (), total, 0.0, False)
-
+        try:
             if self.group.size == 1:
                 self.shared.prepare(m.directory)
                 try:
-                    write()
+                    result = write()
                     self.shared.commit(m.directory, data)
                 except BaseException:
                     self.shared.abort(m.directory)
                     raise
             else:
                 try:
-                    commit_together(
-                        self.group, self.shared, m.directory, f"flush-{m.manifest.step}", write,
+                    result = commit_together(
+                        self.group, self.shared, m.directory, f"flush-{seq}", write,
                         lambda results, hosts: data,
                     )  # fmt: skip
                 except BaseException:
                     self.shared.abort(m.directory)
                     raise
         finally:
-            arena.close()
-        return total
+            for arena in held:
+                arena.close()
+        return result.nbytes
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -22,6 +22,7 @@ survivor sends x what it holds of each k, x xors them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,12 +43,18 @@ from pitstop.storage.base import Storage
 from pitstop.storage.wrap import StorageWrapper
 
 __all__ = [
-    "Member", "protect", "read_payload", "rebuild", "verify_copy", "verify_own", "verify_parity",
+    "Member", "manifest_digest", "protect", "read_payload", "rebuild", "verify_copy", "verify_own", "verify_parity",
     "verify_payload",
 ]  # fmt: skip
 
 _PARITY_VERSION = 1
 _log = get_logger("pitstop.multilevel")
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """What tells one node's manifest of a step from another's: a digest of its canonical
+    bytes (two nodes agree on a step when their digests are equal)."""
+    return hashlib.blake2b(manifest.dumps(), digest_size=16).hexdigest()
 
 
 def _align(n: int) -> int:
@@ -187,6 +194,7 @@ def _write_parity(m: Member, members: list[int], block: int, parity: torch.Tenso
     algorithm = m.manifest.checksum_algorithm
     meta = {
         "version": _PARITY_VERSION, "step": m.manifest.step, "set": members,
+        "manifest": manifest_digest(m.manifest),
         "block_bytes": block, "algorithm": algorithm, "checksum": get_checksum(algorithm)(data),
     }  # fmt: skip
     m.storage.write_object(m.directory, data_name, data)
@@ -263,13 +271,15 @@ def verify_copy(m: Member) -> bool:
 
 
 def verify_parity(m: Member) -> bool:
-    """This rank's parity block describes this step and set and matches its checksum."""
+    """This rank's parity block describes this step (its very manifest) and set and matches
+    its checksum."""
     data_name, meta_name = parity_file_names(m.rank)
     try:
         meta = json.loads(m.storage.read_object(m.directory, meta_name))
         block = m.block_bytes()
         if (
             not isinstance(meta, dict) or meta.get("step") != m.manifest.step
+            or meta.get("manifest") != manifest_digest(m.manifest)
             or meta.get("set") != m.placement.xor_set(m.rank) or meta.get("block_bytes") != block
             or m.storage.file_size(m.directory, data_name) != block
         ):  # fmt: skip

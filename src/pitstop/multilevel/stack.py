@@ -29,14 +29,25 @@ recovered are set aside (abandoned), so the steps the run takes next are free.
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Mapping, Sequence
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.collective import NodeCommit
-from pitstop.errors import CheckpointError
+from pitstop.engine.recovery import RestoreResult, recover
+from pitstop.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PartialRestoreError,
+    UnsupportedSetupError,
+)
 from pitstop.faults import killpoint
 from pitstop.format.manifest import Manifest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
@@ -45,6 +56,7 @@ from pitstop.multilevel.flush import Flusher, FlushRecord
 from pitstop.multilevel.levels import Local, Placement, Shared, node_ids
 from pitstop.multilevel.redundancy import (
     Member,
+    manifest_digest,
     protect,
     read_payload,
     rebuild,
@@ -68,12 +80,11 @@ _log = get_logger("pitstop.multilevel")
 
 @dataclass
 class LocalChoice:
-    """What ``restore_local`` made ready: ``step`` on every node; bytes received by source;
-    the local steps set aside because they could not be recovered."""
+    """What ``_ready_step`` made ready: ``step`` whole on every node; bytes by source; what
+    was rebuilt or rewritten."""
 
     step: int
     sources: dict[str, int] = field(default_factory=dict)
-    set_aside: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
 
 
@@ -102,7 +113,9 @@ class LevelStack:
             )  # fmt: skip
         self.node = nodes[group.rank]
         self.leader = self.placement.leaders[group.rank] == group.rank
-        self.local_storage: Storage = RetryingStorage(LocalStorage(local.path_of(self.node), io))  # type: ignore[assignment]
+        root = local.path_of(self.node)
+        self._check_node_dirs(root, nodes)
+        self.local_storage: Storage = RetryingStorage(LocalStorage(root, io))  # type: ignore[assignment]
         self.local_catalog = Catalog(self.local_storage)
         self.link = make_link(group)
         self.shared_storage: Storage | None = None
@@ -118,10 +131,43 @@ class LevelStack:
                 self.local_catalog, shared_storage, group.channel(), on_done=self.flushed
             )
         self.identity: RunIdentity | None = None
-        self._commits = 0
+        self._every = shared.every if shared is not None else 0
+        self._since_flush = 0  # rank 0: local commits since the last flush
         self._flush = False  # rank 0's word for the step being committed
         self._manifest: Manifest | None = None  # of the step being committed
+        self._newest: tuple[int, Manifest] | None = None  # committed by this process
+        self._flushed = -1  # the newest step this process submitted to the flusher
         self._write_levels_file()
+
+    def _check_node_dirs(self, root: str, nodes: list[str]) -> None:
+        """Collective: every node's directory can be created, and no two nodes share one (a
+        symlink, or a path without ``{node}``): two leaders would claim every step."""
+        word: Any = None
+        if self.leader:
+            try:
+                os.makedirs(root, exist_ok=True)
+                st = os.stat(root)
+                word = [socket.gethostname(), st.st_dev, st.st_ino]
+            except OSError as e:
+                word = f"node {self.node}: {root}: {e.strerror or e}"
+        words = self.group.all_gather(word, "plan")
+        errors = [w for w in words if isinstance(w, str)]
+        if errors:
+            raise UnsupportedSetupError(
+                f"the local level cannot be used: {'; '.join(errors)}", phase="plan"
+            )
+        seen: dict[tuple[Any, ...], str] = {}
+        for r, w in enumerate(words):
+            if w is None:
+                continue
+            other = seen.setdefault(tuple(w), nodes[r])
+            if other != nodes[r]:
+                raise UnsupportedSetupError(
+                    f"nodes {other!r} and {nodes[r]!r} share one local directory "
+                    f"({self.local.path!s}): put {{node}} in the path of pitstop.Local, and "
+                    "give each node a directory of its own (not a symlink to another's)",
+                    phase="plan",
+                )  # fmt: skip
 
     # ------------------------------------------------------------------ save
     def node_commit(self) -> NodeCommit:
@@ -140,16 +186,19 @@ class LevelStack:
         protect(m)
 
     def _decide(self) -> dict[str, Any]:
-        """Rank 0, once every rank replicated: flush this step? Every ``every``-th local
-        commit, unless two flushes are already queued (the flush never holds training up)."""
-        self._commits += 1
-        flush = (
-            self.flusher is not None and self.shared is not None
-            and self._commits % self.shared.every == 0 and self.flusher.pending < 2
-        )  # fmt: skip
-        due = self.shared is not None and self._commits % self.shared.every == 0
-        if due and not flush:
-            _log.warning("flush skipped: two flushes are still queued", phase="flush")
+        """Rank 0, once every rank replicated: flush this step? Once ``every`` local commits
+        were not flushed, unless two flushes are already queued (the flush never holds
+        training up: the next commit is flushed instead). After a restart the first commit
+        is flushed unless the restored step is on the shared level."""
+        if self.flusher is None:
+            return {"flush": False}
+        self._since_flush += 1
+        due = self._since_flush >= self._every
+        flush = due and self.flusher.pending < 2
+        if flush:
+            self._since_flush = 0
+        elif due:
+            _log.warning("flush put off: two flushes are still queued", phase="flush")
         return {"flush": flush}
 
     def _decided(self, word: Any) -> None:
@@ -159,14 +208,32 @@ class LevelStack:
         """Persist thread, after ``step`` committed on the local level: flush it if rank 0
         said so (pinned first), then local retention on the node's leader."""
         manifest, self._manifest = self._manifest, None
+        if manifest is not None:
+            self._newest = (step, manifest)
         if self._flush and self.flusher is not None and manifest is not None:
             self._flush = False
-            self.flusher.submit(self.member(step_dir_name(step), manifest))
+            self._submit(step, manifest)
         if self.identity is not None and self.leader:
             retired = self.local_catalog.retire(
                 KeepLast(self.local.keep_last), newest=step, identity=self.identity
             )
             self.local_catalog.purge_later(retired)
+
+    def _submit(self, step: int, manifest: Manifest) -> None:
+        assert self.flusher is not None
+        self._flushed = step
+        self.flusher.submit(self.member(step_dir_name(step), manifest))
+
+    def flush(self) -> FlushRecord | None:
+        """Training thread, every rank, no save in flight: flush the newest step this
+        process committed now, unless it was flushed already; wait for it. Its record (None:
+        nothing to flush). Every rank decides alike: they committed the same steps."""
+        newest = self._newest
+        if self.flusher is None or newest is None or newest[0] <= self._flushed:
+            return None
+        self._submit(*newest)
+        self.flusher.drain()
+        return next((r for r in reversed(self.flusher.records) if r.step == newest[0]), None)
 
     def flushed(self, record: FlushRecord) -> None:
         """Flush thread, rank 0: shared retention after a flush committed."""
@@ -176,139 +243,314 @@ class LevelStack:
             catalog.purge_later(catalog.retire(policy, newest=record.step, identity=identity))  # type: ignore[union-attr,arg-type]
 
     # ------------------------------------------------------------------ restore
-    def restore_local(self, step: int | None = None) -> LocalChoice | None:
-        """Collective: the newest local step (or ``step``) every rank can have (see above)."""
-        mine = {e.step: e for e in self.local_catalog.committed() if e.step is not None}
-        lists = self.group.all_gather(sorted(mine), "restore")
-        candidates = sorted({s for steps in lists for s in steps}, reverse=True)
+    def recover(
+        self,
+        load: Callable[[Storage, Entry], Any],
+        step: int | None = None,
+        *,
+        rollback: bool = False,
+        fetch: bool = True,
+    ) -> RestoreResult:
+        """Collective: load the newest step (or ``step``) that either level can deliver, the
+        local level first for a step both hold (see the module docstring). ``rollback``: the
+        newer steps of both levels are set aside; ``fetch``: a step the shared level served
+        is copied into the local level (``load()`` leaves the levels as they are)."""
+        t0 = time.perf_counter()
+        views = self.group.all_gather(self._node_view(), "restore")
+        local = {s for v in views for s, (digest, _) in v.items() if digest}
+        shared = self._shared_steps()
+        candidates = sorted(local | set(shared), reverse=True)
         if step is not None:
             candidates = [s for s in candidates if s == step]
-        newest = candidates[0] if candidates else None
-        for s in candidates:
-            choice = self._try_step(s, mine, lists)
-            if choice is not None:
-                if newest is not None and s != newest:
-                    choice.set_aside = self._set_aside_newer(s)
-                return choice
-        return None
+        skipped: list[tuple[str, str]] = []
+        result, covered = None, math.inf  # shared steps above ``covered`` were tried
+        for i, s in enumerate(candidates):
+            if s in local:
+                result = self._from_local(load, s, views, skipped)
+            if result is None and s in shared and s <= covered:
+                # the shared level falls back by itself, down to the next local candidate
+                floor = next((c for c in candidates[i + 1 :] if c in local), None)
+                window = (floor, s) if step is None else (s - 1, s)
+                covered = floor if floor is not None else -math.inf
+                result = self._from_shared(load, window, skipped, rollback=rollback, fetch=fetch)
+            if result is not None:
+                break
+        if result is None:
+            return self._nothing(step, skipped)
+        assert result.step is not None
+        result.skipped = skipped + result.skipped
+        if rollback:
+            result.set_aside += self._roll_back(result.step, result.level)
+        self._since_flush = 0 if result.step in shared else self._every - 1
+        if rollback:
+            self._newest = None  # a step this process committed may be set aside now
+        result.secs = time.perf_counter() - t0
+        return result
 
-    def _manifest_of(
-        self, s: int, mine: dict[int, Entry], lists: list[list[int]]
-    ) -> Manifest | None:
-        src = next(r for r, steps in enumerate(lists) if s in steps)
-        entry = mine.get(s)
-        data = (
-            entry.manifest.dumps() if self.group.rank == src and entry and entry.manifest else None
-        )
-        raw = self.group.all_gather(data, "restore")[src]
+    def _nothing(self, step: int | None, skipped: list[tuple[str, str]]) -> RestoreResult:
+        reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+        if step is not None:
+            raise CheckpointNotFoundError(
+                f"no level can deliver step {step}" + (f" ({reasons})" if reasons else ""),
+                step=step, path=self.local_storage.url, phase="restore",
+            )  # fmt: skip
+        if skipped:
+            raise CorruptCheckpointError(
+                f"no checkpoint on any level could be restored ({reasons})",
+                path=self.local_storage.url, phase="restore",
+            )  # fmt: skip
+        return RestoreResult()
+
+    def _node_view(self) -> dict[int, tuple[str, bool]]:
+        """Leaders: the steps whose directory on this node holds a manifest: its digest (""
+        when it does not parse) and whether it is marked (damaged, abandoned)."""
+        out: dict[int, tuple[str, bool]] = {}
+        if self.leader:
+            for e in self.local_catalog.scan():
+                if e.is_step_dir and e.step is not None and e.status in _HELD:
+                    digest = manifest_digest(e.manifest) if e.manifest is not None else ""
+                    out[e.step] = (digest, e.status != "committed")
+        return out
+
+    def _shared_steps(self) -> list[int]:
+        """The steps committed on the shared level, by rank 0's scan (every rank gets it)."""
+        catalog = self.shared_catalog
+        if catalog is None:
+            return []
+        steps: list[int] | None = None
+        if self.group.coordinator:
+            try:
+                steps = [e.step for e in catalog.committed() if e.step is not None]
+            except CheckpointError as e:
+                _log.warning("the shared level cannot be listed: %s", e, phase="restore")
+        return self.group.broadcast(steps, "restore") or []
+
+    def _from_local(
+        self,
+        load: Callable[[Storage, Entry], Any],
+        s: int,
+        views: list[dict[int, tuple[str, bool]]],
+        skipped: list[tuple[str, str]],
+    ) -> RestoreResult | None:
+        choice = self._ready_step(s, views)
+        if isinstance(choice, str):
+            skipped.append((f"local {step_dir_name(s)}", choice))
+            if self.group.coordinator:
+                _log.warning("local %s: %s", step_dir_name(s), choice, phase="restore")
+            return None
         try:
-            manifest = Manifest.loads(raw, path=f"{self.local_storage.url}/{step_dir_name(s)}")
+            result = recover(
+                self.local_catalog, lambda e: load(self.local_storage, e), step=s,
+                group=self.group,
+            )  # fmt: skip
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            if isinstance(e, PartialRestoreError):
+                raise
+            skipped.append((f"local {step_dir_name(s)}", str(e)))
+            return None
+        result.level, result.sources, result.repaired = "local", choice.sources, choice.repaired
+        return result
+
+    def _from_shared(
+        self,
+        load: Callable[[Storage, Entry], Any],
+        window: tuple[int | None, int],
+        skipped: list[tuple[str, str]],
+        *,
+        rollback: bool,
+        fetch: bool,
+    ) -> RestoreResult | None:
+        catalog = self.shared_catalog
+        assert catalog is not None
+        try:
+            result = recover(
+                catalog, lambda e: load(catalog.storage, e), rollback=rollback,
+                group=self.group, window=window,
+            )  # fmt: skip
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            if isinstance(e, PartialRestoreError):
+                raise
+            skipped.append((f"shared, steps {window[0] or 0} < step <= {window[1]}", str(e)))
+            return None
+        if result.step is None or result.manifest is None:
+            return None
+        result.level, result.sources = "shared", {"shared": result.manifest.nbytes}
+        if fetch:
+            self.fetch(result.manifest)
+        return result
+
+    def _ready_step(self, s: int, views: list[dict[int, tuple[str, bool]]]) -> LocalChoice | str:
+        """Collective: step ``s`` whole on every node, from the manifest the most nodes hold
+        (ties: the lowest rank's) that this job can use; the reason when it cannot be."""
+        leaders = sorted(set(self.placement.leaders))
+        digests = {n: views[n].get(s, ("", False))[0] for n in leaders}
+        held = [d for d in digests.values() if d]
+        order = sorted(
+            set(held), key=lambda d: (-held.count(d), min(n for n in leaders if digests[n] == d))
+        )
+        reasons = []
+        for digest in order:
+            src = min(n for n in leaders if digests[n] == digest)
+            raw = self.group.all_gather(
+                self._manifest_bytes(s) if self.group.rank == src else None, "restore"
+            )[src]
+            why = _unusable(raw, s, digest, self.group.size)
+            if isinstance(why, str):
+                reasons.append(why)
+                continue
+            mine = views[self.placement.leaders[self.group.rank]].get(s)
+            fix = self.leader and (mine is None or mine != (digest, False))
+            out = self._rebuild_step(self.member(step_dir_name(s), why), fix)
+            if not isinstance(out, str):
+                return out
+            reasons.append(out)
+        return "; ".join(reasons) or "no node holds a manifest that parses"
+
+    def _manifest_bytes(self, s: int) -> bytes | None:
+        try:
+            return self.local_storage.read_manifest(step_dir_name(s))
         except CheckpointError:
             return None
-        return manifest if manifest.world_size == self.group.size else None
 
-    def _try_step(
-        self, s: int, mine: dict[int, Entry], lists: list[list[int]]
-    ) -> LocalChoice | None:
-        manifest = self._manifest_of(s, mine, lists)
-        if manifest is None:
-            return None
-        m = self.member(step_dir_name(s), manifest)
-        scheme = self.placement.scheme
-        word = (
-            verify_own(m),
-            verify_copy(m) if scheme == "partner" else True,
-            verify_parity(m) if scheme == "xor" else True,
+    def _rebuild_step(self, m: Member, fix: bool) -> LocalChoice | str:
+        """Collective: verify every rank's files and redundancy of ``m``, rebuild what is lost,
+        make each node's directory hold the agreed manifest (``fix``: this node's lacks it,
+        differs or is marked), protect again where anything was repaired."""
+        s, scheme = m.manifest.step, self.placement.scheme
+        word = _attempt(
+            lambda: (
+                verify_own(m),
+                verify_copy(m) if scheme == "partner" else True,
+                verify_parity(m) if scheme == "xor" else True,
+            )
         )
         words = self.group.all_gather(word, "restore")
+        if any(isinstance(w, str) for w in words):
+            return _first_error(words, "verify")
         lost = {r for r, w in enumerate(words) if not w[0]}
         if not self.placement.recoverable(lost, [w[1] for w in words], [w[2] for w in words]):
-            _log.warning(
-                "step %d cannot be rebuilt on the local level (ranks %s lost their files; "
-                "redundancy %s); trying older", s, sorted(lost), scheme, phase="restore",
-            )  # fmt: skip
-            return None
+            return f"cannot be rebuilt (ranks {sorted(lost)} lost their files; redundancy {scheme})"
         repaired = [f"rank {r}" for r in sorted(lost)]
         repaired += [f"partner copy on rank {r}" for r, w in enumerate(words) if not w[1]]
         repaired += [f"parity on rank {r}" for r, w in enumerate(words) if not w[2]]
-        self._ensure_dir(m, mine.get(s) is not None)
-        got = rebuild(m, lost)
-        if self.group.rank in lost and not verify_own(m):
-            raise CheckpointError(
-                f"rank {self.group.rank}'s files of step {s} were rebuilt but fail their checksums",
-                step=s, phase="restore",
-            )  # fmt: skip
-        self._settle(m, protect_again=bool(repaired), committed_here=s in mine)
+        room = _attempt(lambda: self._make_room(m.directory) if fix else False)
+        rooms = self.group.all_gather(room, "restore")  # every node's directory is there
+        if any(isinstance(r, str) for r in rooms):
+            if room is True:
+                self.local_storage.abort(m.directory)
+            return _first_error(rooms, "make room")
+
+        def rebuild_here() -> dict[str, int]:
+            got = rebuild(m, lost)
+            if self.group.rank in lost and not verify_own(m):
+                raise CorruptCheckpointError(
+                    f"rank {self.group.rank}'s files were rebuilt but fail their checksums",
+                    step=s, phase="restore",
+                )  # fmt: skip
+            return got
+
+        got = _attempt(rebuild_here)
+        gots = self.group.all_gather(got, "restore")
+        if any(isinstance(g, str) for g in gots):
+            if room is True:
+                self.local_storage.abort(m.directory)
+            return _first_error(gots, "rebuild")
+        if repaired:
+            self._protect_again(m)
+        if fix:
+            error = _attempt(lambda: self.local_storage.commit(m.directory, m.manifest.dumps()))
+            if isinstance(error, str):
+                _log.warning("node %s could not take the manifest of %s: %s", self.node,
+                             m.directory, error, phase="restore")  # fmt: skip
+        self.group.all_gather(None, "restore")  # every node holds the step
         if repaired and self.group.coordinator:
             _log.warning(
                 "step %d: repaired on the local level: %s", s, ", ".join(repaired), phase="restore"
             )
-        sources = {"own": sum(f.nbytes for f in manifest.files if f.rank not in lost)}
-        for w in self.group.all_gather(got, "restore"):
-            for k, v in w.items():
+        sources = {"own": sum(f.nbytes for f in m.manifest.files if f.rank not in lost)}
+        for g in gots:
+            for k, v in g.items():
                 sources[k] = sources.get(k, 0) + v
-        return LocalChoice(s, sources, [], repaired)
+        return LocalChoice(s, sources, repaired)
 
-    def _ensure_dir(self, m: Member, committed_here: bool) -> None:
-        """The step directory exists on every node (a spare node's is created)."""
-        if (
-            not committed_here
-            and self.leader
-            and self.local_storage.entry_kind(m.directory) == "missing"
-        ):
-            self.local_storage.prepare(m.directory)
-        self.group.all_gather(None, "restore")
+    def _make_room(self, directory: str) -> bool:
+        """Leader: ``directory`` exists on this node without a manifest or a marker, ready
+        for the agreed manifest (a differing or marked one is removed: its files were
+        verified against the agreed one). True if it had to be created."""
+        kind = self.local_storage.entry_kind(directory)
+        if kind == "missing":
+            self.local_storage.prepare(directory)
+            return True
+        if kind != "dir":
+            raise CheckpointExistsError(
+                f"{directory} on node {self.node} is a {kind}, not a directory: not touched",
+                path=f"{self.local_storage.url}/{directory}", phase="restore",
+            )  # fmt: skip
+        self.local_storage.uncommit(directory)
+        for marker in ("damaged", "abandoned"):
+            self.local_storage.unmark(directory, marker)
+        return False
 
-    def _set_aside_newer(self, s: int) -> list[str]:
-        out = []
-        if self.leader:
-            for e in self.local_catalog.committed():
-                if e.step is not None and e.step > s:
-                    name = self.local_catalog.set_aside(e, "abandoned")
-                    if name is not None:
-                        out.append(e.name)
-        return out
+    def _protect_again(self, m: Member) -> None:
+        """Write the redundancy again (a spare node gets its copies, a bad copy or parity is
+        rewritten). A failure leaves the step restorable, less protected: said, not raised."""
+        error = _attempt(lambda: protect(m))
+        errors = [e for e in self.group.all_gather(error, "restore") if isinstance(e, str)]
+        if errors and self.group.coordinator:
+            _log.warning("%s: redundancy not re-established: %s", m.directory, errors[0],
+                         phase="restore")  # fmt: skip
 
-    def fetch(self, entry: Entry) -> None:
-        """After a restore from the shared level: copy ``entry`` into the local level where a
-        node lacks it and protect it there, so that the next failure restarts from the local
-        level. Collective; a failure is logged (the restore itself succeeded)."""
-        manifest = entry.manifest
-        if (
-            manifest is None
-            or manifest.world_size != self.group.size
-            or self.shared_storage is None
-        ):
+    def _roll_back(self, s: int, level: str | None) -> list[str]:
+        """Set aside the steps newer than ``s`` on both levels (the served level's own
+        ``recover`` did it there already): the next saves' step names are free, and no later
+        restart resumes the abandoned timeline. Leaders on the local level, rank 0 on the
+        shared one."""
+        out = _roll_back(self.local_catalog, s) if self.leader else []
+        if level == "local" and self.group.coordinator and self.shared_catalog is not None:
+            out += _roll_back(self.shared_catalog, s)
+        names = [n for part in self.group.all_gather(out, "restore") for n in part]
+        return sorted(set(names))
+
+    def fetch(self, manifest: Manifest) -> None:
+        """After a restore from the shared level: copy the step into the local level where a
+        node lacks it (or holds another manifest of it) and protect it there, so that the
+        next failure restarts from the local level. Collective; a failure is logged (the
+        restore itself succeeded)."""
+        if manifest.world_size != self.group.size or self.shared_storage is None:
             return
-        m = self.member(entry.name, manifest)
-        there = self.local_storage.entry_kind(entry.name) != "missing"
-        committed = there and self.local_storage.has_manifest(entry.name)
-        self._ensure_dir(m, there)
-        error = None
-        if not (there and verify_own(m)):
-            try:
-                arena, _ = read_payload(self.member(entry.name, manifest, self.shared_storage))
+        name = step_dir_name(manifest.step)
+        m = self.member(name, manifest)
+        mine = self._node_view().get(manifest.step)
+        fix = self.leader and mine != (manifest_digest(manifest), False)
+        source = self.member(name, manifest, self.shared_storage)
+
+        room = _attempt(lambda: self._make_room(name) if fix else False)
+        errors = [e for e in self.group.all_gather(room, "restore") if isinstance(e, str)]
+
+        def copy_here() -> None:
+            if not verify_own(m):
+                arena, _ = read_payload(source)
                 try:
                     write_payload(m, self.group.rank, arena.view, copy=False)
                 finally:
                     arena.close()
-            except CheckpointError as e:
-                error = str(e)
-        errors = [e for e in self.group.all_gather(error, "restore") if e]
-        if errors:
-            _log.warning("step %d stays on the shared level only: %s", manifest.step, errors[0],
-                         phase="restore")  # fmt: skip
-            return
-        self._settle(m, protect_again=True, committed_here=committed)
 
-    def _settle(self, m: Member, *, protect_again: bool, committed_here: bool) -> None:
-        """Every rank's files are in place: write the redundancy again if asked (a spare
-        node gets its copies; a bad copy or parity is rewritten), the manifest on each node
-        that lacks it, and wait until every node holds the step."""
-        if protect_again:
-            protect(m)
-        if self.leader and not committed_here:
-            self.local_storage.commit(m.directory, m.manifest.dumps())
+        if not errors:
+            copied = _attempt(copy_here)
+            errors = [e for e in self.group.all_gather(copied, "restore") if isinstance(e, str)]
+        if errors:
+            if room is True:
+                self.local_storage.abort(name)
+            if self.group.coordinator:
+                _log.warning("step %d stays on the shared level only: %s", manifest.step,
+                             errors[0], phase="restore")  # fmt: skip
+            return
+        self._protect_again(m)
+        if fix:
+            error = _attempt(lambda: self.local_storage.commit(name, manifest.dumps()))
+            if isinstance(error, str):
+                _log.warning("node %s could not take the manifest of %s: %s", self.node, name,
+                             error, phase="restore")  # fmt: skip
         self.group.all_gather(None, "restore")
 
     # ------------------------------------------------------------------ misc
@@ -321,17 +563,17 @@ class LevelStack:
             "every": self.shared.every if self.shared else None,
             "nodes": self.placement.nodes,
         }  # fmt: skip
-        data = json.dumps(doc, indent=1).encode()
-        targets = [self.local.path_of(self.node)] if self.leader else []
+        targets = [(self.local.path_of(self.node), {"level": "local", "node": self.node})]
+        targets = targets if self.leader else []
         shared = self.shared.path if self.shared is not None else None
         if isinstance(shared, (str, os.PathLike)) and self.group.coordinator:
-            targets.append(os.fspath(shared))
-        for root in targets:
+            targets.append((os.fspath(shared), {"level": "shared"}))
+        for root, which in targets:
             try:
                 os.makedirs(root, exist_ok=True)
                 tmp = os.path.join(root, f".{LEVELS_FILE}.{os.getpid()}")
                 with open(tmp, "wb") as f:
-                    f.write(data)
+                    f.write(json.dumps({**which, **doc}, indent=1).encode())
                 os.replace(tmp, os.path.join(root, LEVELS_FILE))
             except OSError as e:
                 _log.warning("could not write %s under %s: %s", LEVELS_FILE, root, e, phase="plan")
@@ -345,3 +587,54 @@ class LevelStack:
             if self.shared_catalog is not None:
                 self.shared_catalog.close()
             self.link.close()
+
+
+_HELD = ("committed", "damaged", "abandoned")  # statuses of a step directory with a manifest
+
+
+def _attempt(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or the text of its error: a rank's part of a collective step never raises
+    alone (the others would wait for it); the ranks compare words and decide together."""
+    try:
+        return fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _first_error(words: list[Any], what: str) -> str:
+    bad = [r for r, w in enumerate(words) if isinstance(w, str)]
+    return f"{what} failed on rank(s) {bad}: {words[bad[0]]}"
+
+
+def _unusable(raw: bytes | None, s: int, digest: str, world_size: int) -> Manifest | str:
+    """The manifest a node sent for step ``s``, or why the local level cannot serve it."""
+    if raw is None:
+        return "the manifest could not be read"
+    try:
+        manifest = Manifest.loads(raw, path=step_dir_name(s))
+    except CheckpointError as e:
+        return f"manifest: {e}"
+    if manifest.step != s or manifest_digest(manifest) != digest:
+        return "the manifest changed while it was read"
+    if manifest.world_size != world_size:
+        return (
+            f"saved by {manifest.world_size} ranks, this job has {world_size}: the local level "
+            "serves only the world size that wrote it (the shared level reshards)"
+        )
+    return manifest
+
+
+def _roll_back(catalog: Catalog, s: int) -> list[str]:
+    """Set aside the steps of ``catalog`` newer than ``s``: a rollback marker first where
+    ``s`` is committed (``Catalog.start_timeline``), else each one."""
+    entries = catalog.scan()
+    here = next((e for e in entries if e.step == s and e.status == "committed"), None)
+    if here is not None and here.is_step_dir:
+        return catalog.start_timeline(here, entries, set())
+    out = []
+    for e in entries:
+        if e.is_step_dir and e.step is not None and e.step > s and e.status in _HELD:
+            name = catalog.set_aside(e, "damaged" if e.status == "damaged" else "abandoned")
+            if name is not None:
+                out.append(name)
+    return out

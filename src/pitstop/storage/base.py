@@ -133,6 +133,10 @@ class Storage(Protocol):
         """The parsed markers of ``directory`` by kind (``{}`` for one that does not parse)."""
         ...
 
+    def unmark(self, directory: str, kind: str) -> None:
+        """Remove marker ``kind`` of ``directory`` (a node's copy of a step made whole again)."""
+        ...
+
     def uncommit(self, directory: str) -> None:
         """Remove the manifest durably: from here on ``directory`` is debris."""
         ...

@@ -468,6 +468,18 @@ class LocalStorage:
                 out[kind] = {}
         return out
 
+    def unmark(self, directory: str, kind: str) -> None:
+        """Remove marker ``kind`` of ``directory`` durably (none there: nothing to do)."""
+        path = self._path(directory, MARKERS[kind])
+        try:
+            os.unlink(path)
+            if self.io.fsync:
+                fsync_dir(self._path(directory))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _io_error(e, f"unmark {directory} {kind}", path, "restore") from e
+
     def uncommit(self, directory: str) -> None:
         path = self._dir(directory, "gc")
         try:

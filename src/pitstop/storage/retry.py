@@ -34,7 +34,7 @@ TRANSIENT_ERRNOS = frozenset(
 _RETRY_ANY = frozenset(
     {"entries", "entry_kind", "has_manifest", "mtime", "read_manifest", "read_object",
      "file_size", "open_data", "read_into", "write_object", "commit", "mark", "read_markers",
-     "uncommit", "remove"}
+     "uncommit", "unmark", "remove"}
 )  # fmt: skip
 _RETRY_TRANSIENT = frozenset({"prepare", "write_data"})
 
