@@ -4,9 +4,11 @@ the level that served it and bit-identical state."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 
 import pitstop
 from conftest import flip_byte, make_state, tensors_of
+from pitstop.format.manifest import seal
 from pitstop.testing.distributed import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -98,15 +101,18 @@ def _resume(
     ) as ckpt:
         step = ckpt.restore(state)
         info = ckpt.last_restore
+        restored = _digest(state)
         for s in range((step or 0) + 1, train_to + 1):  # the run goes on from there
             _advance(state, rank, s)
             ckpt.save(s, state)
+            assert ckpt.latest_step() == s  # committed on this rank's node when save returns
     return {
         "step": step,
         "level": info.level if info else None,
         "sources": info.sources if info else None,
         "repaired": info.repaired if info else None,
-        "digest": _digest(state),
+        "digest": restored,
+        "final": _digest(state),
     }
 
 
@@ -191,9 +197,9 @@ def test_a_kill_during_a_flush_keeps_the_local_step_and_the_older_shared_one(
     _check(_resumed(base, "partner"), 4, "local")
 
 
-def _resume_all(rank: int, world: int, jobs: list[tuple[str, str, list[str]]]) -> list[Any]:
+def _resume_all(rank: int, world: int, jobs: list[tuple[str, str, list[str], int]]) -> list[Any]:
     """Several restarts in one set of processes (spawning ranks is what tests wait for)."""
-    return [_resume(rank, world, base, scheme, nodes) for base, scheme, nodes in jobs]
+    return [_resume(rank, world, *job) for job in jobs]
 
 
 def _first_data_offset(base: str, step: int, name: str) -> int:
@@ -216,16 +222,69 @@ def _flip(node: str, name: str) -> Any:
     return damage
 
 
-def _corrupt_shared_and_empty_caches(base: str) -> None:
-    shutil.rmtree(os.path.join(base, "local"))
+def _lose_step(step: int, *nodes: str) -> Any:
+    return lambda base: [shutil.rmtree(_node(base, n, step)) for n in nodes]
+
+
+def _and(*damages: Any) -> Any:
+    return lambda base: [d(base) for d in damages]
+
+
+def _corrupt_shared(base: str) -> None:
     name = "rank-00003.bin"
-    offset = _first_data_offset(base, 4, name)
-    flip_byte(os.path.join(base, "shared", "step-0000000004", name), offset)
+    flip_byte(
+        os.path.join(base, "shared", "step-0000000004", name), _first_data_offset(base, 4, name)
+    )
+
+
+def _corrupt_shared_and_empty_caches(base: str) -> None:
+    _corrupt_shared(base)
+    shutil.rmtree(os.path.join(base, "local"))
+
+
+def _other_manifest(node: str) -> Any:
+    """A manifest of step 4 that parses but is not the one the other nodes hold."""
+
+    def damage(base: str) -> None:
+        path = os.path.join(_node(base, node, 4), "manifest.json")
+        with open(path) as f:
+            body = json.load(f)
+        body["created_unix_secs"] += 1.0
+        with open(path, "w") as f:
+            json.dump(seal(body), f)
+
+    return damage
+
+
+def _write(node: str, name: str, data: bytes) -> Any:
+    def damage(base: str) -> None:
+        with open(os.path.join(_node(base, node, 4), name), "wb") as f:
+            f.write(data)
+
+    return damage
+
+
+def _parity_of_step_3(base: str) -> None:
+    """Rank 1's parity of step 3, relabelled as step 4's: whole, consistent, wrong."""
+    old, new = _node(base, "n1", 3), _node(base, "n1", 4)
+    shutil.copy(os.path.join(old, "xor-00001.bin"), os.path.join(new, "xor-00001.bin"))
+    with open(os.path.join(old, "xor-00001.json")) as f:
+        meta = json.load(f)
+    meta["step"] = 4
+    with open(os.path.join(new, "xor-00001.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def _shared_is_a_file(base: str) -> None:
+    shutil.rmtree(os.path.join(base, "shared"))
+    with open(os.path.join(base, "shared"), "w") as f:
+        f.write("not a directory")
 
 
 SPARE = ["n0", "spare", "n2", "n3"]
-# case: (damage, topology at restart, {scheme: (step, level, repaired)}); repaired None: any
-CASES: dict[str, tuple[Any, list[str], dict[str, tuple[int, str, list[str] | None]]]] = {
+# case: (damage, topology at restart, {scheme: (step, level, repaired)}[, train on to]);
+# repaired None: any
+CASES: dict[str, tuple[Any, ...]] = {
     "clean restart": (
         lambda base: None, NODES4,
         {"single": (4, "local", []), "partner": (4, "local", []), "xor": (4, "local", [])},
@@ -233,8 +292,8 @@ CASES: dict[str, tuple[Any, list[str], dict[str, tuple[int, str, list[str] | Non
     "lost node, spare in its place": (
         _lose("n1"), SPARE,
         {"single": (4, "shared", None),
-         "partner": (4, "local", ["rank 1", "partner copy on rank 1"]),
-         "xor": (4, "local", ["rank 1", "parity on rank 1"])},
+         "partner": (4, "local", ["rank 1", "partner copy on rank 1", "manifest on node spare"]),
+         "xor": (4, "local", ["rank 1", "parity on rank 1", "manifest on node spare"])},
     ),
     "two ring-adjacent nodes lost": (
         _lose("n1", "n2"), NODES4, {"partner": (4, "shared", None), "xor": (4, "shared", None)},
@@ -242,7 +301,8 @@ CASES: dict[str, tuple[Any, list[str], dict[str, tuple[int, str, list[str] | Non
     "two non-adjacent nodes lost": (
         _lose("n0", "n2"), NODES4,
         {"partner": (4, "local", ["rank 0", "rank 2", "partner copy on rank 0",
-                                  "partner copy on rank 2"])},
+                                  "partner copy on rank 2", "manifest on node n0",
+                                  "manifest on node n2"])},
     ),
     "flipped byte in a member file": (
         _flip("n2", "rank-00002.bin"), NODES4,
@@ -260,6 +320,31 @@ CASES: dict[str, tuple[Any, list[str], dict[str, tuple[int, str, list[str] | Non
         _corrupt_shared_and_empty_caches, NODES4,
         {"single": (2, "shared", None), "partner": (2, "shared", None)},
     ),
+    # hostile: each of these failed on the first multi-level code
+    "newest local lost, newest shared corrupt, older local intact; then train on": (
+        _and(_lose_step(4, "n1", "n2"), _corrupt_shared), NODES4,
+        {"single": (3, "local", []), "partner": (3, "local", []), "xor": (3, "local", [])}, 6,
+    ),
+    "another manifest of the step on the lowest node": (
+        _other_manifest("n0"), NODES4,
+        {"single": (4, "local", ["manifest on node n0"]),
+         "partner": (4, "local", ["manifest on node n0"])},
+    ),
+    "garbage manifest on one node": (
+        _write("n2", "manifest.json", b"garbage"), NODES4,
+        {"single": (4, "local", ["manifest on node n2"]),
+         "xor": (4, "local", ["manifest on node n2"])},
+    ),
+    "step marked damaged on one node": (
+        _write("n3", "DAMAGED", b'{"reason": "a tool said so"}'), NODES4,
+        {"partner": (4, "local", ["manifest on node n3"])},
+    ),
+    "parity of another step": (
+        _parity_of_step_3, NODES4, {"xor": (4, "local", ["parity on rank 1"])},
+    ),
+    "shared level unusable (a file); then train on": (
+        _shared_is_a_file, NODES4, {"single": (4, "local", []), "xor": (4, "local", [])}, 5,
+    ),
 }  # fmt: skip
 
 
@@ -270,15 +355,17 @@ def test_the_fault_matrix(tmp_path: Any, scheme: str) -> None:
     re-established), and a second node lost after the spare came in is rebuilt too."""
     cases = {name: c for name, c in CASES.items() if scheme in c[2]}
     jobs = []
-    for i, (damage, nodes, _) in enumerate(cases.values()):
+    for i, (damage, nodes, *rest) in enumerate(cases.values()):
         base = _trained(tmp_path / str(i), scheme)
         damage(base)
-        jobs.append((base, scheme, nodes))
-    results = run_ranks(_resume_all, 4, jobs, timeout_secs=TIMEOUT * 6)
-    for j, (name, (_, _, expect)) in enumerate(cases.items()):
+        jobs.append((base, scheme, nodes, rest[1] if len(rest) > 1 else 0))
+    results = run_ranks(_resume_all, 4, jobs, timeout_secs=TIMEOUT * 8)
+    for j, (name, (_, _, expect, *on)) in enumerate(cases.items()):
         per_rank = [r[j] for r in results]
         step, level, repaired = expect[scheme]
         sources = _check(per_rank, step, level)
+        for rank, r in enumerate(per_rank):  # the run went on from there, saving each step
+            assert r["final"] == _EXPECTED[4][rank][on[0] if on else step], name
         if repaired is not None:
             assert per_rank[0]["repaired"] == repaired, name
         if level == "shared":
@@ -289,17 +376,59 @@ def test_the_fault_matrix(tmp_path: Any, scheme: str) -> None:
         return
     spare = list(cases).index("lost node, spare in its place")
     shutil.rmtree(_node(jobs[spare][0], "n0"))  # its copy / parity was rebuilt on the spare
-    again = run_ranks(_resume_all, 4, jobs, timeout_secs=TIMEOUT * 6)
-    for j, (name, (_, _, expect)) in enumerate(cases.items()):
+    again = run_ranks(_resume_all, 4, [job[:3] for job in jobs], timeout_secs=TIMEOUT * 8)
+    for j, (name, (_, _, expect, *on)) in enumerate(cases.items()):
         per_rank = [r[j] for r in again]
         if j == spare:  # a second loss after the spare came in: rebuilt again
             _check(per_rank, 4, "local")
             what = "partner copy" if scheme == "partner" else "parity"
-            assert per_rank[0]["repaired"] == ["rank 0", f"{what} on rank 0"]
+            assert per_rank[0]["repaired"] == ["rank 0", f"{what} on rank 0", "manifest on node n0"]
         elif expect[scheme][1] == "local":
             assert per_rank[0]["repaired"] == [], name
+            assert per_rank[0]["step"] == (on[0] if on else expect[scheme][0]), name
 
 
 def test_a_different_world_size_restores_from_shared(tmp_path: Any) -> None:
     base = _trained(tmp_path, "partner")
     _check(_resumed(base, "partner", ["n0", "n1"]), 4, "shared")
+
+
+def _save_slow_commits(rank: int, world: int, base: str) -> list[int | None]:
+    """Two ranks per node; each node's leader takes half a second to commit."""
+    from pitstop.storage.local import LocalStorage
+
+    commit = LocalStorage.commit
+
+    def slow(self: LocalStorage, directory: str, manifest: bytes) -> None:
+        time.sleep(0.5)
+        commit(self, directory, manifest)
+
+    LocalStorage.commit = slow  # type: ignore[method-assign]
+    seen = []
+    with pitstop.CheckpointManager(
+        levels=_levels(base, "partner", 10), topology=["a", "a", "b", "b"],
+        dist_timeout_secs=TIMEOUT,
+    ) as ckpt:  # fmt: skip
+        for step in (1, 2):
+            ckpt.save(step, _state(rank))
+            seen.append(ckpt.latest_step())
+    return seen
+
+
+def test_save_returns_once_the_step_is_committed_on_the_callers_node(tmp_path: Any) -> None:
+    assert run_ranks(_save_slow_commits, 4, str(tmp_path), timeout_secs=TIMEOUT * 3) == [[1, 2]] * 4
+
+
+def _two_nodes_one_directory(rank: int, world: int, path: str) -> str:
+    try:
+        pitstop.CheckpointManager(
+            levels=[pitstop.Local(path)], topology=["a", "b"], dist_timeout_secs=TIMEOUT
+        )
+    except pitstop.UnsupportedSetupError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_two_nodes_on_one_local_directory_are_refused(tmp_path: Any) -> None:
+    out = run_ranks(_two_nodes_one_directory, 2, str(tmp_path / "local"), timeout_secs=TIMEOUT * 3)
+    assert all("nodes 'a' and 'b' share one local directory" in e for e in out), out

@@ -84,3 +84,92 @@ def test_a_full_shared_level_fails_the_flush_not_training(tmp_path: Any) -> None
         assert ckpt.restore({"model": fresh}) == 3
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
     assert torch.equal(fresh.weight, model.weight)
+
+
+def _job(tmp_path: Any, every: int = 2, keep: int = 2) -> list[Any]:
+    return [
+        pitstop.Local(tmp_path / "local" / "{node}", keep_last=keep),
+        pitstop.Shared(tmp_path / "shared", every=every),
+    ]
+
+
+def _steps(path: Any) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(path) if n.startswith("step-"))
+
+
+def _save_to(ckpt: pitstop.CheckpointManager, model: torch.nn.Module, steps: range) -> None:
+    for step in steps:
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        ckpt.save(step, {"model": model})
+
+
+def test_restore_of_an_older_step_sets_the_newer_ones_aside_on_both_levels(
+    tmp_path: Any,
+) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        _save_to(ckpt, model, range(1, 5))  # local keeps 3, 4; shared holds 2, 4
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}, step=3) == 3
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
+        assert _steps(tmp_path / "local" / "n0") == [3] and _steps(tmp_path / "shared") == [2]
+        with torch.no_grad():
+            model.weight.fill_(40.0)  # the new timeline's step 4
+        ckpt.save(4, {"model": model})
+    fresh = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 4
+    assert torch.equal(fresh.weight, torch.full((4, 4), 40.0))
+    assert _steps(tmp_path / "shared") == [2, 4]  # the new step 4 (flushed: 3 was not there)
+
+
+def test_a_newer_intact_local_step_wins_over_an_older_shared_one(tmp_path: Any) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        _save_to(ckpt, model, range(1, 5))
+    for level in ("local/n0", "shared"):  # step 4 damaged everywhere; local 3 intact
+        with open(tmp_path / level / "step-0000000004" / "rank-00000.bin", "r+b") as f:
+            f.seek(0)
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}) == 3
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
+        assert torch.equal(model.weight, torch.full((4, 4), 3.0))
+        _save_to(ckpt, model, range(4, 6))  # step 4's name is free on both levels
+
+
+def test_close_flushes_the_newest_step_and_the_schedule_survives_a_restart(
+    tmp_path: Any,
+) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+        _save_to(ckpt, model, range(1, 4))
+        assert _steps(tmp_path / "shared") == []
+    assert _steps(tmp_path / "shared") == [3]  # flushed at close
+    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}) == 3
+        _save_to(ckpt, model, range(4, 6))
+        record = ckpt.flush()
+        assert record is not None and record.ok and record.step == 5
+        assert ckpt.flush() is None  # flushed already
+    assert _steps(tmp_path / "shared") == [3, 5]
+    # a restart from a step the shared level lacks flushes the first step after it
+    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}, step=4) == 4
+        _save_to(ckpt, model, range(5, 6))
+        assert ckpt.levels is not None and ckpt.levels.flusher is not None
+        ckpt.levels.flusher.drain()
+        assert [(r.step, r.ok) for r in ckpt.levels.flusher.records] == [(5, True)]
+        ckpt.close(flush=False)
+
+
+def test_an_exception_in_the_with_block_does_not_flush(tmp_path: Any) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="boom"):
+        with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+            _save_to(ckpt, model, range(1, 3))
+            raise RuntimeError("boom")
+    assert _steps(tmp_path / "shared") == []

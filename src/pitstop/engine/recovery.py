@@ -62,6 +62,7 @@ class RestoreResult:
     level: str | None = None  # multi-level: "local" or "shared"
     sources: dict[str, int] = field(default_factory=dict)  # bytes by source (own, partner, ...)
     repaired: list[str] = field(default_factory=list)  # multi-level: what was rebuilt
+    overwritten: bool = False  # a failed attempt wrote into the live state
 
 
 def _chain(
@@ -89,10 +90,15 @@ def recover(
     rollback: bool = False,
     group: Group | None = None,
     window: tuple[int | None, int] | None = None,
+    overwritten: bool = False,
+    raise_if_none: bool = True,
 ) -> RestoreResult:
     """Load the newest checkpoint that verifies (or ``step``) with ``load(entry)``;
     ``window=(lo, hi)``: only steps above ``lo`` (None: any) and at most ``hi`` (the shared
     level of :mod:`pitstop.multilevel`, between the local level's candidates).
+    ``overwritten``: an attempt before this call wrote into the live state (another level);
+    ``raise_if_none=False``: when no candidate loads, return a result without a step (its
+    ``skipped`` and ``overwritten`` say what happened) instead of raising.
 
     Several ranks (``group``): collective. Rank 0's scan decides the candidates; every rank
     loads the same one (``load`` agrees with the others before it touches the live state);
@@ -102,7 +108,7 @@ def recover(
     group = group if group is not None else Group()
     t0 = time.perf_counter()
     result = RestoreResult()
-    partial = False  # a load failed after overwriting part of the live state
+    partial = overwritten  # a load failed after overwriting part of the live state
     for _ in range(_RESCANS):
         entries = catalog.scan()
         words = group.all_gather(
@@ -191,8 +197,9 @@ def recover(
             return result
         if not vanished:
             break
-    if not result.skipped:
-        return result  # no checkpoint at all
+    result.overwritten = partial
+    if not result.skipped or not raise_if_none:
+        return result  # no checkpoint at all, or the caller goes on to another level
     reasons = _reasons(result.skipped)
     if partial:
         raise PartialRestoreError(

@@ -7,23 +7,32 @@ Call sequence (every rank; the manager makes these calls)::
       replicate / decide / decided                   # persist thread, inside each commit
     stack.committed(step, identity)                  # persist thread, after the local commit:
                                                      #   local retention, maybe a flush
-    choice = stack.restore_local(step)               # training thread, collective: the newest
-                                                     #   local step every rank can have, rebuilt
-                                                     #   and re-protected; None if none
-    stack.fetch(entry)                               # after a restore from the shared level:
-                                                     #   into the local level, protected
+    result = stack.recover(load, step, rollback=..., fetch=...)   # training thread,
+                                                     #   collective: see below
+    stack.flush()                                    # training thread: the newest step this
+                                                     #   process committed, now (close too)
     stack.close()
 
-Restart (``restore_local``): every rank lists the steps committed on its node; candidates
-are the steps committed on any node, newest first. For a candidate, the manifest comes from
-a node that has it; every rank verifies its own member files, the partner copy or parity
-block its node keeps (every checksum), and the ranks agree on what is lost. The step is
-recoverable when every lost rank has a whole partner copy (``partner``), or its XOR set
-lost no other member and every survivor's parity is whole (``xor``); ``single`` needs
-nothing lost. Then the lost files are rebuilt, verified, the redundancy rewritten if any
-piece of it was missing or bad (a spare node gets its partner copy and parity), and the
-manifest written on every node that lacks it. Newer local steps that could not be
-recovered are set aside (abandoned), so the steps the run takes next are free.
+Restart (``recover``): every node's leader lists the steps whose manifest its node holds,
+with the manifest's digest; the shared level's steps come from rank 0's scan. Steps are
+tried newest first over both levels, the local level first for a step both hold.
+
+A local step: its manifest is the one the most nodes hold (ties: the lowest rank's) that
+parses and fits the world size; every rank verifies its own member files, the partner copy
+or parity block its node keeps (every checksum; parity also names its manifest), and the
+ranks agree on what is lost. The step is recoverable when every lost rank has a whole
+partner copy (``partner``), or its XOR set lost no other member and every survivor's parity
+is whole (``xor``); ``single`` needs nothing lost. Then each node whose manifest is
+missing, different, unreadable or marked gets room (a spare's directory is created), the
+lost files are rebuilt and verified, the redundancy is rewritten if any piece of it was
+missing or bad, and those nodes get the agreed manifest. Each of these steps ends in an
+all-gather of every rank's word (its result or its error): a rank never fails alone; any
+error means "try older".
+
+The shared level is tried with ``recover`` over a window: from the step at hand down to
+(not including) the next local candidate, so it never serves an older step than the local
+level could. A step it served is fetched into the local level (``fetch``) and protected.
+A rollback then sets aside the newer steps of both levels (``Catalog.start_timeline``).
 """
 
 from __future__ import annotations
@@ -86,6 +95,35 @@ class LocalChoice:
     step: int
     sources: dict[str, int] = field(default_factory=dict)
     repaired: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Walk:
+    """A restore's way down the candidates of both levels: what was skipped and why, and
+    whether a failed attempt wrote into the live state."""
+
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    overwritten: bool = False
+
+    def nothing(self, step: int | None, where: str) -> RestoreResult:
+        """No level delivered: an empty result when there was nothing, else the error."""
+        reasons = "; ".join(f"{name}: {why}" for name, why in self.skipped)
+        if self.overwritten:
+            raise PartialRestoreError(
+                "no checkpoint could be restored and the live state was partly overwritten: "
+                f"do not train from it ({reasons})", path=where, phase="restore",
+            )  # fmt: skip
+        if step is not None:
+            raise CheckpointNotFoundError(
+                f"no level can deliver step {step}" + (f" ({reasons})" if reasons else ""),
+                step=step, path=where, phase="restore",
+            )  # fmt: skip
+        if self.skipped:
+            raise CorruptCheckpointError(
+                f"no checkpoint on any level could be restored ({reasons})", path=where,
+                phase="restore",
+            )  # fmt: skip
+        return RestoreResult()
 
 
 class LevelStack:
@@ -183,7 +221,11 @@ class LevelStack:
         m = self.member(directory, Manifest.loads(manifest, path=self.local_storage.url))
         self._manifest = m.manifest  # for the flush: a co-located leader may commit later
         killpoint("replicate.mid")
-        protect(m)
+        try:
+            protect(m)
+        except CheckpointError as e:  # ENOSPC writing a partner copy is the replication's
+            e.phase, e.step = "replicate", m.manifest.step
+            raise
 
     def _decide(self) -> dict[str, Any]:
         """Rank 0, once every rank replicated: flush this step? Once ``every`` local commits
@@ -262,44 +304,33 @@ class LevelStack:
         candidates = sorted(local | set(shared), reverse=True)
         if step is not None:
             candidates = [s for s in candidates if s == step]
-        skipped: list[tuple[str, str]] = []
+        walk = _Walk()
         result, covered = None, math.inf  # shared steps above ``covered`` were tried
         for i, s in enumerate(candidates):
             if s in local:
-                result = self._from_local(load, s, views, skipped)
+                result = self._from_local(load, s, views, walk)
             if result is None and s in shared and s <= covered:
                 # the shared level falls back by itself, down to the next local candidate
                 floor = next((c for c in candidates[i + 1 :] if c in local), None)
-                window = (floor, s) if step is None else (s - 1, s)
                 covered = floor if floor is not None else -math.inf
-                result = self._from_shared(load, window, skipped, rollback=rollback, fetch=fetch)
+                window = (floor, s) if step is None else (s - 1, s)
+                result = self._load(walk, "shared", load, window=window, rollback=rollback)
+                if result is not None and result.manifest is not None:
+                    result.level, result.sources = "shared", {"shared": result.manifest.nbytes}
+                    if fetch:
+                        self.fetch(result.manifest)
             if result is not None:
                 break
         if result is None:
-            return self._nothing(step, skipped)
+            return walk.nothing(step, self.local_storage.url)
         assert result.step is not None
-        result.skipped = skipped + result.skipped
         if rollback:
             result.set_aside += self._roll_back(result.step, result.level)
-        self._since_flush = 0 if result.step in shared else self._every - 1
-        if rollback:
             self._newest = None  # a step this process committed may be set aside now
+        self._since_flush = 0 if result.step in shared else self._every - 1
+        result.skipped = walk.skipped + result.skipped
         result.secs = time.perf_counter() - t0
         return result
-
-    def _nothing(self, step: int | None, skipped: list[tuple[str, str]]) -> RestoreResult:
-        reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
-        if step is not None:
-            raise CheckpointNotFoundError(
-                f"no level can deliver step {step}" + (f" ({reasons})" if reasons else ""),
-                step=step, path=self.local_storage.url, phase="restore",
-            )  # fmt: skip
-        if skipped:
-            raise CorruptCheckpointError(
-                f"no checkpoint on any level could be restored ({reasons})",
-                path=self.local_storage.url, phase="restore",
-            )  # fmt: skip
-        return RestoreResult()
 
     def _node_view(self) -> dict[int, tuple[str, bool]]:
         """Leaders: the steps whose directory on this node holds a manifest: its digest (""
@@ -330,53 +361,39 @@ class LevelStack:
         load: Callable[[Storage, Entry], Any],
         s: int,
         views: list[dict[int, tuple[str, bool]]],
-        skipped: list[tuple[str, str]],
+        walk: _Walk,
     ) -> RestoreResult | None:
         choice = self._ready_step(s, views)
         if isinstance(choice, str):
-            skipped.append((f"local {step_dir_name(s)}", choice))
+            walk.skipped.append((f"local {step_dir_name(s)}", choice))
             if self.group.coordinator:
                 _log.warning("local %s: %s", step_dir_name(s), choice, phase="restore")
             return None
-        try:
-            result = recover(
-                self.local_catalog, lambda e: load(self.local_storage, e), step=s,
-                group=self.group,
-            )  # fmt: skip
-        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-            if isinstance(e, PartialRestoreError):
-                raise
-            skipped.append((f"local {step_dir_name(s)}", str(e)))
-            return None
-        result.level, result.sources, result.repaired = "local", choice.sources, choice.repaired
+        result = self._load(walk, "local", load, step=s)
+        if result is not None:
+            result.level, result.sources = "local", choice.sources
+            result.repaired = choice.repaired
         return result
 
-    def _from_shared(
-        self,
-        load: Callable[[Storage, Entry], Any],
-        window: tuple[int | None, int],
-        skipped: list[tuple[str, str]],
-        *,
-        rollback: bool,
-        fetch: bool,
+    def _load(
+        self, walk: _Walk, level: str, load: Callable[[Storage, Entry], Any], **kw: Any
     ) -> RestoreResult | None:
-        catalog = self.shared_catalog
+        """``recover`` on one level; None (and ``walk`` told why) when nothing loaded."""
+        catalog = self.local_catalog if level == "local" else self.shared_catalog
         assert catalog is not None
         try:
             result = recover(
-                catalog, lambda e: load(catalog.storage, e), rollback=rollback,
-                group=self.group, window=window,
+                catalog, lambda e: load(catalog.storage, e), group=self.group,
+                overwritten=walk.overwritten, raise_if_none=False, **kw,
             )  # fmt: skip
-        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-            if isinstance(e, PartialRestoreError):
-                raise
-            skipped.append((f"shared, steps {window[0] or 0} < step <= {window[1]}", str(e)))
+        except CheckpointNotFoundError as e:
+            walk.skipped.append((level, str(e)))
             return None
-        if result.step is None or result.manifest is None:
+        result.skipped = [(f"{level} {name}", why) for name, why in result.skipped]
+        if result.step is None:
+            walk.skipped += result.skipped
+            walk.overwritten = result.overwritten
             return None
-        result.level, result.sources = "shared", {"shared": result.manifest.nbytes}
-        if fetch:
-            self.fetch(result.manifest)
         return result
 
     def _ready_step(self, s: int, views: list[dict[int, tuple[str, bool]]]) -> LocalChoice | str:
@@ -398,9 +415,8 @@ class LevelStack:
             if isinstance(why, str):
                 reasons.append(why)
                 continue
-            mine = views[self.placement.leaders[self.group.rank]].get(s)
-            fix = self.leader and (mine is None or mine != (digest, False))
-            out = self._rebuild_step(self.member(step_dir_name(s), why), fix)
+            stale = [n for n in leaders if views[n].get(s) != (digest, False)]
+            out = self._rebuild_step(self.member(step_dir_name(s), why), stale)
             if not isinstance(out, str):
                 return out
             reasons.append(out)
@@ -412,11 +428,13 @@ class LevelStack:
         except CheckpointError:
             return None
 
-    def _rebuild_step(self, m: Member, fix: bool) -> LocalChoice | str:
+    def _rebuild_step(self, m: Member, stale: list[int]) -> LocalChoice | str:
         """Collective: verify every rank's files and redundancy of ``m``, rebuild what is lost,
-        make each node's directory hold the agreed manifest (``fix``: this node's lacks it,
-        differs or is marked), protect again where anything was repaired."""
+        make each node's directory hold the agreed manifest (``stale``: the leaders of the
+        nodes whose manifest is missing, differs or is marked), protect again where anything
+        was repaired."""
         s, scheme = m.manifest.step, self.placement.scheme
+        fix = self.group.rank in stale
         word = _attempt(
             lambda: (
                 verify_own(m),
@@ -457,6 +475,7 @@ class LevelStack:
             return _first_error(gots, "rebuild")
         if repaired:
             self._protect_again(m)
+        repaired += [f"manifest on node {self.placement.nodes[n]}" for n in stale]
         if fix:
             error = _attempt(lambda: self.local_storage.commit(m.directory, m.manifest.dumps()))
             if isinstance(error, str):
@@ -505,9 +524,17 @@ class LevelStack:
         ``recover`` did it there already): the next saves' step names are free, and no later
         restart resumes the abandoned timeline. Leaders on the local level, rank 0 on the
         shared one."""
-        out = _roll_back(self.local_catalog, s) if self.leader else []
+        parts = [(self.local_catalog, f"node {self.node}")] if self.leader else []
         if level == "local" and self.group.coordinator and self.shared_catalog is not None:
-            out += _roll_back(self.shared_catalog, s)
+            parts.append((self.shared_catalog, "the shared level"))
+        out: list[str] = []
+        for catalog, where in parts:
+            moved = _attempt(lambda c=catalog: _roll_back(c, s))  # type: ignore[misc]
+            if isinstance(moved, str):
+                _log.warning("the steps after %d stay on %s: %s", s, where, moved,
+                             phase="restore")  # fmt: skip
+            else:
+                out += moved
         names = [n for part in self.group.all_gather(out, "restore") for n in part]
         return sorted(set(names))
 
