@@ -65,6 +65,13 @@ class CheckpointManager:
     (``KeepLast(3) | KeepEvery(secs=3600) | KeepBest("loss")``); neither keeps everything.
     ``allow_pickle`` lets values that JSON cannot hold be stored, and loaded, as pickles.
     Other knobs live in :class:`~pitstop.options.SaveOptions` or their keyword shortcuts.
+
+    ``levels=[pitstop.Local("/local/{node}", redundancy="partner"), pitstop.Shared(path,
+    every=10)]`` instead of ``root``: every save to node-local storage, protected across
+    nodes, every 10th flushed to the shared level (:mod:`pitstop.multilevel`);
+    ``keep_last``/``retention`` then apply to the shared level, ``Local(keep_last=2)`` to
+    the local one. ``topology=`` (rank -> node id) places ranks on nodes; without it
+    ``PITSTOP_NODE`` or the hostname does.
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class CheckpointManager:
         self.last_restore: RestoreResult | None = None
         self._probe = CrashProbe.from_env()  # None unless `pitstop crashtest` runs this process
         self._committed = False  # a checkpoint of this root committed (or was restored)
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage.url!r}, retention={self.retention!r})"
@@ -181,7 +189,10 @@ class CheckpointManager:
     def close(self, *, flush: bool = True) -> None:
         """Wait for saves in flight, flush the newest checkpoint to the shared level if it is
         not there yet (``flush=False``, or leaving a ``with`` block on an exception: not),
-        and release memory and threads."""
+        and release memory and threads. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._loop.restore_signals()
         try:
             self._saver.close()

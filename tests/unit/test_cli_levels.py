@@ -192,3 +192,207 @@ def test_xor_four_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     flip_byte(_rank_file(base, "n3", 3), 100)  # a second member of the one XOR set
     code, out = _run(capsys, "verify", str(base / "local" / "n0"), "--level", "local")
     assert code == 1 and "step-0000000002: NOT RECOVERABLE" in out
+
+
+# ---------------------------------------------------------------------- node directories
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 1 and 2 of four ranks on nodes n0..n3, partner (built once; tests copy it)."""
+    return _tree(tmp_path_factory.mktemp("four"), "partner")
+
+
+def _copy(four: Path, to: Path, *, relink: bool = True) -> Path:
+    """A copy of ``four``; ``relink``: its levels.json files name the copy's own paths."""
+    shutil.copytree(four, to, symlinks=True)
+    for path in to.glob("**/levels.json") if relink else []:
+        doc = json.loads(path.read_text())
+        doc.update(local=str(to / "local" / "{node}"), shared=str(to / "shared"))
+        path.write_text(json.dumps(doc))
+    return to
+
+
+def _markers(base: Path) -> list[str]:
+    return sorted(str(p.relative_to(base)) for p in base.glob("**/DAMAGED"))
+
+
+def _rewrite_manifest(path: Path, change: object) -> None:
+    """Change the manifest at ``path`` (``change(doc)``) and seal it again: it still parses."""
+    from pitstop.format.manifest import seal
+
+    doc = json.loads(path.read_text())
+    change(doc)  # type: ignore[operator]
+    path.write_text(json.dumps(seal(doc), indent=1))
+
+
+def _step_dir(base: Path, node: str, step: int = 2) -> Path:
+    return base / "local" / node / f"step-{step:010d}"
+
+
+@pytest.mark.dist
+def test_verify_of_a_node_dir_or_its_step_dir_is_level_aware_and_marks_nothing(
+    four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _copy(four, tmp_path / "t")
+    for path in (base / "local" / "n1", _step_dir(base, "n1")):
+        code, out = _run(capsys, "verify", str(path), "--level", "local")
+        assert code == 0, out
+        assert "step-0000000002: ok (4 ranks on 4 nodes, partner)" in out
+    assert _markers(base) == []
+    assert main(["verify", str(_step_dir(base, "n1")), "--step", "1"]) == 2  # holds step 2
+
+
+@pytest.mark.dist
+def test_diff_export_and_inspect_of_a_node_dir_never_mark_it(
+    four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _copy(four, tmp_path / "t")
+    node = base / "local" / "n1"
+    out_file = tmp_path / "out.pt"
+    for argv in (
+        ["export", str(node), str(out_file), "--to", "torch"],
+        ["export", str(_step_dir(base, "n1")), str(out_file), "--to", "torch"],
+        ["diff", str(node), str(base / "shared")],
+        ["diff", str(base / "shared"), str(_step_dir(base, "n1"))],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "node n1" in err and "only" in err and str(base / "shared") in err, err
+    assert not out_file.exists() and _markers(base) == []
+    code, out = _run(capsys, "inspect", str(node))
+    assert code == 0 and "node n1" in out and "rank(s) 1" in out
+    assert _markers(base) == []
+    # the shared level holds whole checkpoints: diff and export work there
+    assert main(["diff", str(base / "shared"), str(base / "shared"), "--step-a", "2"]) == 0
+
+
+def test_export_of_a_one_node_dir_works(
+    single: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "w.pt"
+    assert main(["export", str(single / "local" / "n0"), str(out_file), "--to", "torch"]) == 0
+    assert torch.equal(torch.load(out_file)["w"], torch.full((64,), 2.0))
+
+
+@pytest.mark.dist
+def test_verify_agrees_on_the_manifest_most_nodes_hold(
+    four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _copy(four, tmp_path / "t")
+
+    def other_checksum(doc: dict[str, object]) -> None:  # rank 2's tensor, not its bytes
+        t = next(t for t in doc["tensors"] if t["rank"] == 2)  # type: ignore[attr-defined]
+        t["checksum"] = ["0" * len(t["checksum"][0])]
+
+    _rewrite_manifest(_step_dir(base, "n0") / "manifest.json", other_checksum)  # lowest rank
+    (_step_dir(base, "n2") / "DAMAGED").write_text(json.dumps({"reason": "an old verify"}))
+    (_step_dir(base, "n3") / "manifest.json").write_text("{ not json")
+    code, out = _run(capsys, "verify", str(base / "shared"), "--level", "local", "--step", "2")
+    assert code == 0, out  # n1 and n2 hold the same manifest: the agreed one, rank 2 is whole
+    assert "step-0000000002: recoverable" in out
+    assert "degraded: will be repaired at the next restart" in out
+    assert "rank 2" not in out
+    assert "node n0: manifest DIFFERS" in out
+    assert "node n2: manifest marked damaged (an old verify)" in out
+    assert "node n3: manifest does not parse" in out
+    assert "node n1" not in out
+    assert _markers(base) == ["local/n2/step-0000000002/DAMAGED"]
+
+
+@pytest.mark.dist
+def test_verify_tries_the_next_manifest_as_the_restore_does(
+    four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _copy(four, tmp_path / "t")
+
+    def other_checksum(doc: dict[str, object]) -> None:
+        t = next(t for t in doc["tensors"] if t["rank"] == 2)  # type: ignore[attr-defined]
+        t["checksum"] = ["0" * len(t["checksum"][0])]
+
+    for node in ("n0", "n1"):  # the most held (tie, lowest rank): rank 2 cannot match it
+        _rewrite_manifest(_step_dir(base, node) / "manifest.json", other_checksum)
+    code, out = _run(capsys, "verify", str(base / "shared"), "--level", "local", "--step", "2")
+    assert code == 0, out
+    assert "step-0000000002: recoverable" in out and "n2 n3" in out
+    assert "node n0: manifest DIFFERS" in out and "node n1: manifest DIFFERS" in out
+    _rewrite_manifest(_step_dir(base, "n2") / "manifest.json", other_checksum)
+    (_step_dir(base, "n3") / "manifest.json").unlink()
+    code, out = _run(capsys, "verify", str(base / "shared"), "--level", "local", "--step", "2")
+    assert code == 1 and "step-0000000002: NOT RECOVERABLE" in out, out
+
+
+@pytest.mark.dist
+def test_a_node_dir_that_is_a_file_is_reported_for_that_node(
+    four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _copy(four, tmp_path / "t")
+    shutil.rmtree(base / "local" / "n3")
+    (base / "local" / "n3").write_text("not a directory")
+    code, out = _run(capsys, "verify", str(base / "local" / "n0"), "--level", "local")
+    assert code == 0, out  # rank 3's copy is whole on n0
+    assert f"node n3: {base / 'local' / 'n3'} is not a directory" in out
+    assert out.count("recoverable") == 2 and "does not exist" not in out
+    code, out = _run(capsys, "ls", str(base / "local" / "n0"))
+    assert code == 0 and "3/4: n0 n1 n2 (n3: not a directory)" in out
+
+
+@pytest.mark.dist
+def test_a_copied_tree_resolves_inside_the_copy(
+    four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _copy(four, tmp_path / "copy", relink=False)  # levels.json names the original
+    shutil.rmtree(base / "local" / "n3")
+    flip_byte(str(base / "shared" / "step-0000000002" / "rank-00001.bin"), 100)
+    code, out = _run(capsys, "verify", str(base / "local" / "n1"), "--level", "local")
+    assert code == 0 and f"local level: {base / 'local' / '{node}'}" in out
+    assert f"node n3: {base / 'local' / 'n3'} does not exist" in out
+    assert str(four / "local") in out  # what levels.json recorded, said
+    code, out = _run(capsys, "ls", str(base / "local" / "n1"), "--json")
+    doc = json.loads(out)
+    assert [r["nodes"] for r in doc["local"]] == [["n0", "n1", "n2"]] * 2
+    code, out = _run(capsys, "verify", str(base / "shared"), "--level", "shared")
+    assert code == 1 and f"shared level: {base / 'shared'}" in out  # the copy's damage
+    # a node directory copied under another name: only that node's directory is the copy
+    lone = tmp_path / "lone"
+    shutil.copytree(base / "local" / "n1", lone)
+    code, out = _run(capsys, "ls", str(lone))
+    assert code == 0 and f"node n1: {lone}" in out and "4/4: n0 n1 n2 n3" in out
+    assert _markers(four) == []
+
+
+@pytest.mark.dist
+def test_ls_shows_partial_and_damaged_nodes_of_every_step(
+    four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _copy(four, tmp_path / "t")
+    for node in NODES4:  # step 1 marked on every node (a restart still considers it)
+        (_step_dir(base, node, 1) / "DAMAGED").write_text(json.dumps({"reason": "x"}))
+    for node in ("n0", "n1"):  # step 5: an interrupted save
+        _step_dir(base, node, 5).mkdir()
+    code, out = _run(capsys, "ls", str(base / "shared"), "--json")
+    rows = {r["step"]: r for r in json.loads(out)["local"]}
+    assert code == 0 and sorted(rows) == [1, 2, 5]
+    assert rows[1]["nodes"] == [] and rows[1]["not_committed"] == dict.fromkeys(NODES4, "damaged")
+    assert rows[5]["not_committed"] == {
+        "n0": "partial", "n1": "partial", "n2": "missing", "n3": "missing",
+    }  # fmt: skip
+    code, out = _run(capsys, "ls", str(base / "shared"))
+    assert "0/4 (n0: damaged, n1: damaged, n2: damaged, n3: damaged)" in out
+    assert "0/4 (n0: partial, n1: partial, n2: missing, n3: missing)" in out
+
+
+def test_ls_and_verify_help_say_what_they_show_for_levels(
+    single: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for cmd, words in (
+        ("ls", ["levels.json", "flushed to shared", "partial", "damaged"]),
+        ("verify", ["levels.json", "degraded", "exit 0", "exit 1", "never marks"]),
+    ):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split()).lower()
+        assert all(w in text for w in words), (cmd, text)
+    shutil.rmtree(single / "shared" / "step-0000000001")
+    code, out = _run(capsys, "ls", str(single / "local" / "n0"))
+    local = out.split("local level:")[1]
+    assert code == 0 and "FLUSHED TO SHARED" in local
+    assert [line.split()[6] for line in local.splitlines()[2:]] == ["no", "yes"]

@@ -168,8 +168,24 @@ def test_close_flushes_the_newest_step_and_the_schedule_survives_a_restart(
 
 def test_an_exception_in_the_with_block_does_not_flush(tmp_path: Any) -> None:
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(RuntimeError, match="boom"):
-        with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
-            _save_to(ckpt, model, range(1, 3))
-            raise RuntimeError("boom")
+    levels = _job(tmp_path, every=10)
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt,
+    ):
+        _save_to(ckpt, model, range(1, 3))
+        raise RuntimeError("boom")
     assert _steps(tmp_path / "shared") == []
+
+
+def test_a_step_a_rollback_left_is_never_resumed(tmp_path: Any) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+        _save_to(ckpt, model, range(1, 5))
+        ckpt.close(flush=False)
+    # a rollback that found step 4 in use marks it instead of moving it
+    (tmp_path / "local" / "n0" / "step-0000000004" / "ABANDONED").write_text('{"after": 3}')
+    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}) == 3
+        assert ckpt.last_restore is not None and ckpt.last_restore.repaired == []
+        _save_to(ckpt, model, range(4, 5))  # the marked step 4 moves out of the way

@@ -1,13 +1,22 @@
-"""``pitstop ls`` and ``pitstop verify`` of a multi-level setup (``levels=``).
+"""``pitstop ls`` and ``pitstop verify`` of a multi-level setup (``levels=``), and the guard
+that keeps whole-checkpoint commands (``diff``, ``export``) off a node's directory.
 
 A root holding ``levels.json`` (the shared root or any node's directory) stands for the
-whole setup: the file names the node-local template, the redundancy and every rank's node,
-so the node directories are found from it (a relative path in it is taken relative to the
-directory the job ran in, recovered from ROOT when ROOT is one of the levels). The local
-level is listed by step: on which nodes it is committed, its protection, whether the
-shared level has it too. ``verify`` checks, for every rank, its own files on its node and
-the partner copy or parity block its node keeps, and says whether a restart could rebuild
-the step (:meth:`Placement.recoverable`, the rule the restore applies). No torch at import;
+whole setup: the file names the node-local template, the redundancy and every rank's node.
+The directory given wins over the paths recorded, so that a copied tree resolves inside the
+copy: given the shared root, that directory is the shared level; given node X's directory,
+the other nodes' directories are derived from it (the template with X's path replaced by
+the one given; if the copy renamed it, only X's directory is the one given). Relative
+recorded paths start at the directory the job ran in, recovered from the one given. What
+was used instead of the recorded paths is said.
+
+A local step is judged as the restore judges it (:mod:`pitstop.multilevel.stack`): its
+manifest is the one the most nodes hold (ties: the lowest rank's node) that fits the world
+size, the next one if the step cannot be rebuilt from it; a node whose manifest is missing,
+differs, does not parse or is marked lacks it (a restart rewrites it), and its ranks' files
+are checked against the agreed one; :meth:`Placement.recoverable` says whether the step can
+be rebuilt. Nothing is written into a node's directory: only the shared level's
+checkpoints are marked damaged, as ``pitstop verify`` marks any root's. No torch at import;
 verifying the local level imports :mod:`pitstop.multilevel.redundancy` (torch) when run.
 """
 
@@ -15,30 +24,46 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pitstop.cli.main import _human, _UsageError, catalog_of, ls_rows, print_ls, verify_root
 from pitstop.engine.catalog import Entry
-from pitstop.errors import CorruptCheckpointError
+from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.jsonsafe import load_json
 from pitstop.format.manifest import Manifest
-from pitstop.format.names import LEVELS_FILE, step_dir_name
+from pitstop.format.names import LEVELS_FILE, parse_step_dir, step_dir_name
 from pitstop.multilevel.levels import SCHEMES, Placement
 
-__all__ = ["Levels", "ls_levels", "read_levels", "verify_levels"]
+__all__ = [
+    "Levels", "levels_root", "ls_levels", "node_note", "read_levels", "refuse_node_dir",
+    "verify_levels",
+]  # fmt: skip
 
 _SHOWN = 8  # node names shown on one line before "+N more"
+_HELD = ("committed", "damaged")  # a node's step that may serve: as LevelStack._node_view
+
+
+@dataclass(frozen=True)
+class _Unusable:
+    """Why a node's directory cannot be listed: a word for ``ls``, a sentence."""
+
+    word: str
+    text: str
+
+
+_Scans = dict[str, "list[Entry] | _Unusable"]  # node -> its step directories, or why not
 
 
 @dataclass
 class Levels:
-    """levels.json, its paths made absolute."""
+    """levels.json, its paths resolved (see the module docstring)."""
 
     local: str  # the template, with {node}
     shared: str | None  # its directory (None: none, or a storage that is not a directory)
@@ -47,6 +72,10 @@ class Levels:
     set_size: int
     nodes: list[str]  # every rank's node
     doc: dict[str, Any]
+    level: str | None = None  # which level the directory given is: "local", "shared"
+    node: str | None = None  # the node whose directory was given
+    dirs: dict[str, str] = field(default_factory=dict)  # a node's directory off the template
+    notes: list[str] = field(default_factory=list)  # paths used instead of the recorded ones
 
     @property
     def order(self) -> list[str]:
@@ -54,18 +83,22 @@ class Levels:
         return list(dict.fromkeys(self.nodes))
 
     def node_dir(self, node: str) -> str:
-        return self.local.replace("{node}", node)
+        return self.dirs.get(node) or self.local.replace("{node}", node)
+
+    def ranks(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
 
 
 def _valid(doc: Any) -> bool:
     if not isinstance(doc, dict):
         return False
-    nodes, size = doc.get("nodes"), doc.get("set_size")
+    nodes, size, level = doc.get("nodes"), doc.get("set_size"), doc.get("level")
     return (
         isinstance(doc.get("local"), str) and doc.get("redundancy") in SCHEMES
         and isinstance(doc.get("shared"), (str, type(None)))
         and type(size) is int and size >= 2 and isinstance(nodes, list) and bool(nodes)
         and all(isinstance(n, str) and n and "/" not in n and n not in (".", "..") for n in nodes)
+        and level in (None, "local", "shared") and (level != "local" or doc.get("node") in nodes)
     )  # fmt: skip
 
 
@@ -104,45 +137,208 @@ def read_levels(root: str) -> Levels:
         raise CorruptCheckpointError(f"{path} is not a levels file pitstop wrote", path=path)
     base = _base(root, doc)
     shared = doc["shared"]
-    return Levels(
-        os.path.join(base, doc["local"]),
+    lv = Levels(
+        os.path.normpath(os.path.join(base, doc["local"])),
         os.path.join(base, shared) if _local_path(shared) else None, shared or None,
         doc["redundancy"], doc["set_size"], list(doc["nodes"]), doc,
     )  # fmt: skip
+    _resolve(lv, os.path.abspath(root))
+    return lv
 
 
-def _scan_nodes(lv: Levels) -> dict[str, list[Entry] | None]:
-    """Every node's step directories (None: the node's directory does not exist)."""
-    out: dict[str, list[Entry] | None] = {}
+def _same(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
+
+
+def _resolve(lv: Levels, given: str) -> None:
+    """Which level ``given`` is, and its path over the recorded one (the module docstring)."""
+    lv.level, lv.node = lv.doc.get("level"), lv.doc.get("node")
+    if lv.level is None:  # written before levels.json said: find it among the recorded paths
+        if lv.shared is not None and _same(lv.shared, given):
+            lv.level = "shared"
+        lv.node = next((n for n in lv.order if _same(lv.node_dir(n), given)), None)
+        lv.level = lv.level or ("local" if lv.node else None)
+    if lv.level == "shared" and (lv.shared is None or not _same(lv.shared, given)):
+        lv.notes.append(f"shared level: {given}, the directory given ({LEVELS_FILE} records "
+                        f"{lv.shared_url})")  # fmt: skip
+        lv.shared = given
+        lv.notes.append(f"local level: {lv.local}, as {LEVELS_FILE} records")
+    if lv.level != "local" or lv.node is None or _same(lv.node_dir(lv.node), given):
+        return
+    if lv.shared_url is not None:
+        lv.notes.append(f"shared level: {lv.shared or lv.shared_url}, as {LEVELS_FILE} records")
+    template = _template(lv.local, lv.node, given)
+    if template is not None:
+        lv.notes.append(f"local level: {template}, from node {lv.node}'s directory given "
+                        f"({LEVELS_FILE} records {lv.local})")  # fmt: skip
+        lv.local = template
+    else:
+        lv.dirs[lv.node] = given
+        lv.notes.append(f"node {lv.node}: {given}, the directory given; the other nodes' as "
+                        f"{LEVELS_FILE} records ({lv.local})")  # fmt: skip
+
+
+def _template(template: str, node: str, given: str) -> str | None:
+    """``template`` moved to where ``given`` is node ``node``'s directory; None if ``given``
+    does not end as ``node``'s directory does (from the first part holding ``{node}``)."""
+    parts = template.split(os.sep)
+    first = next((i for i, p in enumerate(parts) if "{node}" in p), None)
+    if first is None:  # no {node}: one node, its directory is the one given
+        return given
+    tail, have = parts[first:], given.split(os.sep)
+    if len(have) <= len(tail) or have[-len(tail) :] != [p.replace("{node}", node) for p in tail]:
+        return None
+    return os.sep.join(have[: -len(tail)] + tail)
+
+
+def levels_root(path: str) -> tuple[str, int | None] | None:
+    """The root holding levels.json that ``path`` is (or one step directory under it, whose
+    step is returned too); None if ``path`` is no level of a multi-level setup."""
+    norm = os.path.normpath(path)
+    if os.path.isfile(os.path.join(norm, LEVELS_FILE)):
+        return norm, None
+    step, parent = parse_step_dir(os.path.basename(norm)), os.path.dirname(norm) or "."
+    if step is not None and os.path.isfile(os.path.join(parent, LEVELS_FILE)):
+        return parent, step
+    return None
+
+
+def _node_level(path: str) -> tuple[Levels, int | None] | None:
+    """The setup of node directory ``path`` (or a step directory in one) and the step."""
+    found = levels_root(path)
+    if found is None:
+        return None
+    lv = read_levels(found[0])
+    return (lv, found[1]) if lv.level == "local" and lv.node is not None else None
+
+
+def refuse_node_dir(path: str, step: int | None, command: str) -> None:
+    """``diff`` and ``export`` read whole checkpoints: a node's directory of a setup with
+    more than one node holds only its node's ranks (reading it would find the other ranks'
+    files missing), so it is refused, pointing at the shared level."""
+    found = _node_level(path)
+    if found is None or len(found[0].order) < 2:
+        return  # not a node's directory, or the only node's: it holds every rank
+    lv, step = found[0], found[1] if step is None else step
+    where = (
+        f"{command} the shared level instead ({lv.shared})" if lv.shared is not None
+        else f"the shared level is {lv.shared_url}" if lv.shared_url is not None
+        else "there is no shared level: CheckpointManager(levels=...) rebuilds the state"
+    )  # fmt: skip
+    if step is not None and lv.shared is not None and not _shared_has(lv, step, committed=True):
+        where += f"; step {step} was not flushed to it (`pitstop ls {lv.shared}`)"
+    raise _UsageError(
+        f"{path} is node {lv.node}'s directory of a multi-level checkpoint: it holds only "
+        f"the files of that node's rank(s) {_ranks(lv.ranks(lv.node or ''))} (and the "
+        f"redundancy it keeps for other nodes), not a whole checkpoint; {where}"
+    )
+
+
+def node_note(path: str) -> str | None:
+    """``pitstop inspect``'s line for a node's directory (None: ``path`` is not one)."""
+    try:
+        found = _node_level(path)
+    except (CheckpointError, _UsageError):
+        return None
+    if found is None or found[0].node is None or len(found[0].order) < 2:
+        return None  # not a node's directory, or the only node's: it holds every rank
+    lv, node = found[0], found[0].node
+    return (
+        f"level    local: node {node}'s directory holds the files of rank(s) "
+        f"{_ranks(lv.ranks(node))} of {len(lv.nodes)} only (`pitstop verify` checks them all)"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+# ---------------------------------------------------------------------- the steps of the nodes
+def _scan_nodes(lv: Levels) -> _Scans:
+    """Every node's step directories, or why its directory cannot be listed."""
+    out: _Scans = {}
     for node in lv.order:
         path = lv.node_dir(node)
+        if not os.path.lexists(path):
+            out[node] = _Unusable("missing", f"{path} does not exist")
+            continue
         if not os.path.isdir(path):
-            out[node] = None
+            out[node] = _Unusable("not a directory", f"{path} is not a directory")
             continue
         catalog = catalog_of(path)
         try:
             out[node] = [e for e in catalog.scan() if e.is_step_dir and e.step is not None]
+        except (CheckpointError, OSError) as e:
+            out[node] = _Unusable("unreadable", f"{path} cannot be read: {e}")
         finally:
             catalog.close()
     return out
 
 
-def _by_step(scans: dict[str, list[Entry] | None]) -> dict[int, dict[str, Entry]]:
-    """Step -> node -> its entry there, for the steps committed on at least one node."""
-    out: dict[int, dict[str, Entry]] = {}
+def _digest(m: Manifest) -> str:
+    """:func:`pitstop.multilevel.redundancy.manifest_digest` (which imports torch)."""
+    return hashlib.blake2b(m.dumps(), digest_size=16).hexdigest()
+
+
+@dataclass
+class _Step:
+    """One local step on every node: each node's entry and the digest of the manifest it
+    holds (marked or not), the manifests by digest in the restore's order of candidates
+    (the most held first, ties: the lowest rank's node)."""
+
+    step: int
+    here: dict[str, Entry]
+    held: dict[str, str]
+    candidates: dict[str, Manifest]
+
+    def holders(self, digest: str, *, unmarked: bool = True) -> list[str]:
+        return [n for n, d in self.held.items() if d == digest
+                and (not unmarked or self.here[n].status == "committed")]  # fmt: skip
+
+    def usable(self, world_size: int) -> dict[str, Manifest]:
+        return {d: m for d, m in self.candidates.items() if m.world_size == world_size}
+
+
+def _steps(lv: Levels, scans: _Scans) -> dict[int, _Step]:
+    """Every step any node has a directory of."""
+    by: dict[int, dict[str, Entry]] = {}
     for node, entries in scans.items():
-        for e in entries or []:
-            out.setdefault(e.step or 0, {})[node] = e
-    return {s: h for s, h in out.items() if any(e.status == "committed" for e in h.values())}
+        for e in entries if isinstance(entries, list) else []:
+            by.setdefault(e.step or 0, {})[node] = e
+    out = {}
+    for s, here in sorted(by.items()):
+        manifests = {
+            n: e.manifest for n, e in here.items() if e.status in _HELD and e.manifest is not None
+        }
+        held = {n: _digest(manifests[n]) for n in lv.order if n in manifests}
+        votes = list(held.values())
+        order = sorted(dict.fromkeys(votes), key=lambda d: -votes.count(d))  # stable: first node
+        first = {d: next(n for n in held if held[n] == d) for d in order}
+        out[s] = _Step(s, here, held, {d: manifests[first[d]] for d in order})
+    return out
 
 
-def _manifest(here: dict[str, Entry]) -> Manifest:
-    """The step's manifest (the global one: every node that committed it has the same)."""
-    m = next(e.manifest for e in here.values() if e.status == "committed")
-    assert m is not None
-    return m
+def _node_word(st: _Step, node: str, scans: _Scans, agreed: str | None) -> str:
+    """What ``node`` holds of the step when it is not the agreed manifest, unmarked."""
+    scan, e = scans[node], st.here.get(node)
+    if isinstance(scan, _Unusable):
+        return scan.word
+    if e is None:
+        return "missing"
+    if node in st.held and st.held[node] != agreed:
+        return "other manifest" if e.status == "committed" else f"{e.status}, other manifest"
+    return e.status
 
 
+def _agreed(lv: Levels, st: _Step) -> str | None:
+    """The digest of the manifest the restore would try first."""
+    return next(iter(st.usable(len(lv.nodes)) or st.candidates), None)
+
+
+# ---------------------------------------------------------------------- ls
 def _shared_rows(lv: Levels) -> list[dict[str, Any]] | None:
     if lv.shared is None:
         return None
@@ -154,18 +350,21 @@ def _shared_rows(lv: Levels) -> list[dict[str, Any]] | None:
 
 
 def _local_rows(
-    lv: Levels, scans: dict[str, list[Entry] | None], flushed: set[int] | None
+    lv: Levels, scans: _Scans, steps: dict[int, _Step], flushed: set[int] | None
 ) -> list[dict[str, Any]]:
     rows = []
-    for step, here in sorted(_by_step(scans).items()):
-        on = [n for n in lv.order if n in here and here[n].status == "committed"]
-        m = _manifest(here)
-        others = {n: here[n].status if n in here else "missing" for n in lv.order if n not in on}
+    for step, st in steps.items():
+        digest = _agreed(lv, st)
+        m = st.candidates[digest] if digest is not None else None
+        on = st.holders(digest) if digest is not None else []
+        others = {n: _node_word(st, n, scans, digest) for n in lv.order if n not in on}
+        status = "committed" if on else next(w for w in others.values() if w != "missing")
         rows.append({
-            "step": step, "name": step_dir_name(step),
-            "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix_secs)),
-            "bytes": m.nbytes, "world_size": m.world_size, "scheme": lv.scheme,
-            "nodes": on, "not_committed": others,
+            "step": step, "name": step_dir_name(step), "status": status,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix_secs))
+            if m else "-",
+            "bytes": m.nbytes if m else None, "world_size": m.world_size if m else None,
+            "scheme": lv.scheme, "nodes": on, "not_committed": others,
             "flushed": None if flushed is None else step in flushed,
         })  # fmt: skip
     return rows
@@ -181,31 +380,37 @@ def _print_local(lv: Levels, rows: list[dict[str, Any]]) -> None:
     if not rows:
         print("  no checkpoints")
         return
-    print(f"{'STEP':>12}  {'TIME':19}  {'SIZE':>10}  {'SCHEME':7}  {'FLUSHED':7}  NODES")
+    print(f"{'STEP':>12}  {'TIME':19}  {'SIZE':>10}  {'SCHEME':7}  FLUSHED TO SHARED  NODES")
     for r in rows:
         flushed = "-" if r["flushed"] is None else "yes" if r["flushed"] else "no"
-        nodes = f"{len(r['nodes'])}/{len(lv.order)}: {_names(r['nodes'])}"
+        size = "-" if r["bytes"] is None else _human(r["bytes"])
+        on = f": {_names(r['nodes'])}" if r["nodes"] else ""
+        nodes = f"{len(r['nodes'])}/{len(lv.order)}{on}"
         gone = [f"{n}: {st}" for n, st in r["not_committed"].items()]
         if gone:
             nodes += " (" + ", ".join(gone[:_SHOWN]) + (", ...)" if len(gone) > _SHOWN else ")")
         print(
-            f"{r['step']:>12}  {r['time']:19}  {_human(r['bytes']):>10}  {r['scheme']:7}  "
-            f"{flushed:7}  {nodes}"
+            f"{r['step']:>12}  {r['time']:19}  {size:>10}  {r['scheme']:7}  {flushed:17}  {nodes}"
         )
 
 
-def _print_missing_nodes(lv: Levels, scans: dict[str, list[Entry] | None]) -> None:
+def _print_notes(lv: Levels) -> None:
+    for note in lv.notes:
+        print(f"paths: {note}")
+
+
+def _print_unusable(scans: _Scans) -> None:
     for node, entries in scans.items():
-        if entries is None:
-            print(f"node {node}: {lv.node_dir(node)} does not exist")
+        if isinstance(entries, _Unusable):
+            print(f"node {node}: {entries.text}")
 
 
-def _describe(lv: Levels, scans: dict[str, list[Entry] | None]) -> dict[str, Any]:
-    doc = dict(lv.doc, local=lv.local, shared=lv.shared)
+def _describe(lv: Levels, scans: _Scans) -> dict[str, Any]:
+    doc = dict(lv.doc, local=lv.local, shared=lv.shared, paths_used=lv.notes)
     doc["node_dirs"] = [
-        {"node": n, "path": lv.node_dir(n), "exists": scans[n] is not None,
-         "ranks": [r for r, m in enumerate(lv.nodes) if m == n]}
-        for n in lv.order
+        {"node": n, "path": lv.node_dir(n), "exists": not isinstance(scan, _Unusable),
+         "problem": scan.text if isinstance(scan, _Unusable) else None, "ranks": lv.ranks(n)}
+        for n, scan in scans.items()
     ]  # fmt: skip
     return doc
 
@@ -216,15 +421,17 @@ def ls_levels(args: argparse.Namespace) -> int:
     shared = _shared_rows(lv)
     flushed = None if shared is None else {r["step"] for r in shared if r["status"] == "committed"}
     scans = _scan_nodes(lv)
-    local = _local_rows(lv, scans, flushed)
+    local = _local_rows(lv, scans, _steps(lv, scans), flushed)
     if args.json:
         print(
             json.dumps({"levels": _describe(lv, scans), "shared": shared, "local": local}, indent=1)
         )
         return 0
     every = lv.doc.get("every")
-    print(f"levels of {os.path.abspath(args.dir)}: local every step, shared every {every}\n"
-          if lv.shared_url else f"levels of {os.path.abspath(args.dir)}: local only\n")  # fmt: skip
+    print(f"levels of {os.path.abspath(args.dir)}: local every step, shared every {every}"
+          if lv.shared_url else f"levels of {os.path.abspath(args.dir)}: local only")  # fmt: skip
+    _print_notes(lv)
+    print()
     if lv.shared is not None and shared is not None:
         print(f"shared level: {lv.shared}")
         print_ls(lv.shared, shared)
@@ -232,7 +439,7 @@ def ls_levels(args: argparse.Namespace) -> int:
     elif lv.shared_url is not None:
         print(f"shared level: {lv.shared_url}: not a local directory, not listed\n")
     _print_local(lv, local)
-    _print_missing_nodes(lv, scans)
+    _print_unusable(scans)
     return 0
 
 
@@ -274,9 +481,12 @@ def _check_rank(lv: Levels, placement: Placement, manifest: Manifest, rank: int)
     storage = LocalStorage(lv.node_dir(node), IOOptions())
     name = step_dir_name(manifest.step)
     m = Member(storage, name, manifest, placement, None, rank)  # type: ignore[arg-type]
-    absent = storage.entry_kind(name) != "dir" or any(
-        not os.path.lexists(os.path.join(storage.root, name, f.name)) for f, _ in m.files()
-    )
+    try:
+        absent = storage.entry_kind(name) != "dir" or any(
+            not os.path.lexists(os.path.join(storage.root, name, f.name)) for f, _ in m.files()
+        )
+    except CheckpointError:  # the node's directory is a file, or cannot be read
+        absent = True
     own = "missing" if absent else "ok" if verify_own(m) else "bad"
     copy = ("ok" if verify_copy(m) else "bad") if placement.scheme == "partner" else None
     parity = ("ok" if verify_parity(m) else "bad") if placement.scheme == "xor" else None
@@ -284,49 +494,114 @@ def _check_rank(lv: Levels, placement: Placement, manifest: Manifest, rank: int)
 
 
 @contextlib.contextmanager
-def _pinned(lv: Levels, here: dict[str, Entry], name: str) -> Iterator[None]:
-    """Hold the step on every node that committed it (retention waits), as verify does."""
+def _pinned(lv: Levels, st: _Step) -> Iterator[None]:
+    """Hold the step on every node that holds its manifest (retention waits), as verify does."""
     with contextlib.ExitStack() as stack:
-        for node, e in here.items():
-            if e.status == "committed":
-                catalog = catalog_of(lv.node_dir(node))
-                stack.callback(catalog.close)
-                stack.enter_context(catalog.pin(name))
+        for node in st.held:
+            catalog = catalog_of(lv.node_dir(node))
+            stack.callback(catalog.close)
+            stack.enter_context(catalog.pin(step_dir_name(st.step)))
         yield
 
 
-def _verify_step(lv: Levels, placement: Placement, step: int, here: dict[str, Entry]) -> bool:
-    """Print what one local step holds and whether a restart could rebuild it."""
-    name = step_dir_name(step)
-    manifest = _manifest(here)
-    if manifest.world_size != len(lv.nodes):
-        print(f"{name}: NOT RECOVERABLE: written by {manifest.world_size} ranks; "
-              f"{LEVELS_FILE} places {len(lv.nodes)}")  # fmt: skip
-        return False
-    with _pinned(lv, here, name):
-        checks = [_check_rank(lv, placement, manifest, r) for r in range(len(lv.nodes))]
+@dataclass
+class _Judgement:
+    """A step judged with one of its manifests (by its digest)."""
+
+    digest: str
+    checks: list[_RankCheck]
+    ok: bool
+
+
+def _judge(lv: Levels, placement: Placement, st: _Step, digest: str) -> _Judgement:
+    m = st.candidates[digest]
+    with _pinned(lv, st):
+        checks = [_check_rank(lv, placement, m, r) for r in range(len(lv.nodes))]
     lost = {c.rank for c in checks if c.own != "ok"}
     ok = placement.recoverable(
         lost, [c.copy in ("ok", None) for c in checks], [c.parity in ("ok", None) for c in checks]
     )
-    problems = [c for c in checks if c.problem()]
-    if not problems:
-        print(f"{name}: ok ({len(checks)} ranks on {len(placement.order)} nodes, {lv.scheme})")
-    elif ok:
-        print(f"{name}: recoverable ({lv.scheme}: a restart rebuilds what is lost or bad)")
+    return _Judgement(digest, checks, ok)
+
+
+def _manifest_notes(lv: Levels, st: _Step, scans: _Scans, agreed: str, ok: bool) -> list[str]:
+    """The nodes that lack the agreed manifest of the step, why, and what a restart does."""
+    out = []
+    for n in lv.order:
+        scan, e = scans[n], st.here.get(n)
+        if isinstance(scan, _Unusable):  # a restart on that node stops before it restores
+            out.append(f"node {n}: lacks the step: {scan.text}; a job cannot start on node "
+                       f"{n} until it is a directory it can use")  # fmt: skip
+            continue
+        if e is None:
+            out.append(f"node {n}: lacks the step")
+        elif e.status == "partial":
+            out.append(f"node {n}: no manifest (a save that did not finish there)")
+        elif e.manifest is None:
+            out.append(f"node {n}: manifest does not parse ({e.status}: {e.error})")
+        elif st.held[n] != agreed:
+            out.append(f"node {n}: manifest DIFFERS from the agreed one (held by "
+                       f"{' '.join(st.holders(agreed, unmarked=False))})")  # fmt: skip
+        elif e.status != "committed":
+            out.append(f"node {n}: manifest marked {e.status} ({e.error})")
+        else:
+            continue
+        out[-1] += ": a restart rewrites it" if ok else ": treated as lacking it"
+    return out
+
+
+def _verify_step(
+    lv: Levels, placement: Placement, st: _Step, scans: _Scans, args: argparse.Namespace
+) -> bool:
+    """Print what one local step holds and whether a restart could rebuild it."""
+    name = step_dir_name(st.step)
+    usable = st.usable(len(lv.nodes))
+    if not usable:
+        if st.candidates:
+            size = next(iter(st.candidates.values())).world_size
+            print(f"{name}: NOT RECOVERABLE: written by {size} ranks; "
+                  f"{LEVELS_FILE} places {len(lv.nodes)}")  # fmt: skip
+        elif args.step is None and all(e.status == "partial" for e in st.here.values()):
+            return True  # an interrupted save, as plain verify passes it by
+        else:
+            print(f"{name}: NOT RECOVERABLE: no node holds a manifest that parses")
+            for n in lv.order:
+                print(f"  - node {n}: {_node_word(st, n, scans, None)}")
+        return False
+    judged: list[_Judgement] = []
+    for digest in usable:  # the restore tries the next manifest when one cannot be rebuilt
+        judged.append(_judge(lv, placement, st, digest))
+        if judged[-1].ok:
+            break
+    j = judged[-1] if judged[-1].ok else judged[0]
+    notes = _manifest_notes(lv, st, scans, j.digest, j.ok)
+    problems = [c for c in j.checks if c.problem()]
+    if j.ok and not problems and not notes:
+        print(f"{name}: ok ({len(j.checks)} ranks on {len(placement.order)} nodes, {lv.scheme})")
+    elif j.ok:
+        print(f"{name}: recoverable ({lv.scheme}), degraded: will be repaired at the next "
+              "restart that restores it")  # fmt: skip
     else:
-        print(f"{name}: NOT RECOVERABLE on the local level ({lv.scheme})")
+        also = (
+            "; the shared level has it"
+            if lv.shared and _shared_has(lv, st.step, committed=True)
+            else ""
+        )
+        print(f"{name}: NOT RECOVERABLE on the local level ({lv.scheme}){also}")
+    if j is not judged[0]:
+        print(f"  - the manifest the most nodes hold cannot be rebuilt; a restart uses the "
+              f"one {' '.join(st.holders(j.digest, unmarked=False))} hold")  # fmt: skip
     for c in problems:
         print(f"  - {c.describe(placement)}")
-    return ok
+    for note in notes:
+        print(f"  - {note}")
+    return j.ok
 
 
-def _verify_local(
-    lv: Levels, args: argparse.Namespace, scans: dict[str, list[Entry] | None]
-) -> int:
+def _verify_local(lv: Levels, args: argparse.Namespace, scans: _Scans) -> int:
     print(f"local level: {lv.local} (redundancy {lv.scheme}, {len(lv.order)} nodes)")
-    _print_missing_nodes(lv, scans)
-    steps = _by_step(scans)
+    _print_unusable(scans)
+    steps = _steps(lv, scans)
     chosen = sorted(steps, reverse=True)
     if args.step is not None:
         chosen = [s for s in chosen if s == args.step]
@@ -343,13 +618,15 @@ def _verify_local(
             f"verifying the local level needs torch ({e}); --level shared does not"
         ) from None
     placement = Placement(lv.nodes, lv.scheme, lv.set_size)
-    return sum(not _verify_step(lv, placement, s, steps[s]) for s in chosen)
+    return sum(not _verify_step(lv, placement, steps[s], scans, args) for s in chosen)
 
 
-def _shared_has(lv: Levels, step: int) -> bool:
+def _shared_has(lv: Levels, step: int, *, committed: bool = False) -> bool:
     return any(
-        r["step"] == step and r["name"] == step_dir_name(step) for r in _shared_rows(lv) or []
-    )
+        r["step"] == step and r["name"] == step_dir_name(step)
+        and (not committed or r["status"] == "committed")
+        for r in _shared_rows(lv) or []
+    )  # fmt: skip
 
 
 def _verify_shared(lv: Levels, args: argparse.Namespace, has_step: bool) -> int:
@@ -365,10 +642,12 @@ def _verify_shared(lv: Levels, args: argparse.Namespace, has_step: bool) -> int:
         catalog.close()
 
 
-def verify_levels(args: argparse.Namespace) -> int:
-    """``pitstop verify`` of a root with levels.json: 1 if a shared checkpoint is bad or a
-    local step could not be rebuilt, else 0 (a damaged but recoverable step is reported)."""
-    lv = read_levels(args.dir)
+def verify_levels(args: argparse.Namespace, root: str | None = None) -> int:
+    """``pitstop verify`` of ``root`` (default ``args.dir``), a root with levels.json: 1 if a
+    shared checkpoint is bad or a local step could not be rebuilt, else 0 (a local step that
+    a restart would repair is reported degraded). Node directories are only read."""
+    root = root or args.dir
+    lv = read_levels(root)
     level = args.level or "all"
     if level == "shared" and lv.shared is None:
         what = (
@@ -376,14 +655,15 @@ def verify_levels(args: argparse.Namespace) -> int:
             if lv.shared_url
             else "no shared level"
         )
-        raise _UsageError(f"{os.path.join(args.dir, LEVELS_FILE)} names {what}")
+        raise _UsageError(f"{os.path.join(root, LEVELS_FILE)} names {what}")
     shared = lv.shared if level != "local" else None
     scans = _scan_nodes(lv) if level != "shared" else {}
-    steps = _by_step(scans)
+    steps = _steps(lv, scans)
     in_shared = shared is not None and (args.step is None or _shared_has(lv, args.step))
     if args.step is not None and not in_shared and args.step not in steps:
         where = "any level" if level == "all" else f"the {level} level"
-        raise _UsageError(f"{args.dir}: no checkpoint of step {args.step} on {where}")
+        raise _UsageError(f"{root}: no checkpoint of step {args.step} on {where}")
+    _print_notes(lv)
     bad = 0
     if shared is not None:
         bad += _verify_shared(lv, args, in_shared)

@@ -185,6 +185,8 @@ def print_ls(url: str, rows: list[dict[str, Any]]) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from pitstop.cli.levels import node_note
+
     catalog, only = _open_root(args.dir)
     entries = [e for e in _select(catalog, only, args.step) if e.manifest is not None]
     if not entries:
@@ -201,6 +203,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f" by pitstop {manifest.library.get('pitstop', '?')}, torch {manifest.library.get('torch', '?')}"
     )
     print(f"world    {manifest.world_size} rank(s); checksum {manifest.checksum_algorithm}")
+    note = node_note(args.dir)  # a node's directory of levels=: only its ranks' files
+    if note is not None:
+        print(note)
     if manifest.lineage is not None:
         print(
             f"lineage  run {manifest.lineage.run}, timeline {manifest.lineage.timeline}, "
@@ -241,10 +246,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if os.path.isfile(os.path.join(args.dir, LEVELS_FILE)):
-        from pitstop.cli.levels import verify_levels
+    from pitstop.cli.levels import levels_root, verify_levels
 
-        return verify_levels(args)
+    found = levels_root(args.dir)  # a level of levels= (or a step directory in one)
+    if found is not None:
+        root, step = found
+        if step is not None and args.step not in (None, step):
+            raise _UsageError(f"{args.dir} holds step {step}, not {args.step}")
+        args.step = step if step is not None else args.step
+        return verify_levels(args, root)
     if args.level == "local":
         raise _UsageError(f"{args.dir} has no {LEVELS_FILE}: it is not a level of levels=")
     catalog, only = _open_root(args.dir)
@@ -375,6 +385,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from pitstop.cli.convert import run_export
+    from pitstop.cli.levels import refuse_node_dir
+
+    refuse_node_dir(args.dir, args.step, "export")
 
     return run_export(args)
 
@@ -387,6 +400,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from pitstop.cli.compare import run_diff
+    from pitstop.cli.levels import refuse_node_dir
+
+    refuse_node_dir(args.a, args.step_a, "diff")
+    refuse_node_dir(args.b, args.step_b, "diff")
 
     return run_diff(args)
 
@@ -397,6 +414,31 @@ def cmd_crashtest(args: argparse.Namespace) -> int:
     return main_exit(args)
 
 
+_LS_LEVELS = """
+
+A directory holding levels.json (the shared root of levels=, or any node's directory)
+lists both levels: the shared level's checkpoints, then every step any node has a
+directory of, with FLUSHED TO SHARED (yes: the shared level holds it committed; no: not;
+-: no shared directory) and NODES: N/M: the nodes holding the manifest the nodes agree on
+(the one a restart uses), then in parentheses what each other node holds: missing,
+partial (no manifest), damaged, abandoned, other manifest, not a directory, unreadable.
+The directory given wins over the paths levels.json records (a copied tree is listed
+inside the copy); the paths used instead are said."""
+
+_VERIFY_MORE = """
+
+Exit 0: every checkpoint checked is whole. Exit 1: a checksum or size is wrong, or a
+checkpoint is damaged; under levels=, a shared checkpoint is bad or a local step cannot
+be rebuilt from its redundancy. A local step that lost pieces its redundancy can rebuild
+(a rank's files, a partner copy, parity, a node's manifest) still exits 0 and is
+reported "recoverable, degraded: will be repaired at the next restart that restores it".
+Exit 2: bad usage. A checkpoint root or a step directory is checked on its own and marked
+DAMAGED when it fails. A directory holding levels.json (the shared root, any node's
+directory, or a step directory in one) is checked as a whole setup: every rank's files on
+its node, the partner copies or parity, the manifest the nodes agree on (as a restart
+agrees); this never marks or writes into node directories."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pitstop", description="Frequent, cheap, exact checkpoints for PyTorch training."
@@ -405,13 +447,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def add(name: str, help_: str) -> argparse.ArgumentParser:
+    def add(name: str, help_: str, more: str = "") -> argparse.ArgumentParser:
         return sub.add_parser(
-            name, help=help_, description=help_, epilog=f"example:\n  {EXAMPLES[name]}",
+            name, help=help_, description=help_ + more,
+            epilog=f"example:\n  {EXAMPLES[name]}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )  # fmt: skip
 
-    p = add("ls", "list the checkpoints under a directory with their status")
+    p = add("ls", "list the checkpoints under a directory with their status", _LS_LEVELS)
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
@@ -422,7 +465,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = add("verify", "check every size and every checksum; exit 1 if anything is wrong")
+    p = add(
+        "verify", "check every size and every checksum; exit 1 if anything is wrong", _VERIFY_MORE
+    )
     p.add_argument("dir", help="a checkpoint root or one step directory")
     p.add_argument("--step", type=int, help="only this step")
     p.add_argument("--threads", type=int, default=None, help="reader threads")

@@ -334,11 +334,12 @@ class LevelStack:
 
     def _node_view(self) -> dict[int, tuple[str, bool]]:
         """Leaders: the steps whose directory on this node holds a manifest: its digest (""
-        when it does not parse) and whether it is marked (damaged, abandoned)."""
+        when it does not parse) and whether it is marked damaged. A step a rollback left
+        (abandoned) is not one: the node lacks it."""
         out: dict[int, tuple[str, bool]] = {}
         if self.leader:
             for e in self.local_catalog.scan():
-                if e.is_step_dir and e.step is not None and e.status in _HELD:
+                if e.is_step_dir and e.step is not None and e.status in _CANDIDATE:
                     digest = manifest_digest(e.manifest) if e.manifest is not None else ""
                     out[e.step] = (digest, e.status != "committed")
         return out
@@ -616,7 +617,8 @@ class LevelStack:
             self.link.close()
 
 
-_HELD = ("committed", "damaged", "abandoned")  # statuses of a step directory with a manifest
+_CANDIDATE = ("committed", "damaged")  # a node's step that may serve (damaged: verified anew)
+_HELD = (*_CANDIDATE, "abandoned")  # a step directory with a manifest
 
 
 def _attempt(fn: Callable[[], Any]) -> Any:
