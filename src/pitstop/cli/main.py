@@ -246,7 +246,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pitstop.cli.levels import levels_root, verify_levels
+    from pitstop.cli.levels import levels_root
+    from pitstop.cli.levels_verify import verify_levels
 
     found = levels_root(args.dir)  # a level of levels= (or a step directory in one)
     if found is not None:

@@ -39,6 +39,7 @@ Version 1 (no integrity, no lineage) and 2 (one rank) manifests still load.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -229,6 +230,12 @@ class Manifest:
         of a newer format a FormatVersionError."""
         raw = load_json(data, what="manifest.json", path=path, max_depth=8)
         return _parse(raw, path)
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """What tells one copy of a step's manifest from another (the node-local level keeps one
+    per node): a digest of its canonical bytes; two copies agree when their digests do."""
+    return hashlib.blake2b(manifest.dumps(), digest_size=16).hexdigest()
 
 
 def seal(body: dict[str, Any], algorithm: str = "xxh3_64") -> dict[str, Any]:

@@ -22,7 +22,6 @@ survivor sends x what it holds of each k, x xors them.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 from pitstop.engine.verify import verify_checkpoint
 from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.checksum import get_checksum
-from pitstop.format.manifest import FileEntry, Manifest
+from pitstop.format.manifest import FileEntry, Manifest, manifest_digest
 from pitstop.format.names import parity_file_names, partner_copy_name
 from pitstop.io.arena import Arena
 from pitstop.log import get_logger
@@ -43,18 +42,12 @@ from pitstop.storage.base import Storage
 from pitstop.storage.wrap import StorageWrapper
 
 __all__ = [
-    "Member", "manifest_digest", "protect", "read_payload", "rebuild", "verify_copy", "verify_own", "verify_parity",
+    "Member", "protect", "read_payload", "rebuild", "verify_copy", "verify_own", "verify_parity",
     "verify_payload",
 ]  # fmt: skip
 
 _PARITY_VERSION = 1
 _log = get_logger("pitstop.multilevel")
-
-
-def manifest_digest(manifest: Manifest) -> str:
-    """What tells one node's manifest of a step from another's: a digest of its canonical
-    bytes (two nodes agree on a step when their digests are equal)."""
-    return hashlib.blake2b(manifest.dumps(), digest_size=16).hexdigest()
 
 
 def _align(n: int) -> int:

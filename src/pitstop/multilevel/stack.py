@@ -58,14 +58,13 @@ from pitstop.errors import (
     UnsupportedSetupError,
 )
 from pitstop.faults import killpoint
-from pitstop.format.manifest import Manifest
+from pitstop.format.manifest import Manifest, manifest_digest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
 from pitstop.log import get_logger
 from pitstop.multilevel.flush import Flusher, FlushRecord
 from pitstop.multilevel.levels import Local, Placement, Shared, node_ids
 from pitstop.multilevel.redundancy import (
     Member,
-    manifest_digest,
     protect,
     read_payload,
     rebuild,
