@@ -208,13 +208,16 @@ def _commit_nodes(
         raise _failure(word, "reported by rank 0", directory, group.rank) from None
     nodes.decided(decision)
     done = f"{key}/committed/{leader}"  # the node's word: a rank returns once its node holds it
+    waiting = any(lead == leader and r != leader for r, lead in enumerate(nodes.leaders))
     if group.rank == leader:
         try:
             storage.commit(directory, manifest)
         except BaseException as e:
-            group.post(done, _error_word(e, "commit", [group.rank]))
+            if waiting:
+                group.post(done, _error_word(e, "commit", [group.rank]))
             raise
-        group.post(done, b"ok")
+        if waiting:
+            group.post(done, b"ok")
     else:
         word = group.read(done, "commit")
         if word != b"ok":
