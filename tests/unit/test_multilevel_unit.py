@@ -4,6 +4,7 @@ flush that fails on the shared level (ENOSPC) while training goes on."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 from typing import Any
 
@@ -189,3 +190,61 @@ def test_a_step_a_rollback_left_is_never_resumed(tmp_path: Any) -> None:
         assert ckpt.restore({"model": model}) == 3
         assert ckpt.last_restore is not None and ckpt.last_restore.repaired == []
         _save_to(ckpt, model, range(4, 5))  # the marked step 4 moves out of the way
+
+
+def test_node_ids_are_the_hostname_unless_one_host_runs_several_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from pitstop.multilevel.levels import node_ids
+
+    host = socket.gethostname()
+    monkeypatch.delenv("PITSTOP_NODE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert node_ids(None, 0, lambda o: [o]) == [host]  # one process
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert node_ids(None, 0, lambda o: [o] * 4) == [host] * 4  # one torchrun on the host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    expected = [f"{host}-0", f"{host}-0", f"{host}-1", f"{host}-1"]
+    assert node_ids(None, 0, lambda o: [o] * 4) == expected  # two "nodes" on one host
+    monkeypatch.setenv("PITSTOP_NODE", "a/b")
+    with pytest.raises(ValueError, match="PITSTOP_NODE of rank 0"):
+        node_ids(None, 0, lambda o: [o])
+
+
+def test_a_rollback_killed_after_its_first_mark_still_holds_on_both_levels(
+    tmp_path: Any,
+) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        _save_to(ckpt, model, range(1, 5))  # local 3, 4; shared 2, 4
+        newest = next(e for e in ckpt.entries() if e.step == 4 and e.manifest is not None)
+        lineage = newest.manifest.lineage  # type: ignore[union-attr]
+    assert lineage is not None
+    mark = {"after": 3, "run": lineage.run, "timeline": lineage.timeline, "time": 0.0}
+    (tmp_path / "local" / "n0" / "step-0000000003" / "ROLLBACK").write_text(json.dumps(mark))
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}) == 3  # not the shared level's step 4
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
+    assert _steps(tmp_path / "shared") == [2] and _steps(tmp_path / "local" / "n0") == [3]
+
+
+def test_a_repair_replaces_a_hard_linked_file_and_never_writes_through_it(
+    tmp_path: Any,
+) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        _save_to(ckpt, model, range(1, 5))
+    node = tmp_path / "local" / "n0"
+    mine = node / "step-0000000004" / "rank-00000.bin"
+    mine.unlink()
+    os.link(node / "step-0000000003" / "rank-00000.bin", mine)  # as `cp -al` would leave it
+    before = (node / "step-0000000003" / "rank-00000.bin").read_bytes()
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}) == 4  # the shared level's, fetched back
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "shared"
+    assert (node / "step-0000000003" / "rank-00000.bin").read_bytes() == before
+    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}) == 4
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"

@@ -187,7 +187,7 @@ def recover(
                 # the scan this restore chose from: a save that commits later is not abandoned
                 aside = catalog.start_timeline(entry, entries, damaged) if group.coordinator else []
                 result.set_aside = group.broadcast(aside, "restore")
-                for name in result.set_aside:
+                for name in result.set_aside if group.coordinator else []:
                     _log.warning(
                         "%s set aside: a new timeline starts at %s", name, entry.name,
                         phase="restore",

@@ -41,11 +41,18 @@ def fsync_dir(path: str) -> None:
 
 
 def write_bytes_durable(
-    path: str, data: bytes | memoryview, *, fsync: bool = True, dir_fd: int | None = None
+    path: str,
+    data: bytes | memoryview,
+    *,
+    fsync: bool = True,
+    dir_fd: int | None = None,
+    exclusive: bool = False,
 ) -> None:
-    """Write ``data`` to ``path`` (replacing it; never through a symlink) and fsync the file.
-    With ``dir_fd``, ``path`` is a name in that open directory."""
+    """Write ``data`` to ``path`` (replacing it; never through a symlink; ``exclusive``: a
+    new file only) and fsync the file. With ``dir_fd``, ``path`` is a name in that open
+    directory."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    flags |= os.O_EXCL if exclusive else 0
     fd = os.open(path, flags, 0o644, dir_fd=dir_fd)
     try:
         view = memoryview(data)

@@ -9,9 +9,10 @@
 
 ``{node}`` in a path is replaced by the node's id: ranks of one node share that directory,
 and on one machine distinct ids emulate distinct nodes. The id comes from ``topology=``
-(rank -> node), else PITSTOP_NODE, else the hostname (with torchrun's LOCAL_WORLD_SIZE:
-host and rank // LOCAL_WORLD_SIZE, so that ranks launched as separate nodes on one host stay
-apart). :class:`Placement` turns the ids into failure groups (SCR's sets): nodes are cut
+(rank -> node), else PITSTOP_NODE, else the hostname; a host that runs more ranks than
+torchrun's LOCAL_WORLD_SIZE holds several emulated nodes, ``<host>-<rank // LOCAL_WORLD_SIZE>``
+(so that ranks launched as separate nodes on one host stay apart, and one process or one
+torchrun per host uses the plain hostname alike). :class:`Placement` turns the ids into failure groups (SCR's sets): nodes are cut
 into sets of ``set_size``; within a set, rank r's partner copy lives on the next node of a
 ring (the rank of the same local index there) and its XOR set is the ranks of its local
 index on the set's nodes, so a copy or a parity block is never on its own node.
@@ -88,12 +89,17 @@ def node_ids(
             raise ValueError(f"topology= node ids must be non-empty names without '/': {ids}")
         return ids
     node, per_node = env_node()
-    if node is None:
-        host = socket.gethostname() or "localhost"
-        node = f"{host}-{rank // per_node}" if per_node else host
-    if "/" in node or node in (".", ".."):
-        raise ValueError(f"PITSTOP_NODE must be a name without '/', got {node!r}")
-    return [str(n) for n in gather(node)]  # type: ignore[operator]
+    host = socket.gethostname() or "localhost"
+    words = [tuple(w) for w in gather((node, host))]  # type: ignore[operator]
+    ids = []
+    for r, (given, h) in enumerate(words):
+        on_host = sum(1 for g, other in words if g is None and other == h)
+        if given is None:  # a host that runs more ranks than a node has: emulated nodes
+            given = f"{h}-{r // per_node}" if per_node and on_host > per_node else h
+        if "/" in given or given in (".", ".."):
+            raise ValueError(f"PITSTOP_NODE of rank {r} must be a name without '/', got {given!r}")
+        ids.append(str(given))
+    return ids
 
 
 class Placement:

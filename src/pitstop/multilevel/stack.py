@@ -297,9 +297,8 @@ class LevelStack:
         newer steps of both levels are set aside; ``fetch``: a step the shared level served
         is copied into the local level (``load()`` leaves the levels as they are)."""
         t0 = time.perf_counter()
-        views = self.group.all_gather(self._node_view(), "restore")
+        views, shared = self._survey()
         local = {s for v in views for s, (digest, _) in v.items() if digest}
-        shared = self._shared_steps()
         candidates = sorted(local | set(shared), reverse=True)
         if step is not None:
             candidates = [s for s in candidates if s == step]
@@ -313,7 +312,7 @@ class LevelStack:
                 floor = next((c for c in candidates[i + 1 :] if c in local), None)
                 covered = floor if floor is not None else -math.inf
                 window = (floor, s) if step is None else (s - 1, s)
-                result = self._load(walk, "shared", load, window=window, rollback=rollback)
+                result = self._load(walk, "shared", load, window=window)
                 if result is not None and result.manifest is not None:
                     result.level, result.sources = "shared", {"shared": result.manifest.nbytes}
                     if fetch:
@@ -324,7 +323,7 @@ class LevelStack:
             return walk.nothing(step, self.local_storage.url)
         assert result.step is not None
         if rollback:
-            result.set_aside += self._roll_back(result.step, result.level)
+            result.set_aside += self._roll_back(result.step)
             self._newest = None  # a step this process committed may be set aside now
         self._since_flush = 0 if result.step in shared else self._every - 1
         result.skipped = walk.skipped + result.skipped
@@ -343,18 +342,34 @@ class LevelStack:
                     out[e.step] = (digest, e.status != "committed")
         return out
 
-    def _shared_steps(self) -> list[int]:
-        """The steps committed on the shared level, by rank 0's scan (every rank gets it)."""
-        catalog = self.shared_catalog
-        if catalog is None:
-            return []
-        steps: list[int] | None = None
-        if self.group.coordinator:
+    def _survey(self) -> tuple[list[dict[int, tuple[str, bool]]], list[int]]:
+        """Collective: every node's view (``_node_view``, by leader rank) and the steps
+        committed on the shared level (rank 0's scan). The rollback marks found on any node
+        or on the shared level apply to both: a rollback killed half-way, having marked
+        one node only, still holds everywhere (the steps it left are no candidates)."""
+        local = _brief(self.local_catalog.scan()) if self.leader else []
+        shared: list[tuple[Any, ...]] = []
+        if self.group.coordinator and self.shared_catalog is not None:
             try:
-                steps = [e.step for e in catalog.committed() if e.step is not None]
+                shared = _brief(self.shared_catalog.scan())
             except CheckpointError as e:
                 _log.warning("the shared level cannot be listed: %s", e, phase="restore")
-        return self.group.broadcast(steps, "restore") or []
+        words = self.group.all_gather((local, shared), "restore")
+        marks = [b[5] for w in words for part in w for b in part if b[5] is not None]
+
+        def left(b: tuple[Any, ...]) -> bool:
+            return any(
+                isinstance(m.get("after"), int) and b[0] > m["after"]
+                and m.get("run") == b[3] and m.get("timeline") == b[4]
+                for m in marks
+            )  # fmt: skip
+
+        views = [
+            {b[0]: (b[2], b[1] != "committed") for b in w[0] if b[1] in _CANDIDATE and not left(b)}
+            for w in words
+        ]
+        steps = sorted({b[0] for w in words for b in w[1] if b[1] == "committed" and not left(b)})
+        return views, steps
 
     def _from_local(
         self,
@@ -473,8 +488,9 @@ class LevelStack:
             if room is True:
                 self.local_storage.abort(m.directory)
             return _first_error(gots, "rebuild")
-        if repaired:
-            self._protect_again(m)
+        failed = self._protect_again(m) if repaired else None
+        if failed is not None:  # the step is whole; its redundancy is not (said, reported)
+            repaired = [r if r.startswith("rank") else f"{r} (not rewritten)" for r in repaired]
         repaired += [f"manifest on node {self.placement.nodes[n]}" for n in stale]
         if fix:
             error = _attempt(lambda: self.local_storage.commit(m.directory, m.manifest.dumps()))
@@ -510,23 +526,25 @@ class LevelStack:
             self.local_storage.unmark(directory, marker)
         return False
 
-    def _protect_again(self, m: Member) -> None:
+    def _protect_again(self, m: Member) -> str | None:
         """Write the redundancy again (a spare node gets its copies, a bad copy or parity is
-        rewritten). A failure leaves the step restorable, less protected: said, not raised."""
+        rewritten). A failure leaves the step restorable, less protected: said and returned
+        (every rank alike), not raised."""
         error = _attempt(lambda: protect(m))
         errors = [e for e in self.group.all_gather(error, "restore") if isinstance(e, str)]
         if errors and self.group.coordinator:
             _log.warning("%s: redundancy not re-established: %s", m.directory, errors[0],
                          phase="restore")  # fmt: skip
+        return errors[0] if errors else None
 
-    def _roll_back(self, s: int, level: str | None) -> list[str]:
-        """Set aside the steps newer than ``s`` on both levels (the served level's own
-        ``recover`` did it there already): the next saves' step names are free, and no later
-        restart resumes the abandoned timeline. Leaders on the local level, rank 0 on the
-        shared one."""
-        parts = [(self.local_catalog, f"node {self.node}")] if self.leader else []
-        if level == "local" and self.group.coordinator and self.shared_catalog is not None:
-            parts.append((self.shared_catalog, "the shared level"))
+    def _roll_back(self, s: int) -> list[str]:
+        """Set aside the steps newer than ``s`` on both levels: the next saves' step names are
+        free, and no later restart resumes the abandoned timeline. Leaders on the local
+        level, rank 0 on the shared one; a failure is said, never a lone rank's error. The
+        names, as ``<node>:<name>`` and ``shared:<name>``."""
+        parts = [(self.local_catalog, self.node)] if self.leader else []
+        if self.group.coordinator and self.shared_catalog is not None:
+            parts.append((self.shared_catalog, "shared"))
         out: list[str] = []
         for catalog, where in parts:
             moved = _attempt(lambda c=catalog: _roll_back(c, s))  # type: ignore[misc]
@@ -534,9 +552,12 @@ class LevelStack:
                 _log.warning("the steps after %d stay on %s: %s", s, where, moved,
                              phase="restore")  # fmt: skip
             else:
-                out += moved
-        names = [n for part in self.group.all_gather(out, "restore") for n in part]
-        return sorted(set(names))
+                out += [f"{where}:{name}" for name in moved]
+        names = sorted({n for part in self.group.all_gather(out, "restore") for n in part})
+        if names and self.group.coordinator:
+            _log.warning("a new timeline starts at step %d; set aside: %s", s,
+                         ", ".join(names), phase="restore")  # fmt: skip
+        return names
 
     def fetch(self, manifest: Manifest) -> None:
         """After a restore from the shared level: copy the step into the local level where a
@@ -614,6 +635,20 @@ class LevelStack:
             if self.shared_catalog is not None:
                 self.shared_catalog.close()
             self.link.close()
+
+
+def _brief(entries: list[Entry]) -> list[tuple[Any, ...]]:
+    """What a restore needs to know of each step directory with a manifest, small enough to
+    all-gather: (step, status, manifest digest or "", run, timeline, rollback mark)."""
+    out = []
+    for e in entries:
+        if e.is_step_dir and e.step is not None and e.status in _HELD:
+            lineage = e.manifest.lineage if e.manifest is not None else None
+            digest = manifest_digest(e.manifest) if e.manifest is not None else ""
+            run, timeline = (lineage.run, lineage.timeline) if lineage else (None, None)
+            mark = e.rollback if isinstance(e.rollback, dict) else None
+            out.append((e.step, e.status, digest, run, timeline, mark))
+    return out
 
 
 _CANDIDATE = ("committed", "damaged")  # a node's step that may serve (damaged: verified anew)

@@ -318,10 +318,20 @@ class LocalStorage:
         return self._path(directory, name), None
 
     def write_object(self, directory: str, name: str, data: bytes | memoryview) -> None:
+        """Write file ``name`` whole: into a new file, renamed over any old one, so that
+        what stood there (a hard link to another checkpoint's file, a FIFO, a symlink) is
+        replaced, never written through (a restart rewrites redundancy in committed steps)."""
         path = self._path(directory, name)
         target, dir_fd = self._target(directory, name)
+        tmp = os.path.join(os.path.dirname(target), f".{name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            write_bytes_durable(target, data, fsync=self.io.fsync, dir_fd=dir_fd)
+            write_bytes_durable(tmp, data, fsync=self.io.fsync, dir_fd=dir_fd, exclusive=True)
+            try:
+                os.replace(tmp, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
         except OSError as e:
             raise _io_error(e, f"write {name}", path, "persist") from e
 
