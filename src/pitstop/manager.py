@@ -97,6 +97,11 @@ class CheckpointManager:
             raise ValueError("give keep_last= or retention=, not both")
         self.retention = KeepLast(keep_last) if keep_last is not None else retention
         knobs = {"threads": io_threads, "chunk_bytes": chunk_bytes, "direct": direct_io}
+        if isinstance(root, (list, tuple)):
+            raise ValueError(
+                "a root is one directory or Storage; levels go in "
+                "CheckpointManager(levels=[pitstop.Local(...), pitstop.Shared(...)])"
+            )
         if (root is None) == (levels is None):
             raise ValueError(
                 "give a root directory or levels=[pitstop.Local(...), ...], one of them"

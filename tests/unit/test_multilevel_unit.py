@@ -50,6 +50,8 @@ def test_bad_level_arguments_name_what_is_wrong(tmp_path: Any) -> None:
         pitstop.Shared(tmp_path, every=0)
     with pytest.raises(ValueError, match="Local path"):
         pitstop.Shared(tmp_path / "{node}")
+    with pytest.raises(ValueError, match="levels go in"):
+        pitstop.CheckpointManager([pitstop.Local(tmp_path / "{node}")])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="one of them"):
         pitstop.CheckpointManager(tmp_path, levels=[pitstop.Local(tmp_path / "{node}")])
     with pytest.raises(ValueError, match="at most one"):

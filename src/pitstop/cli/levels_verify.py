@@ -119,9 +119,11 @@ def _manifest_notes(lv: Levels, st: _Step, scans: _Scans, agreed: str, ok: bool)
     out = []
     for n in lv.order:
         scan, e = scans[n], st.here.get(n)
-        if isinstance(scan, _Unusable):  # a restart on that node stops before it restores
-            out.append(f"node {n}: lacks the step: {scan.text}; a job cannot start on node "
-                       f"{n} until it is a directory it can use")  # fmt: skip
+        if isinstance(scan, _Unusable):  # a missing one is created; anything else stops a job
+            why = "" if scan.word == "missing" else (
+                f"; a job cannot start on node {n} until it is a directory it can use"
+            )  # fmt: skip
+            out.append(f"node {n}: lacks the step: {scan.text}{why}")
             continue
         if e is None:
             out.append(f"node {n}: lacks the step")
