@@ -164,10 +164,10 @@ class PitstopCheckpointIO(CheckpointIO):
             pointer = read_pointer(path)
         except CheckpointError:
             pointer = None
-        with self._lock:
-            known = self._pointers.pop(path, None) is not None
-            known = self._pending.pop(path, None) is not None or known
-            if pointer is not None and os.path.isfile(path):
+        with self._lock:  # the pointer thread may have written it since it was read above
+            written = self._pointers.pop(path, None) is not None
+            known = self._pending.pop(path, None) is not None or written
+            if (pointer is not None or written) and os.path.isfile(path):
                 os.remove(path)
         if path == self._registry_last:
             self._registry_last = None
