@@ -13,52 +13,25 @@ Call sequence (every rank; the manager makes these calls)::
                                                      #   process committed, now (close too)
     stack.close()
 
-Restart (``recover``): every node's leader lists the steps whose manifest its node holds,
-with the manifest's digest; the shared level's steps come from rank 0's scan. Steps are
-tried newest first over both levels, the local level first for a step both hold.
-
-A local step: its manifest is the one the most nodes hold (ties: the lowest rank's) that
-parses and fits the world size; every rank verifies its own member files, the partner copy
-or parity block its node keeps (every checksum; parity also names its manifest), and the
-ranks agree on what is lost. The step is recoverable when every lost rank has a whole
-partner copy (``partner``), or its XOR set lost no other member and every survivor's parity
-is whole (``xor``); ``single`` needs nothing lost. Then each node whose manifest is
-missing, different, unreadable or marked gets room (a spare's directory is created), the
-lost files are rebuilt and verified, the redundancy is rewritten if any piece of it was
-missing or bad, and those nodes get the agreed manifest. Each of these steps ends in an
-all-gather of every rank's word (its result or its error): a rank never fails alone; any
-error means "try older".
-
-The shared level is tried with ``recover`` over a window: from the step at hand down to
-(not including) the next local candidate, so it never serves an older step than the local
-level could. A step it served is fetched into the local level (``fetch``) and protected.
-A rollback then sets aside the newer steps of both levels (``Catalog.start_timeline``).
+Restart (``recover``, ``fetch``): :mod:`pitstop.multilevel.restart`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pitstop.engine.catalog import Catalog, Entry, RunIdentity
+from pitstop.engine.catalog import Catalog, RunIdentity
 from pitstop.engine.collective import NodeCommit
-from pitstop.engine.recovery import RestoreResult, recover
 from pitstop.errors import (
     CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    PartialRestoreError,
     UnsupportedSetupError,
 )
 from pitstop.faults import killpoint
-from pitstop.format.manifest import Manifest, manifest_digest
+from pitstop.format.manifest import Manifest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
 from pitstop.log import get_logger
 from pitstop.multilevel.flush import Flusher, FlushRecord
@@ -66,13 +39,8 @@ from pitstop.multilevel.levels import Local, Placement, Shared, node_ids
 from pitstop.multilevel.redundancy import (
     Member,
     protect,
-    read_payload,
-    rebuild,
-    verify_copy,
-    verify_own,
-    verify_parity,
-    write_payload,
 )
+from pitstop.multilevel.restart import Restarts
 from pitstop.options import IOOptions
 from pitstop.policy import KeepLast, RetentionPolicy
 from pitstop.ranks.group import Group
@@ -81,51 +49,12 @@ from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage, open_root
 from pitstop.storage.retry import RetryingStorage
 
-__all__ = ["LevelStack", "LocalChoice"]
+__all__ = ["LevelStack"]
 
 _log = get_logger("pitstop.multilevel")
 
 
-@dataclass
-class LocalChoice:
-    """What ``_ready_step`` made ready: ``step`` whole on every node; bytes by source; what
-    was rebuilt or rewritten."""
-
-    step: int
-    sources: dict[str, int] = field(default_factory=dict)
-    repaired: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Walk:
-    """A restore's way down the candidates of both levels: what was skipped and why, and
-    whether a failed attempt wrote into the live state."""
-
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    overwritten: bool = False
-
-    def nothing(self, step: int | None, where: str) -> RestoreResult:
-        """No level delivered: an empty result when there was nothing, else the error."""
-        reasons = "; ".join(f"{name}: {why}" for name, why in self.skipped)
-        if self.overwritten:
-            raise PartialRestoreError(
-                "no checkpoint could be restored and the live state was partly overwritten: "
-                f"do not train from it ({reasons})", path=where, phase="restore",
-            )  # fmt: skip
-        if step is not None:
-            raise CheckpointNotFoundError(
-                f"no level can deliver step {step}" + (f" ({reasons})" if reasons else ""),
-                step=step, path=where, phase="restore",
-            )  # fmt: skip
-        if self.skipped:
-            raise CorruptCheckpointError(
-                f"no checkpoint on any level could be restored ({reasons})", path=where,
-                phase="restore",
-            )  # fmt: skip
-        return RestoreResult()
-
-
-class LevelStack:
+class LevelStack(Restarts):
     """See the module docstring."""
 
     def __init__(
@@ -283,324 +212,6 @@ class LevelStack:
         if record.ok and self.group.coordinator and ready:
             catalog.purge_later(catalog.retire(policy, newest=record.step, identity=identity))  # type: ignore[union-attr,arg-type]
 
-    # ------------------------------------------------------------------ restore
-    def recover(
-        self,
-        load: Callable[[Storage, Entry], Any],
-        step: int | None = None,
-        *,
-        rollback: bool = False,
-        fetch: bool = True,
-    ) -> RestoreResult:
-        """Collective: load the newest step (or ``step``) that either level can deliver, the
-        local level first for a step both hold (see the module docstring). ``rollback``: the
-        newer steps of both levels are set aside; ``fetch``: a step the shared level served
-        is copied into the local level (``load()`` leaves the levels as they are)."""
-        t0 = time.perf_counter()
-        views, shared = self._survey()
-        local = {s for v in views for s, (digest, _) in v.items() if digest}
-        candidates = sorted(local | set(shared), reverse=True)
-        if step is not None:
-            candidates = [s for s in candidates if s == step]
-        walk = _Walk()
-        result, covered = None, math.inf  # shared steps above ``covered`` were tried
-        for i, s in enumerate(candidates):
-            if s in local:
-                result = self._from_local(load, s, views, walk)
-            if result is None and s in shared and s <= covered:
-                # the shared level falls back by itself, down to the next local candidate
-                floor = next((c for c in candidates[i + 1 :] if c in local), None)
-                covered = floor if floor is not None else -math.inf
-                window = (floor, s) if step is None else (s - 1, s)
-                result = self._load(walk, "shared", load, window=window)
-                if result is not None and result.manifest is not None:
-                    result.level, result.sources = "shared", {"shared": result.manifest.nbytes}
-                    if fetch:
-                        self.fetch(result.manifest)
-            if result is not None:
-                break
-        if result is None:
-            return walk.nothing(step, self.local_storage.url)
-        assert result.step is not None
-        if rollback:
-            result.set_aside += self._roll_back(result.step)
-            self._newest = None  # a step this process committed may be set aside now
-        self._since_flush = 0 if result.step in shared else self._every - 1
-        result.skipped = walk.skipped + result.skipped
-        result.secs = time.perf_counter() - t0
-        return result
-
-    def _node_view(self) -> dict[int, tuple[str, bool]]:
-        """Leaders: the steps whose directory on this node holds a manifest: its digest (""
-        when it does not parse) and whether it is marked damaged. A step a rollback left
-        (abandoned) is not one: the node lacks it."""
-        out: dict[int, tuple[str, bool]] = {}
-        if self.leader:
-            for e in self.local_catalog.scan():
-                if e.is_step_dir and e.step is not None and e.status in _CANDIDATE:
-                    digest = manifest_digest(e.manifest) if e.manifest is not None else ""
-                    out[e.step] = (digest, e.status != "committed")
-        return out
-
-    def _survey(self) -> tuple[list[dict[int, tuple[str, bool]]], list[int]]:
-        """Collective: every node's view (``_node_view``, by leader rank) and the steps
-        committed on the shared level (rank 0's scan). The rollback marks found on any node
-        or on the shared level apply to both: a rollback killed half-way, having marked
-        one node only, still holds everywhere (the steps it left are no candidates)."""
-        local = _brief(self.local_catalog.scan()) if self.leader else []
-        shared: list[tuple[Any, ...]] = []
-        if self.group.coordinator and self.shared_catalog is not None:
-            try:
-                shared = _brief(self.shared_catalog.scan())
-            except CheckpointError as e:
-                _log.warning("the shared level cannot be listed: %s", e, phase="restore")
-        words = self.group.all_gather((local, shared), "restore")
-        marks = [b[5] for w in words for part in w for b in part if b[5] is not None]
-
-        def left(b: tuple[Any, ...]) -> bool:
-            return any(
-                isinstance(m.get("after"), int) and b[0] > m["after"]
-                and m.get("run") == b[3] and m.get("timeline") == b[4]
-                for m in marks
-            )  # fmt: skip
-
-        views = [
-            {b[0]: (b[2], b[1] != "committed") for b in w[0] if b[1] in _CANDIDATE and not left(b)}
-            for w in words
-        ]
-        steps = sorted({b[0] for w in words for b in w[1] if b[1] == "committed" and not left(b)})
-        return views, steps
-
-    def _from_local(
-        self,
-        load: Callable[[Storage, Entry], Any],
-        s: int,
-        views: list[dict[int, tuple[str, bool]]],
-        walk: _Walk,
-    ) -> RestoreResult | None:
-        choice = self._ready_step(s, views)
-        if isinstance(choice, str):
-            walk.skipped.append((f"local {step_dir_name(s)}", choice))
-            if self.group.coordinator:
-                _log.warning("local %s: %s", step_dir_name(s), choice, phase="restore")
-            return None
-        result = self._load(walk, "local", load, step=s)
-        if result is not None:
-            result.level, result.sources = "local", choice.sources
-            result.repaired = choice.repaired
-        return result
-
-    def _load(
-        self, walk: _Walk, level: str, load: Callable[[Storage, Entry], Any], **kw: Any
-    ) -> RestoreResult | None:
-        """``recover`` on one level; None (and ``walk`` told why) when nothing loaded."""
-        catalog = self.local_catalog if level == "local" else self.shared_catalog
-        assert catalog is not None
-        try:
-            result = recover(
-                catalog, lambda e: load(catalog.storage, e), group=self.group,
-                overwritten=walk.overwritten, raise_if_none=False, **kw,
-            )  # fmt: skip
-        except CheckpointNotFoundError as e:
-            walk.skipped.append((level, str(e)))
-            return None
-        result.skipped = [(f"{level} {name}", why) for name, why in result.skipped]
-        if result.step is None:
-            walk.skipped += result.skipped
-            walk.overwritten = result.overwritten
-            return None
-        return result
-
-    def _ready_step(self, s: int, views: list[dict[int, tuple[str, bool]]]) -> LocalChoice | str:
-        """Collective: step ``s`` whole on every node, from the manifest the most nodes hold
-        (ties: the lowest rank's) that this job can use; the reason when it cannot be."""
-        leaders = sorted(set(self.placement.leaders))
-        digests = {n: views[n].get(s, ("", False))[0] for n in leaders}
-        held = [d for d in digests.values() if d]
-        order = sorted(
-            set(held), key=lambda d: (-held.count(d), min(n for n in leaders if digests[n] == d))
-        )
-        reasons = []
-        for digest in order:
-            src = min(n for n in leaders if digests[n] == digest)
-            raw = self.group.all_gather(
-                self._manifest_bytes(s) if self.group.rank == src else None, "restore"
-            )[src]
-            why = _unusable(raw, s, digest, self.group.size)
-            if isinstance(why, str):
-                reasons.append(why)
-                continue
-            stale = [n for n in leaders if views[n].get(s) != (digest, False)]
-            out = self._rebuild_step(self.member(step_dir_name(s), why), stale)
-            if not isinstance(out, str):
-                return out
-            reasons.append(out)
-        return "; ".join(reasons) or "no node holds a manifest that parses"
-
-    def _manifest_bytes(self, s: int) -> bytes | None:
-        try:
-            return self.local_storage.read_manifest(step_dir_name(s))
-        except CheckpointError:
-            return None
-
-    def _rebuild_step(self, m: Member, stale: list[int]) -> LocalChoice | str:
-        """Collective: verify every rank's files and redundancy of ``m``, rebuild what is lost,
-        make each node's directory hold the agreed manifest (``stale``: the leaders of the
-        nodes whose manifest is missing, differs or is marked), protect again where anything
-        was repaired."""
-        s, scheme = m.manifest.step, self.placement.scheme
-        fix = self.group.rank in stale
-        word = _attempt(
-            lambda: (
-                verify_own(m),
-                verify_copy(m) if scheme == "partner" else True,
-                verify_parity(m) if scheme == "xor" else True,
-            )
-        )
-        words = self.group.all_gather(word, "restore")
-        if any(isinstance(w, str) for w in words):
-            return _first_error(words, "verify")
-        lost = {r for r, w in enumerate(words) if not w[0]}
-        if not self.placement.recoverable(lost, [w[1] for w in words], [w[2] for w in words]):
-            return f"cannot be rebuilt (ranks {sorted(lost)} lost their files; redundancy {scheme})"
-        repaired = [f"rank {r}" for r in sorted(lost)]
-        repaired += [f"partner copy on rank {r}" for r, w in enumerate(words) if not w[1]]
-        repaired += [f"parity on rank {r}" for r, w in enumerate(words) if not w[2]]
-        room = _attempt(lambda: self._make_room(m.directory) if fix else False)
-        rooms = self.group.all_gather(room, "restore")  # every node's directory is there
-        if any(isinstance(r, str) for r in rooms):
-            if room is True:
-                self.local_storage.abort(m.directory)
-            return _first_error(rooms, "make room")
-
-        def rebuild_here() -> dict[str, int]:
-            got = rebuild(m, lost)
-            if self.group.rank in lost and not verify_own(m):
-                raise CorruptCheckpointError(
-                    f"rank {self.group.rank}'s files were rebuilt but fail their checksums",
-                    step=s, phase="restore",
-                )  # fmt: skip
-            return got
-
-        got = _attempt(rebuild_here)
-        gots = self.group.all_gather(got, "restore")
-        if any(isinstance(g, str) for g in gots):
-            if room is True:
-                self.local_storage.abort(m.directory)
-            return _first_error(gots, "rebuild")
-        failed = self._protect_again(m) if repaired else None
-        if failed is not None:  # the step is whole; its redundancy is not (said, reported)
-            repaired = [r if r.startswith("rank") else f"{r} (not rewritten)" for r in repaired]
-        repaired += [f"manifest on node {self.placement.nodes[n]}" for n in stale]
-        if fix:
-            error = _attempt(lambda: self.local_storage.commit(m.directory, m.manifest.dumps()))
-            if isinstance(error, str):
-                _log.warning("node %s could not take the manifest of %s: %s", self.node,
-                             m.directory, error, phase="restore")  # fmt: skip
-        self.group.all_gather(None, "restore")  # every node holds the step
-        if repaired and self.group.coordinator:
-            _log.warning(
-                "step %d: repaired on the local level: %s", s, ", ".join(repaired), phase="restore"
-            )
-        sources = {"own": sum(f.nbytes for f in m.manifest.files if f.rank not in lost)}
-        for g in gots:
-            for k, v in g.items():
-                sources[k] = sources.get(k, 0) + v
-        return LocalChoice(s, sources, repaired)
-
-    def _make_room(self, directory: str) -> bool:
-        """Leader: ``directory`` exists on this node without a manifest or a marker, ready
-        for the agreed manifest (a differing or marked one is removed: its files were
-        verified against the agreed one). True if it had to be created."""
-        kind = self.local_storage.entry_kind(directory)
-        if kind == "missing":
-            self.local_storage.prepare(directory)
-            return True
-        if kind != "dir":
-            raise CheckpointExistsError(
-                f"{directory} on node {self.node} is a {kind}, not a directory: not touched",
-                path=f"{self.local_storage.url}/{directory}", phase="restore",
-            )  # fmt: skip
-        self.local_storage.uncommit(directory)
-        for marker in ("damaged", "abandoned"):
-            self.local_storage.unmark(directory, marker)
-        return False
-
-    def _protect_again(self, m: Member) -> str | None:
-        """Write the redundancy again (a spare node gets its copies, a bad copy or parity is
-        rewritten). A failure leaves the step restorable, less protected: said and returned
-        (every rank alike), not raised."""
-        error = _attempt(lambda: protect(m))
-        errors = [e for e in self.group.all_gather(error, "restore") if isinstance(e, str)]
-        if errors and self.group.coordinator:
-            _log.warning("%s: redundancy not re-established: %s", m.directory, errors[0],
-                         phase="restore")  # fmt: skip
-        return errors[0] if errors else None
-
-    def _roll_back(self, s: int) -> list[str]:
-        """Set aside the steps newer than ``s`` on both levels: the next saves' step names are
-        free, and no later restart resumes the abandoned timeline. Leaders on the local
-        level, rank 0 on the shared one; a failure is said, never a lone rank's error. The
-        names, as ``<node>:<name>`` and ``shared:<name>``."""
-        parts = [(self.local_catalog, self.node)] if self.leader else []
-        if self.group.coordinator and self.shared_catalog is not None:
-            parts.append((self.shared_catalog, "shared"))
-        out: list[str] = []
-        for catalog, where in parts:
-            moved = _attempt(lambda c=catalog: _roll_back(c, s))  # type: ignore[misc]
-            if isinstance(moved, str):
-                _log.warning("the steps after %d stay on %s: %s", s, where, moved,
-                             phase="restore")  # fmt: skip
-            else:
-                out += [f"{where}:{name}" for name in moved]
-        names = sorted({n for part in self.group.all_gather(out, "restore") for n in part})
-        if names and self.group.coordinator:
-            _log.warning("a new timeline starts at step %d; set aside: %s", s,
-                         ", ".join(names), phase="restore")  # fmt: skip
-        return names
-
-    def fetch(self, manifest: Manifest) -> None:
-        """After a restore from the shared level: copy the step into the local level where a
-        node lacks it (or holds another manifest of it) and protect it there, so that the
-        next failure restarts from the local level. Collective; a failure is logged (the
-        restore itself succeeded)."""
-        if manifest.world_size != self.group.size or self.shared_storage is None:
-            return
-        name = step_dir_name(manifest.step)
-        m = self.member(name, manifest)
-        mine = self._node_view().get(manifest.step)
-        fix = self.leader and mine != (manifest_digest(manifest), False)
-        source = self.member(name, manifest, self.shared_storage)
-
-        room = _attempt(lambda: self._make_room(name) if fix else False)
-        errors = [e for e in self.group.all_gather(room, "restore") if isinstance(e, str)]
-
-        def copy_here() -> None:
-            if not verify_own(m):
-                arena, _ = read_payload(source)
-                try:
-                    write_payload(m, self.group.rank, arena.view, copy=False)
-                finally:
-                    arena.close()
-
-        if not errors:
-            copied = _attempt(copy_here)
-            errors = [e for e in self.group.all_gather(copied, "restore") if isinstance(e, str)]
-        if errors:
-            if room is True:
-                self.local_storage.abort(name)
-            if self.group.coordinator:
-                _log.warning("step %d stays on the shared level only: %s", manifest.step,
-                             errors[0], phase="restore")  # fmt: skip
-            return
-        self._protect_again(m)
-        if fix:
-            error = _attempt(lambda: self.local_storage.commit(name, manifest.dumps()))
-            if isinstance(error, str):
-                _log.warning("node %s could not take the manifest of %s: %s", self.node, name,
-                             error, phase="restore")  # fmt: skip
-        self.group.all_gather(None, "restore")
-
     # ------------------------------------------------------------------ misc
     def _write_levels_file(self) -> None:
         """levels.json under every node's directory and the shared root: ``pitstop ls``."""
@@ -635,69 +246,3 @@ class LevelStack:
             if self.shared_catalog is not None:
                 self.shared_catalog.close()
             self.link.close()
-
-
-def _brief(entries: list[Entry]) -> list[tuple[Any, ...]]:
-    """What a restore needs to know of each step directory with a manifest, small enough to
-    all-gather: (step, status, manifest digest or "", run, timeline, rollback mark)."""
-    out = []
-    for e in entries:
-        if e.is_step_dir and e.step is not None and e.status in _HELD:
-            lineage = e.manifest.lineage if e.manifest is not None else None
-            digest = manifest_digest(e.manifest) if e.manifest is not None else ""
-            run, timeline = (lineage.run, lineage.timeline) if lineage else (None, None)
-            mark = e.rollback if isinstance(e.rollback, dict) else None
-            out.append((e.step, e.status, digest, run, timeline, mark))
-    return out
-
-
-_CANDIDATE = ("committed", "damaged")  # a node's step that may serve (damaged: verified anew)
-_HELD = (*_CANDIDATE, "abandoned")  # a step directory with a manifest
-
-
-def _attempt(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or the text of its error: a rank's part of a collective step never raises
-    alone (the others would wait for it); the ranks compare words and decide together."""
-    try:
-        return fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-
-
-def _first_error(words: list[Any], what: str) -> str:
-    bad = [r for r, w in enumerate(words) if isinstance(w, str)]
-    return f"{what} failed on rank(s) {bad}: {words[bad[0]]}"
-
-
-def _unusable(raw: bytes | None, s: int, digest: str, world_size: int) -> Manifest | str:
-    """The manifest a node sent for step ``s``, or why the local level cannot serve it."""
-    if raw is None:
-        return "the manifest could not be read"
-    try:
-        manifest = Manifest.loads(raw, path=step_dir_name(s))
-    except CheckpointError as e:
-        return f"manifest: {e}"
-    if manifest.step != s or manifest_digest(manifest) != digest:
-        return "the manifest changed while it was read"
-    if manifest.world_size != world_size:
-        return (
-            f"saved by {manifest.world_size} ranks, this job has {world_size}: the local level "
-            "serves only the world size that wrote it (the shared level reshards)"
-        )
-    return manifest
-
-
-def _roll_back(catalog: Catalog, s: int) -> list[str]:
-    """Set aside the steps of ``catalog`` newer than ``s``: a rollback marker first where
-    ``s`` is committed (``Catalog.start_timeline``), else each one."""
-    entries = catalog.scan()
-    here = next((e for e in entries if e.step == s and e.status == "committed"), None)
-    if here is not None and here.is_step_dir:
-        return catalog.start_timeline(here, entries, set())
-    out = []
-    for e in entries:
-        if e.is_step_dir and e.step is not None and e.step > s and e.status in _HELD:
-            name = catalog.set_aside(e, "damaged" if e.status == "damaged" else "abandoned")
-            if name is not None:
-                out.append(name)
-    return out
