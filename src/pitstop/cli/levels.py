@@ -43,7 +43,7 @@ __all__ = [
 ]  # fmt: skip
 
 _SHOWN = 8  # node names shown on one line before "+N more"
-_HELD = ("committed", "damaged")  # a node's step that may serve: as LevelStack._node_view
+_HELD = ("committed", "damaged")  # a node's step that may serve: as Restarts._survey
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,7 @@ class Restarts:
                 if result is not None and result.manifest is not None:
                     result.level, result.sources = "shared", {"shared": result.manifest.nbytes}
                     if fetch:
-                        self.fetch(result.manifest)
+                        self.fetch(result.manifest, views[self.placement.leaders[self.group.rank]])
             if result is not None:
                 break
         if result is None:
@@ -167,21 +167,11 @@ class Restarts:
         result.secs = time.perf_counter() - t0
         return result
 
-    def _node_view(self) -> dict[int, tuple[str, bool]]:
-        """Leaders: the steps whose directory on this node holds a manifest: its digest (""
-        when it does not parse) and whether it is marked damaged. A step a rollback left
-        (abandoned) is not one: the node lacks it."""
-        out: dict[int, tuple[str, bool]] = {}
-        if self.leader:
-            for e in self.local_catalog.scan():
-                if e.is_step_dir and e.step is not None and e.status in _CANDIDATE:
-                    digest = manifest_digest(e.manifest) if e.manifest is not None else ""
-                    out[e.step] = (digest, e.status != "committed")
-        return out
-
     def _survey(self) -> tuple[list[dict[int, tuple[str, bool]]], list[int]]:
-        """Collective: every node's view (``_node_view``, by leader rank) and the steps
-        committed on the shared level (rank 0's scan). The rollback marks found on any node
+        """Collective: every node's view, by leader rank (step -> the digest of the manifest
+        its node holds, "" when it does not parse, and whether it is marked damaged; a step a
+        rollback left is not one: the node lacks it) and the steps committed on the shared
+        level (rank 0's scan). The rollback marks found on any node
         or on the shared level apply to both: a rollback killed half-way, having marked
         one node only, still holds everywhere (the steps it left are no candidates)."""
         local = _brief(self.local_catalog.scan()) if self.leader else []
@@ -303,12 +293,9 @@ class Restarts:
         repaired = [f"rank {r}" for r in sorted(lost)]
         repaired += [f"partner copy on rank {r}" for r, w in enumerate(words) if not w[1]]
         repaired += [f"parity on rank {r}" for r, w in enumerate(words) if not w[2]]
-        room = _attempt(lambda: self._make_room(m.directory) if fix else False)
-        rooms = self.group.all_gather(room, "restore")  # every node's directory is there
-        if any(isinstance(r, str) for r in rooms):
-            if room is True:
-                self.local_storage.abort(m.directory)
-            return _first_error(rooms, "make room")
+        room, error = self._rooms(m.directory, fix)
+        if error is not None:
+            return error
 
         def rebuild_here() -> dict[str, int]:
             got = rebuild(m, lost)
@@ -329,12 +316,7 @@ class Restarts:
         if failed is not None:  # the step is whole; its redundancy is not (said, reported)
             repaired = [r if r.startswith("rank") else f"{r} (not rewritten)" for r in repaired]
         repaired += [f"manifest on node {self.placement.nodes[n]}" for n in stale]
-        if fix:
-            error = _attempt(lambda: self.local_storage.commit(m.directory, m.manifest.dumps()))
-            if isinstance(error, str):
-                _log.warning("node %s could not take the manifest of %s: %s", self.node,
-                             m.directory, error, phase="restore")  # fmt: skip
-        self.group.all_gather(None, "restore")  # every node holds the step
+        self._take_manifest(m, fix)
         if repaired and self.group.coordinator:
             _log.warning(
                 "step %d: repaired on the local level: %s", s, ", ".join(repaired), phase="restore"
@@ -344,6 +326,29 @@ class Restarts:
             for k, v in g.items():
                 sources[k] = sources.get(k, 0) + v
         return LocalChoice(s, sources, repaired)
+
+    def _rooms(self, directory: str, fix: bool) -> tuple[Any, str | None]:
+        """Collective: ``_make_room`` where this node's copy needs fixing; this rank's
+        outcome (True: created here) and the first error of any rank (a directory this
+        rank created is aborted again)."""
+        room = _attempt(lambda: self._make_room(directory) if fix else False)
+        rooms = self.group.all_gather(room, "restore")  # every node's directory is there
+        if not any(isinstance(r, str) for r in rooms):
+            return room, None
+        if room is True:
+            self.local_storage.abort(directory)
+        return room, _first_error(rooms, "make room")
+
+    def _take_manifest(self, m: Member, fix: bool) -> None:
+        """Collective: the agreed manifest into this node's directory where it was fixed (a
+        failure is said: that node lacks the step until the next restart mends it); returns
+        once every node holds the step."""
+        if fix:
+            error = _attempt(lambda: self.local_storage.commit(m.directory, m.manifest.dumps()))
+            if isinstance(error, str):
+                _log.warning("node %s could not take the manifest of %s: %s", self.node,
+                             m.directory, error, phase="restore")  # fmt: skip
+        self.group.all_gather(None, "restore")
 
     def _make_room(self, directory: str) -> bool:
         """Leader: ``directory`` exists on this node without a manifest or a marker, ready
@@ -396,21 +401,19 @@ class Restarts:
                          ", ".join(names), phase="restore")  # fmt: skip
         return names
 
-    def fetch(self, manifest: Manifest) -> None:
+    def fetch(self, manifest: Manifest, view: dict[int, tuple[str, bool]]) -> None:
         """After a restore from the shared level: copy the step into the local level where a
-        node lacks it (or holds another manifest of it) and protect it there, so that the
-        next failure restarts from the local level. Collective; a failure is logged (the
-        restore itself succeeded)."""
+        node lacks it (or holds another manifest of it: ``view``, this node's from the
+        survey) and protect it there, so that the next failure restarts from the local
+        level. Collective; a failure is logged (the restore itself succeeded)."""
         if manifest.world_size != self.group.size or self.shared_storage is None:
             return
         name = step_dir_name(manifest.step)
         m = self.member(name, manifest)
-        mine = self._node_view().get(manifest.step)
-        fix = self.leader and mine != (manifest_digest(manifest), False)
+        fix = self.leader and view.get(manifest.step) != (manifest_digest(manifest), False)
         source = self.member(name, manifest, self.shared_storage)
-
-        room = _attempt(lambda: self._make_room(name) if fix else False)
-        errors = [e for e in self.group.all_gather(room, "restore") if isinstance(e, str)]
+        room, error = self._rooms(name, fix)
+        errors = [error] if error is not None else []
 
         def copy_here() -> None:
             if not verify_own(m):
@@ -431,12 +434,7 @@ class Restarts:
                              errors[0], phase="restore")  # fmt: skip
             return
         self._protect_again(m)
-        if fix:
-            error = _attempt(lambda: self.local_storage.commit(name, manifest.dumps()))
-            if isinstance(error, str):
-                _log.warning("node %s could not take the manifest of %s: %s", self.node, name,
-                             error, phase="restore")  # fmt: skip
-        self.group.all_gather(None, "restore")
+        self._take_manifest(m, fix)
 
 
 def _brief(entries: list[Entry]) -> list[tuple[Any, ...]]:
