@@ -365,6 +365,14 @@ def _max_over_ranks(per_rank: list[dict[str, Any]], key: str, what: str) -> list
     return [max(r["samples"][key][what][i] for r in per_rank) for i in range(n)]
 
 
+def _summarise(
+    per_rank: list[dict[str, Any]], keys: list[str], whats: tuple[str, ...]
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, float]]]:
+    """Per configuration and measure: the samples (max over ranks) and their median."""
+    maxes = {k: {w: _max_over_ranks(per_rank, k, w) for w in whats} for k in keys}
+    return maxes, {k: {w: median(v) for w, v in m.items()} for k, m in maxes.items()}
+
+
 def _flush_secs(per_rank: list[dict[str, Any]], key: str) -> list[float]:
     """Per flushed step (every flush of the run): the maximum over the ranks of its time."""
     by_step: dict[int, float] = {}
@@ -389,14 +397,10 @@ def report(
         print(*parts, flush=True)
 
     # saves
-    med: dict[str, dict[str, float]] = {}
-    maxes: dict[str, dict[str, list[float]]] = {}
+    maxes, med = _summarise(saves, configs, ("stall", "durable", "stage", "persist"))
     for key in configs:
-        maxes[key] = {
-            w: _max_over_ranks(saves, key, w) for w in ("stall", "durable", "stage", "persist")
-        }
         maxes[key]["flush"] = _flush_secs(saves, key)
-        med[key] = {w: median(v) for w, v in maxes[key].items()}
+        med[key]["flush"] = median(maxes[key]["flush"])
     base = med.get("root", {})
     out()
     out(
@@ -445,11 +449,7 @@ def report(
 
     # restarts
     keys = _restore_keys(configs, cfg["quick"])
-    rmed: dict[str, dict[str, float]] = {}
-    rmax: dict[str, dict[str, list[float]]] = {}
-    for k in keys:
-        rmax[k] = {w: _max_over_ranks(restores, k, w) for w in ("open", "restore")}
-        rmed[k] = {w: median(v) for w, v in rmax[k].items()}
+    rmax, rmed = _summarise(restores, keys, ("open", "restore"))
     rbase = rmed.get("root", {})
     out()
     out(
