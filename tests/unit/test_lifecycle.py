@@ -368,13 +368,13 @@ def test_a_failing_retention_policy_never_hangs_a_save(root: str, caplog: Any) -
     assert "retention after step 2 failed" in caplog.text
 
 
-def test_a_garbage_marker_is_read_as_damaged(root: str) -> None:
+def test_a_garbage_marker_is_no_evidence(root: str) -> None:
     _saved(root, range(1, 3)).close()
     with open(os.path.join(root, "step-0000000002", DAMAGED_MARKER), "w") as f:
         f.write("[" * 3000)
     fresh = make_state(seed=99)
-    with pitstop.CheckpointManager(root) as ckpt:
-        assert ckpt.restore(fresh, rollback=False) == 1
+    with pitstop.CheckpointManager(root) as ckpt:  # tests/unit/test_markers.py: the rest
+        assert ckpt.restore(fresh, rollback=False) == 2
 
 
 def test_nesting_depth_is_linear_on_escaped_quotes() -> None:

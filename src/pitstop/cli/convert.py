@@ -13,8 +13,11 @@ reconstruction), a DCP directory through ``dcp_safe``, which never hands a pickl
 
 Call sequence (the CLI's thread)::
 
-    run_export(args): _check_out -> _load_with_tree -> _select -> export_names (rename)
-                      -> export_formats.EXPORTERS[to] (inside _writing) -> print notes
+    run_export(args): choice.choose (the step asked for or the newest; damage refused unless
+                      --fallback) -> choice.refuse_inside_checkpoint -> _check_out
+                      -> _load_with_tree -> _select -> export_names (rename)
+                      -> export_formats.EXPORTERS[to] (inside _writing) -> print the step
+                      exported (a fallback named: exit 3) and notes
     run_import(args): _read_source (dcp_safe.load_dcp | _load_safetensors
                       | dcp_safe.load_torch_file) -> CheckpointManager.save -> print
 """
@@ -45,7 +48,6 @@ from pitstop.errors import (
 )
 from pitstop.io.files import check_regular
 from pitstop.manager import CheckpointManager
-from pitstop.oneshot import resolve
 from pitstop.state.keys import unescape_key
 from pitstop.state.tree import join_key
 
@@ -113,11 +115,11 @@ def _writing(out: str) -> Iterator[None]:
         ) from None
 
 
-def _load_with_tree(path: str, step: int | None, allow_pickle: bool) -> tuple[Any, Any]:
-    """The saved state as fresh objects (``CheckpointManager.load``: verified, falls back like
-    restore) and the objects tree it was built from, read again under a pin (``read_objects``:
-    size, checksum and grammar checked against the same manifest)."""
-    root, step = resolve(path, step)
+def _load_with_tree(root: str, step: int | None, allow_pickle: bool) -> tuple[Any, Any, Any]:
+    """The saved state as fresh objects (``CheckpointManager.load``: verified; ``step`` None:
+    the newest that verifies, falling back like restore), the objects tree it was built from,
+    read again under a pin (``read_objects``: size, checksum and grammar checked against the
+    same manifest), and the load's RestoreResult (which step, what it skipped)."""
     with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
         value = mgr.load(step)
         loaded = mgr.last_restore
@@ -135,27 +137,40 @@ def _load_with_tree(path: str, step: int | None, allow_pickle: bool) -> tuple[An
                 + (f": {'; '.join(problems)}" if problems else " (removed)"),
                 step=loaded.step, path=f"{mgr.storage.url}/{loaded.name}",
             )  # fmt: skip
-    return value, tree
+    return value, tree, loaded
+
+
+_RETRY = "--fallback exports the newest step that verifies instead (exit 3), --step N an older one"
 
 
 def run_export(args: argparse.Namespace) -> int:
+    """``pitstop export``: 0 written from the step asked for or the newest; 3 (``--fallback``)
+    written from an older step, the newest being damaged (said on stdout); damage without
+    ``--fallback`` writes nothing (CorruptCheckpointError: exit 1)."""
+    from pitstop.cli.choice import choose, explain_damage, fallback_note, refuse_inside_checkpoint
     from pitstop.cli.export_formats import EXPORTERS
     from pitstop.cli.export_names import find_names, name_optimizers, strip_wrappers_in
+    from pitstop.cli.main import EXIT_FALLBACK, EXIT_OK
 
+    choice = choose(args.dir, args.step, fallback=args.fallback, retry=_RETRY)
+    refuse_inside_checkpoint(args.out, [choice.root], directory=args.to == "dcp")
     _check_out(args.out, args.to)
-    value, tree = _load_with_tree(args.dir, args.step, args.allow_pickle)
+    try:
+        value, tree, loaded = _load_with_tree(choice.root, choice.step, args.allow_pickle)
+    except CorruptCheckpointError as e:
+        raise explain_damage(choice, e, _RETRY) from None
     value = _select(value, args.only)
     found = find_names(tree)
     strip_wrappers_in(value, found)
     notes = name_optimizers(value, found) if args.to == "dcp" else []
     with _writing(args.out):
         notes += EXPORTERS[args.to](value, args.out, args.only)
-    print(
-        f"exported {args.dir} ({'newest step' if args.step is None else f'step {args.step}'}) to {args.to}: {args.out}"
-    )
-    for note in notes:
+    fallback = fallback_note(choice, loaded.step, loaded.skipped)
+    which = "" if choice.asked or fallback else ", the newest"
+    print(f"exported {args.dir} (step {loaded.step}{which}) to {args.to}: {args.out}")
+    for note in ([fallback] if fallback else []) + notes:
         print(note)
-    return 0
+    return EXIT_FALLBACK if fallback else EXIT_OK
 
 
 _SAFETENSORS_HEADER_MAX = 100_000_000  # the safetensors library's own limit

@@ -1,10 +1,12 @@
 """The ``pitstop`` command line.
 
-Exit codes follow shell conventions: 0 all good, 1 a problem was found (a
-checksum failed, damaged or hostile input, the demo's weights differ), 2 bad usage
-or a path that is not a checkpoint. Every error is one line on stderr; ``--debug``
-shows the traceback. ``ls``, ``inspect``, ``verify`` and ``gc`` do not import torch,
-so they run on a login node.
+Exit codes follow shell conventions (the README's table): 0 all good; 1 a problem was found
+(a checksum failed, a checkpoint asked for or the newest one is damaged, hostile input, a
+marker that is no evidence, ``diff``: the two differ, the demo's weights differ); 2 bad usage
+or a path that is not a checkpoint (no such step: never a damaged one); 3 ``export
+--fallback`` wrote an older step than the newest, which is damaged (named on stdout). Every
+error is one line on stderr; ``--debug`` shows the traceback. ``ls``, ``inspect``,
+``verify`` and ``gc`` do not import torch, so they run on a login node.
 """
 
 from __future__ import annotations
@@ -20,12 +22,25 @@ from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.engine.verify import verify_checkpoint
-from pitstop.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
+from pitstop.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+)
 from pitstop.format.names import LEVELS_FILE, MANIFEST, parse_aside_dir, parse_step_dir
 from pitstop.storage.local import LocalStorage
 from pitstop.storage.retry import RetryingStorage
 
-__all__ = ["main"]
+__all__ = ["EXIT_FALLBACK", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+"""Damage (of the step asked for, or of the newest when no fallback was asked for), hostile
+input, a failed checksum, a marker that is no evidence; ``diff``: the states differ."""
+EXIT_USAGE = 2
+EXIT_FALLBACK = 3
+"""``export --fallback``: written, from an older step than the newest (damaged), named."""
 
 EXAMPLES = {
     "ls": "pitstop ls ckpts",
@@ -57,7 +72,7 @@ def _open_root(path: str) -> tuple[Catalog, str | None]:
     if os.path.lexists(os.path.join(path, MANIFEST)) and parse_step_dir(os.path.basename(norm)):
         return catalog_of(os.path.dirname(norm) or "."), os.path.basename(norm)
     if not os.path.isdir(path):
-        raise _UsageError(f"{path}: no such directory")
+        raise _UsageError(f"{path}: {'not a' if os.path.lexists(path) else 'no such'} directory")
     names = os.listdir(path)
     if names and not any(
         parse_step_dir(n) is not None or parse_aside_dir(n) is not None for n in names
@@ -162,6 +177,7 @@ def ls_rows(catalog: Catalog, only: str | None = None) -> list[dict[str, Any]]:
                 "timeline": m.lineage.timeline if m and m.lineage else None,
                 "parent": m.lineage.parent if m and m.lineage else None,
                 "error": e.error,
+                "ignored_markers": list(e.ignored),
             }
         )
     return rows
@@ -179,70 +195,17 @@ def print_ls(url: str, rows: list[dict[str, Any]]) -> None:
         world = "-" if r["world_size"] is None else str(r["world_size"])
         note = f"  ({r['name']})" if parse_step_dir(r["name"]) is None else ""
         why = f": {r['error'][:100]}" if r["error"] and r["status"] != "committed" else ""
+        for line in r.get("ignored_markers") or []:  # a marker that is no evidence: said
+            why += f"{'; ' if why else ': '}{line[:100]}"
         print(
             f"{step:>12}  {r['time']:19}  {size:>10}  {tensors:>7}  {world:>5}  {r['status']}{note}{why}"
         )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pitstop.cli.levels import node_note
+    from pitstop.cli.show import run_inspect
 
-    catalog, only = _open_root(args.dir)
-    entries = [e for e in _select(catalog, only, args.step) if e.manifest is not None]
-    if not entries:
-        raise _UsageError(f"{args.dir}: no committed checkpoint")
-    entry = entries[-1]
-    manifest = entry.manifest
-    assert manifest is not None
-    if args.json:
-        print(json.dumps(manifest.to_json(), indent=1))
-        return 0
-    print(f"step {manifest.step}  ({entry.name}, format v{manifest.format_version})")
-    print(
-        f"written  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_unix_secs))}"
-        f" by pitstop {manifest.library.get('pitstop', '?')}, torch {manifest.library.get('torch', '?')}"
-    )
-    print(f"world    {manifest.world_size} rank(s); checksum {manifest.checksum_algorithm}")
-    note = node_note(args.dir)  # a node's directory of levels=: only its ranks' files
-    if note is not None:
-        print(note)
-    if manifest.lineage is not None:
-        print(
-            f"lineage  run {manifest.lineage.run}, timeline {manifest.lineage.timeline}, "
-            f"parent step {manifest.lineage.parent}"
-        )
-    if entry.status != "committed":
-        print(f"status   {entry.status}: {entry.error}")
-    print(
-        f"size     {_human(manifest.nbytes)} in {len(manifest.files)} files, {len(manifest.tensors)} tensors"
-    )
-    print()
-    if manifest.world_size > 1:
-        for f in manifest.files:
-            if f.name.endswith(".bin"):
-                stream = f.stream_nbytes or 0
-                print(
-                    f"rank {f.rank:<4} {f.name}: {_human(f.nbytes)} ({_human(stream)} replicated "
-                    f"slice, {_human(f.nbytes - stream)} own and sharded)"
-                )
-        print()
-    wide = manifest.world_size > 1
-    extra = "  RANK  CHUNK" if wide else ""
-    print(f"{'KEY':60}  {'DTYPE':10}  {'SHAPE':20}  {'BYTES':>10}{extra}")
-    for t in manifest.tensors:
-        line = (
-            f"{t.key[:60]:60}  {t.dtype:10}  {str(list(t.shape))[:20]:20}  {_human(t.nbytes):>10}"
-        )
-        if wide:
-            if t.owner is not None:
-                chunk = f"rank {t.owner}'s own"
-            elif t.global_shape is not None and not t.is_whole:
-                chunk = f"at {list(t.box_start)} of {list(t.global_shape)}"
-            else:
-                chunk = "whole, shared"
-            line += f"  {t.rank:>4}  {chunk}"
-        print(line)
-    return 0
+    return run_inspect(args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -316,6 +279,9 @@ def verify_root(catalog: Catalog, only: str | None, args: argparse.Namespace) ->
                 print(f"  - {p}")
             if e.status == "committed":  # evidence of damage: restore and ls will know
                 catalog.mark_damaged(e.name, "; ".join(report.problems))
+        for line in e.ignored:  # damaged or inconsistent marker: found, said, never acted on
+            print(f"{e.name}: {line}; not acted on (remove the file once you have looked)")
+            bad += 1
     return 1 if bad else 0
 
 
@@ -389,7 +355,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pitstop.cli.levels import refuse_node_dir
 
     refuse_node_dir(args.dir, args.step, "export")
-
+    if args.fallback and args.step is not None:
+        raise _UsageError("--fallback applies to the newest step; --step names one")
     return run_export(args)
 
 
@@ -400,13 +367,25 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from pitstop.cli.choice import choose, explain_damage
     from pitstop.cli.compare import run_diff
     from pitstop.cli.levels import refuse_node_dir
 
     refuse_node_dir(args.a, args.step_a, "diff")
     refuse_node_dir(args.b, args.step_b, "diff")
-
-    return run_diff(args)
+    # the steps compared are the ones named or the newest: never an older one in their place
+    retry = {"a": "--step-a N compares an older step", "b": "--step-b N compares an older step"}
+    a = choose(args.a, args.step_a, retry=retry["a"])
+    b = choose(args.b, args.step_b, retry=retry["b"])
+    args.step_a, args.step_b = a.entry.step, b.entry.step
+    try:
+        return run_diff(args)
+    except CorruptCheckpointError as e:  # found damaged while loading (and marked): say which
+        for choice, side in ((a, "a"), (b, "b")):
+            said = explain_damage(choice, e, retry[side])
+            if said is not e:
+                raise said from None
+        raise
 
 
 def cmd_crashtest(args: argparse.Namespace) -> int:
@@ -438,6 +417,15 @@ DAMAGED when it fails. A directory holding levels.json (the shared root, any nod
 directory, or a step directory in one) is checked as a whole setup: every rank's files on
 its node, the partner copies or parity, the manifest the nodes agree on (as a restart
 agrees); this never marks or writes into node directories."""
+
+
+_EXPORT_MORE = """
+
+Exports the step asked for (--step N, or a step directory given) or the newest step, never
+another in its place. Exit 0: written. Exit 1: that step is damaged (nothing written), or
+another problem. Exit 2: bad usage (no such step; OUT inside a checkpoint root: only a save
+writes there). Exit 3: --fallback was given, the newest step is damaged, and the newest one
+that verifies was written instead (stdout names it and why)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -500,12 +488,17 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = add(
-        "export", "write a checkpoint as a torch.save file, a safetensors file or a DCP directory"
+        "export",
+        "write a checkpoint as a torch.save file, a safetensors file or a DCP directory",
+        _EXPORT_MORE,
     )
     p.add_argument("dir", help="a checkpoint root or one step directory")
     p.add_argument("out", help="the file (torch, safetensors) or directory (dcp) to write")
     p.add_argument("--to", choices=["torch", "safetensors", "dcp"], required=True)
     p.add_argument("--step", type=int, help="default: the newest")
+    p.add_argument("--fallback", action="store_true",
+                   help="if the newest step is damaged, export the newest one that verifies "
+                   "(named on stdout; exit 3) instead of failing")  # fmt: skip
     p.add_argument("--only", help="export only this top-level key (e.g. model)")
     p.add_argument(
         "--allow-pickle", action="store_true", help="load pickled values (trusted checkpoints only)"

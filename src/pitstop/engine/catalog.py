@@ -25,8 +25,8 @@ persist thread (``retire`` after each commit); the CLI; any process at the same 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import threading
 import time
 import uuid
@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pitstop.engine.verify import verify_checkpoint
 from pitstop.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -45,6 +46,7 @@ from pitstop.errors import (
 )
 from pitstop.faults import killpoint
 from pitstop.format.manifest import Lineage, Manifest
+from pitstop.format.markers import marker_text, usable_markers
 from pitstop.format.names import MANIFEST, aside_dir_name, parse_aside_dir, parse_step_dir
 from pitstop.io.locks import DirLock
 from pitstop.log import get_logger
@@ -79,6 +81,7 @@ class Entry:
     manifest: Manifest | None = field(default=None, repr=False)
     error: str | None = None
     rollback: Any = field(default=None, repr=False)  # a ROLLBACK marker: newer steps abandoned
+    ignored: tuple[str, ...] = ()  # markers that are no evidence (format.markers), and why
 
     @property
     def is_step_dir(self) -> bool:
@@ -215,16 +218,19 @@ class Catalog:
             return Entry(name, step, "newer", error=e.message)
         except CorruptCheckpointError as e:
             return Entry(name, step, "damaged", error=e.message)
-        markers = self.storage.read_markers(name)
+        lineage = manifest.lineage
+        markers, ignored = usable_markers(
+            self.storage.read_markers(name), step,
+            (lineage.run, lineage.timeline) if lineage is not None else (None, None),
+        )  # fmt: skip
         if "damaged" in markers:
-            why = markers["damaged"].get("reason") if isinstance(markers["damaged"], dict) else None
-            return Entry(name, step, "damaged", manifest, error=str(why or "marked damaged"))
+            why = markers["damaged"]["reason"] or "marked damaged"
+            return Entry(name, step, "damaged", manifest, error=why, ignored=tuple(ignored))
         if "abandoned" in markers:
-            return Entry(
-                name, step, "abandoned", manifest, error="a rollback left it (in use then)"
-            )
+            why = "a rollback left it (in use then)"
+            return Entry(name, step, "abandoned", manifest, error=why, ignored=tuple(ignored))
         rollback = markers.get("rollback")
-        return Entry(name, step, "committed", manifest, rollback=rollback if rollback else None)
+        return Entry(name, step, "committed", manifest, rollback=rollback, ignored=tuple(ignored))
 
     def committed(self) -> list[Entry]:
         """Committed checkpoints, oldest first."""
@@ -256,9 +262,12 @@ class Catalog:
     # ------------------------------------------------------------------ damage and timelines
     def mark_damaged(self, name: str, reason: str) -> None:
         """Record why ``name`` failed verification; nothing is moved or deleted."""
-        doc = {"reason": reason[:4000], "time": time.time()}
+        step = parse_step_dir(name)
+        if step is None:
+            return
+        text = marker_text("damaged", step, reason=reason[:4000], time=time.time())
         try:
-            self.storage.mark(name, "damaged", json.dumps(doc))
+            self.storage.mark(name, "damaged", text)
         except CheckpointError as e:
             _log.warning("could not mark %s damaged: %s", name, e, phase="verify")
 
@@ -277,14 +286,16 @@ class Catalog:
         ]  # fmt: skip
         if not newer:
             return []
-        doc = {"after": restored.step, "run": run, "timeline": timeline, "time": time.time()}
-        self.storage.mark(restored.name, "rollback", json.dumps(doc))
+        k, now = restored.step, time.time()
+        mark = marker_text("rollback", k, after=k, run=run, timeline=timeline, time=now)
+        self.storage.mark(restored.name, "rollback", mark)
         moved = []
         for e in newer:
             kind = "damaged" if e.status == "damaged" or e.name in damaged else "abandoned"
             try:
-                if kind == "abandoned":
-                    self.storage.mark(e.name, "abandoned", json.dumps({"after": restored.step}))
+                if kind == "abandoned" and e.step is not None:
+                    mark = marker_text("abandoned", e.step, after=k, time=now)
+                    self.storage.mark(e.name, "abandoned", mark)
                 target = self.set_aside(e, kind)
             except CheckpointNotFoundError:
                 continue  # another process set it aside first
@@ -421,11 +432,42 @@ class Catalog:
             age = now - self.storage.mtime(e.name)
             if age < min_age:
                 return f"kept: written to {age:.0f} s ago (a save may be running)"
+        if e.is_step_dir and e.status in ("damaged", "abandoned"):
+            return self._collect_step(e, dry_run)
         if dry_run:
             return "would remove"
         if self._remove_held(e.name, uncommit=e.status == "damaged", point="gc.mid", debris=debris):
             return "removed"
         return "kept: in use by a running save or reader, or committed meanwhile"
+
+    def _collect_step(self, e: Entry, dry_run: bool) -> str:
+        """A step directory that gc was asked to delete as damaged or abandoned: deleted only
+        if the evidence holds, checked again while it is held (uncommitted first)."""
+        lock = None if dry_run else self._hold(e.name, "pinned or being written; left for later")
+        if lock is None and not dry_run:
+            return "kept: in use by a running save or reader"
+        with lock if lock is not None else contextlib.nullcontext():
+            doubt = self._doubt(e)
+            if doubt is not None or dry_run:
+                return f"kept: {doubt}" if doubt is not None else "would remove"
+            self.storage.uncommit(e.name)
+            killpoint("gc.mid")
+            self.storage.remove(e.name)
+        return "removed"
+
+    def _doubt(self, e: Entry) -> str | None:
+        """Why the evidence that ``e`` is damaged or abandoned does not hold now (None: it
+        does): the markers and rollbacks are read and checked again, and a step marked damaged
+        whose manifest is whole is verified again (a marker alone deletes nothing)."""
+        now = next((x for x in self.scan() if x.name == e.name), None)
+        if now is None:
+            raise CheckpointNotFoundError(f"{e.name} is gone", path=f"{self.storage.url}/{e.name}")
+        if now.status != e.status or now.manifest != e.manifest:
+            return f"it changed since it was listed (now {now.status})"
+        if now.status == "damaged" and now.manifest is not None:
+            if verify_checkpoint(self.storage, now.name, now.manifest).ok:
+                return f"marked damaged ({now.error}), but it verifies now"
+        return None
 
     def collect(
         self,

@@ -10,8 +10,8 @@
         partner-rank-00003.bin      node-local level only: a partner's copy of rank 3's files
         xor-00002.bin / .json       node-local level only: the parity block rank 2 holds for
                                     its XOR set, and what it covers (see pitstop.multilevel)
-        DAMAGED                     only after it failed verification: why (JSON)
-        ABANDONED / ROLLBACK        only after a rollback (see MARKERS)
+        DAMAGED                     only after it failed verification: why (sealed JSON)
+        ABANDONED / ROLLBACK        only after a rollback (see MARKERS, format.markers)
       .writing-step-0000001300-<id>/  a save being created; renamed to step-* before any data
       .retired-step-0000001000-<id>/  retention's: uncommitted and moved, files deleted next
       .abandoned-step-0000001250-<id>/  a newer step that a rollback left (timeline ended)
@@ -51,9 +51,10 @@ MANIFEST = "manifest.json"
 MANIFEST_TMP = "manifest.json.tmp"
 DAMAGED_MARKER = "DAMAGED"
 MARKERS = {"damaged": DAMAGED_MARKER, "abandoned": "ABANDONED", "rollback": "ROLLBACK"}
-"""Marker files a checkpoint directory may get after its commit (JSON): why it failed
-verification; that a rollback abandoned it; that a rollback to it abandoned the newer
-steps of its timeline (written first, so a rollback killed half-way still holds)."""
+"""Marker files a checkpoint directory may get after its commit (JSON, sealed and checked
+against their step: :mod:`pitstop.format.markers`): why it failed verification; that a rollback
+abandoned it; that a rollback to it abandoned the newer steps of its timeline (written first,
+so a rollback killed half-way still holds)."""
 OWNER_FILE = ".owner"
 
 ASIDE_KINDS = ("abandoned", "damaged", "corrupt", "writing", "retired")

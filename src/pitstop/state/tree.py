@@ -233,6 +233,12 @@ class _Flattener:
                 )  # fmt: skip
         if type(obj) is bytes:
             return {"bytes": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.utils.data.DataLoader) and not self.allow_pickle:
+            raise UnsupportedValueError(
+                f"value at {_shown(key)} is a plain torch.utils.data.DataLoader, which keeps no "
+                "position to resume from: put pitstop.ResumableLoader(loader) in the state "
+                "instead (it resumes at the next batch; torchdata's StatefulDataLoader works too)"
+            )
         return self._pickle(obj, key, f"is a {_qualname(obj)}, which JSON cannot hold")
 
     def _int(self, value: int, key: str) -> Node:

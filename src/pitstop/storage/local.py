@@ -38,6 +38,7 @@ from pitstop.errors import (
 )
 from pitstop.faults import killpoint
 from pitstop.format.jsonsafe import load_json
+from pitstop.format.markers import usable_markers
 from pitstop.format.names import (
     MANIFEST,
     MANIFEST_TMP,
@@ -220,8 +221,8 @@ class LocalStorage:
                 f"{directory} exists and is a {kind}, not a directory pitstop wrote: not touched",
                 path=final, phase="plan",
             )  # fmt: skip
-        if self.has_manifest(directory):
-            markers = self.read_markers(directory)
+        if self.has_manifest(directory):  # markers that are no evidence move nothing
+            markers, _ = usable_markers(self.read_markers(directory), parse_step_dir(directory))
             aside = next((k for k in ("damaged", "abandoned") if k in markers), None)
             if aside is not None and self._move_aside(directory, aside):
                 return  # a damaged or abandoned checkpoint left in use then: out of the way now
@@ -466,7 +467,9 @@ class LocalStorage:
             raise _io_error(e, f"mark {directory} {kind}", final, "verify") from e
 
     def read_markers(self, directory: str) -> dict[str, Any]:
-        """The markers of ``directory`` by kind; a marker that does not parse reads as ``{}``."""
+        """The markers of ``directory`` by kind, as they are: one that does not parse (or is
+        not a regular file) reads as ``{}``; whether one is evidence is for
+        :func:`pitstop.format.markers.usable_markers` to say. An I/O error is raised."""
         out: dict[str, Any] = {}
         for kind, name in MARKERS.items():
             path = self._path(directory, name)
@@ -474,7 +477,11 @@ class LocalStorage:
                 continue
             try:
                 out[kind] = load_json(read_regular(path, 65536), what=name, path=path)
-            except (OSError, CheckpointError):
+            except FileNotFoundError:
+                continue  # removed since we looked
+            except OSError as e:
+                raise _io_error(e, f"read {name}", path, "restore") from e
+            except CheckpointError:
                 out[kind] = {}
         return out
 

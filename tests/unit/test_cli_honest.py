@@ -1,0 +1,132 @@
+"""The command line is honest about damage and about where it writes: a fallback to an older
+step is named as one (in the output and the exit status), damage exits 1 (never 2, bad usage),
+an export never writes inside a checkpoint root, and hints point to the right tool."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import pitstop
+from conftest import flip_byte
+from pitstop.cli.main import main
+from pitstop.errors import UnsupportedValueError
+
+S1, S2 = "step-0000000001", "step-0000000002"
+EXIT_FALLBACK = 3  # the README's exit code: exported, but an older step than the newest
+
+
+def _two_steps(root: str) -> str:
+    with pitstop.CheckpointManager(root) as ckpt:
+        ckpt.save(1, {"w": torch.full((4,), 1.0)})
+        ckpt.save(2, {"w": torch.full((4,), 2.0)})
+    return root
+
+
+def _damage(root: str, name: str = S2) -> None:
+    flip_byte(os.path.join(root, name, "rank-00000.bin"), 1)
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+# ---------------------------------------------------------------- export of a damaged newest step
+def test_export_refuses_a_damaged_newest_step(
+    root: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _damage(_two_steps(root))
+    out = os.path.join(str(tmp_path), "out.pt")
+    code, stdout, err = _run(capsys, "export", root, out, "--to", "torch")
+    assert code == 1, (stdout, err)
+    assert not os.path.exists(out)
+    assert "step 2" in err and "damaged" in err and "--fallback" in err
+    assert "exported" not in stdout
+
+
+def test_export_fallback_names_the_step_it_exported(
+    root: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _damage(_two_steps(root))
+    out = os.path.join(str(tmp_path), "out.pt")
+    code, stdout, _ = _run(capsys, "export", root, out, "--to", "torch", "--fallback")
+    assert code == EXIT_FALLBACK != 0
+    assert "step 1" in stdout and "fallback" in stdout and "step 2" in stdout
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.full((4,), 1.0))
+
+
+def test_damage_of_a_named_step_exits_1_not_2(
+    root: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _damage(_two_steps(root))
+    assert main(["verify", root, "--step", "2"]) == 1  # marks it DAMAGED
+    capsys.readouterr()
+    out = os.path.join(str(tmp_path), "out.pt")
+    code, _, err = _run(capsys, "export", root, out, "--to", "torch", "--step", "2")
+    assert code == 1 and "damaged" in err and not os.path.exists(out)
+    code, stdout, _ = _run(capsys, "inspect", root, "--step", "2")
+    assert code == 1 and "damaged" in stdout
+    code, _, err = _run(capsys, "inspect", root)  # the newest is the damaged one
+    assert code == 1
+    code, _, err = _run(capsys, "export", root, out, "--to", "torch", "--step", "7")
+    assert code == 2 and "no checkpoint of step 7" in err  # usage: that step is not there
+
+
+def test_diff_does_not_compare_an_older_step_in_place_of_a_damaged_newest(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = os.path.join(str(tmp_path), "a"), os.path.join(str(tmp_path), "b")
+    _damage(_two_steps(a))
+    pitstop.save(b, {"w": torch.full((4,), 1.0)}, step=1)  # equal to a's step 1
+    code, stdout, err = _run(capsys, "diff", a, b)
+    assert code == 1, (stdout, err)
+    assert "step 2" in err and "damaged" in err
+
+
+# ---------------------------------------------------------------- export never writes in a root
+@pytest.mark.parametrize(
+    "where", [f"{S1}/rank-00000.bin", f"{S1}/new.pt", "out.pt", f"{S2}/objects-00000.json"]
+)
+def test_export_into_a_checkpoint_root_is_refused(
+    root: str, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _two_steps(root)
+    before = {n: sorted(os.listdir(os.path.join(root, n))) for n in (S1, S2)}
+    out = os.path.join(root, where)
+    code, stdout, err = _run(capsys, "export", root, out, "--to", "torch", "--step", "1")
+    assert code == 2, (stdout, err)
+    assert out in err and "inside" in err
+    assert {n: sorted(os.listdir(os.path.join(root, n))) for n in (S1, S2)} == before
+    assert sorted(os.listdir(root)) == [S1, S2]
+    assert main(["verify", root]) == 0
+
+
+def test_export_dcp_into_a_step_directory_is_refused(
+    root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _two_steps(root)
+    out = os.path.join(root, S1)
+    code, _, err = _run(capsys, "export", root, out, "--to", "dcp", "--step", "1")
+    assert code == 2 and out in err
+    assert main(["verify", root]) == 0
+
+
+# ---------------------------------------------------------------- hints and paths
+def test_ls_of_a_file_says_not_a_directory(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _two_steps(root)
+    path = os.path.join(root, S1, "rank-00000.bin")
+    for command in ("ls", "verify", "inspect", "gc"):
+        code, _, err = _run(capsys, command, path)
+        assert code == 2 and f"{path}: not a directory" in err, (command, err)
+
+
+def test_a_plain_dataloader_in_the_state_points_to_resumable_loader(root: str) -> None:
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    with pytest.raises(UnsupportedValueError) as info:
+        pitstop.save(root, {"w": torch.ones(2), "data": loader}, step=1)
+    text = str(info.value)
+    assert "pitstop.ResumableLoader" in text and "allow_pickle" not in text
