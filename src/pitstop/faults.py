@@ -28,6 +28,8 @@ KILL_POINTS: tuple[str, ...] = (
     "gc.mid",  # gc holds a directory it is about to remove
     "replicate.mid",  # multi-level: every rank's files durable, redundancy being written
     "flush.mid",  # multi-level: a rank's files of a flush on the shared level, not committed
+    "lightning.pointer",  # Lightning: a pointer file renamed into place (the step committed)
+    "lightning.registry",  # Lightning: the root's registry of pointer paths rewritten
 )
 
 _lock = threading.Lock()

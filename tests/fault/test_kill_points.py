@@ -57,14 +57,19 @@ def _check_restore(root: str, expected_step: int) -> None:
 
 # kill points of the multi-level save, killed on one rank of four emulated nodes there
 MULTILEVEL = {"replicate.mid", "flush.mid"}
+# kill points of the Lightning integration, killed in tests/integrations/test_lightning.py
+LIGHTNING = {"lightning.pointer", "lightning.registry"}
 
 
 def test_every_kill_point_is_covered() -> None:
-    assert {k.split(":")[0] for k in EXPECTED} | MULTILEVEL == set(KILL_POINTS)
+    assert {k.split(":")[0] for k in EXPECTED} | MULTILEVEL | LIGHTNING == set(KILL_POINTS)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(here, "multirank", "test_multilevel.py")) as f:
         text = f.read()
     assert all(f'"PITSTOP_KILL_AT": "{name}:' in text for name in MULTILEVEL)
+    with open(os.path.join(here, "integrations", "test_lightning.py")) as f:
+        text = f.read()
+    assert all(f'    "{name}:' in text for name in LIGHTNING)
 
 
 @pytest.mark.parametrize("kill_at", sorted(EXPECTED))

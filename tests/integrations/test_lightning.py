@@ -223,10 +223,131 @@ def test_a_final_save_to_another_path_is_not_taken_for_a_kill(tmp_path: Any, cap
     last, final = os.path.join(root, "last.ckpt"), os.path.join(root, "final.ckpt")
     io = PitstopCheckpointIO(root)
     io.save_checkpoint(_ckpt(3, root), last)
+    io.teardown()  # the end of fit
     io.save_checkpoint(_ckpt(7, root), final)  # trainer.save_checkpoint("final.ckpt") after fit
     io.close()
     with caplog.at_level(logging.WARNING, logger="pitstop"):
         io = PitstopCheckpointIO(root)  # a clean rerun
     assert _named(last) == 3 and _named(final) == 7  # last stays what Lightning made it
-    assert "ended between its commit and its pointer" not in caplog.text
+    assert "the newest committed step is" not in caplog.text
     io.close()
+
+
+def test_a_kill_after_the_top_k_pointer_before_last_is_repaired(tmp_path: Any, caplog: Any) -> None:
+    """ModelCheckpoint saves a step to its top-k file, then to ``last.ckpt``; a kill after the
+    first pointer was written leaves ``last.ckpt`` on the previous step (the newest committed
+    one then collides with the rerun's save of it)."""
+    root = str(tmp_path / "run")
+    last, top = os.path.join(root, "last.ckpt"), os.path.join(root, "epoch=0-step={}.ckpt")
+    io = PitstopCheckpointIO(root)
+    io.save_checkpoint(_ckpt(10, root), top.format(10))
+    io.save_checkpoint(_ckpt(10, root), last)
+    io.save_checkpoint(_ckpt(20, root), top.format(20))
+    io.remove_checkpoint(top.format(10))
+    io.close()  # its pointer written; killed before save_checkpoint(last) (teardown: no kill)
+    assert _named(last) == 10 and _named(top.format(20)) == 20
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        io = PitstopCheckpointIO(root)
+    assert _named(last) == 20 and "the newest committed step is 20" in caplog.text
+    io.close()
+
+
+def test_a_last_path_registered_before_the_first_save_is_repaired(tmp_path: Any) -> None:
+    """PitstopCallback registers ModelCheckpoint's ``last`` path as training starts: a kill
+    after the first step committed, before Lightning first saves ``last``, is repaired too."""
+    root = str(tmp_path / "run")
+    last = os.path.join(root, "last.ckpt")
+    io = PitstopCheckpointIO(root)
+    io.fit_starts(last)
+    io.save_checkpoint(_ckpt(10, root), os.path.join(root, "epoch=0-step=10.ckpt"))
+    io.close()  # no save to last.ckpt came
+    assert not os.path.exists(last)
+    io = PitstopCheckpointIO(root)
+    assert _named(last) == 10
+    io.close()
+
+
+# ---------------------------------------------------------------- killed between any two writes
+RUNNER = os.path.join(os.path.dirname(__file__), "lightning_runs.py")
+SHORT = ["--steps", "30", "--every", "10"]  # top-k and last.ckpt at steps 10, 20 and 30
+# every write of the run in order: the registry as training starts; for each checkpoint the
+# stage, the data, the manifest (commit), the top-k pointer, the last.ckpt pointer; from
+# step 30 on, retention of a step no pointer names. N: the N-th time the point is reached
+# (lightning.pointer: once the pointer thread is done with a pointer, in the order of the
+# saves; one it need not write, superseded or removed by then, is not written).
+KILLS = (
+    "lightning.registry:1",  # the root's registry names last.ckpt: nothing saved
+    "stage.mid:2",
+    "persist.mid:2",
+    "persist.after_data:2",
+    "commit.before_rename:2",
+    "commit.after_rename:2",  # step 20 committed, no pointer names it
+    "lightning.pointer:1",  # epoch=0-step=10.ckpt names 10, there is no last.ckpt yet
+    "lightning.pointer:2",
+    "lightning.pointer:3",  # epoch=0-step=20.ckpt names 20, last.ckpt still 10 (the report)
+    "lightning.pointer:4",
+    "lightning.pointer:5",  # the same at the final step
+    "lightning.pointer:6",
+    "retention.mid:1",  # step 30 committed, step 10 half retired
+)
+
+
+@pytest.fixture(scope="module")
+def kills(tmp_path_factory: Any) -> dict[str, list[dict[str, Any]]]:
+    """An uninterrupted run of the example ("ref") and one killed at each of KILLS, then
+    resumed with ckpt_path="last": forks of one process (lightning_runs.py), two at a time.
+    Each entry: the reports of its runs (status, pointers left, log)."""
+    base = tmp_path_factory.mktemp("lightning_kills")
+
+    def run(name: str, kill_at: str | None, log: str) -> dict[str, Any]:
+        root = str(base / name)
+        return {"dir": root, "argv": ["--dir", root, *SHORT], "kill_at": kill_at, "log": log}
+
+    chains = [[run("ref", None, str(base / "ref.log"))]]
+    for i, kill_at in enumerate(KILLS):
+        name = kill_at.replace(":", "-")
+        log = str(base / f"{name}.{{}}.log")
+        chains.append([run(name, kill_at, log.format("killed")), run(name, None, log.format(i))])
+    spec = base / "spec.json"
+    spec.write_text(json.dumps(chains))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_KILL", "PITSTOP_CR"))}
+    proc = subprocess.run(
+        [sys.executable, RUNNER, str(spec)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {str(base / k.replace(":", "-")): k for k in KILLS} | {str(base / "ref"): "ref"}
+    reports: dict[str, list[dict[str, Any]]] = {}
+    for line in proc.stdout.splitlines():
+        report = json.loads(line)
+        reports.setdefault(names[report["dir"]], []).append(report)
+    return reports
+
+
+def _log(report: dict[str, Any]) -> str:
+    with open(report["log"]) as f:
+        return f"{report['log']}:\n{f.read()[-3000:]}"
+
+
+def test_every_kill_point_is_reached(kills: dict[str, list[dict[str, Any]]]) -> None:
+    assert [r["status"] for r in kills["ref"]] == [0], _log(kills["ref"][0])
+    for kill_at in KILLS:
+        assert kills[kill_at][0]["status"] == -signal.SIGKILL, _log(kills[kill_at][0])
+    # before the first save, the registry names the last path: a kill after the first commit
+    # and before Lightning's first save to last.ckpt is repaired like the others
+    assert kills["lightning.registry:1"][0]["pointers"] == {".pitstop-lightning.json": "last.ckpt"}
+
+
+@pytest.mark.parametrize("kill_at", KILLS)
+def test_a_run_killed_between_any_two_writes_resumes_from_last_bit_identical(
+    kills: dict[str, list[dict[str, Any]]], kill_at: str, capsys: Any
+) -> None:
+    killed, resumed = kills[kill_at]
+    assert killed["status"] == -signal.SIGKILL, _log(killed)
+    assert resumed["status"] == 0, _log(resumed)
+    ref, run = pitstop.load(kills["ref"][0]["dir"]), pitstop.load(resumed["dir"])
+    assert ref["global_step"] == run["global_step"] == 30
+    assert_same_tensors(tensors_of(ref), tensors_of(run))  # weights, optimizer, RNG
+    assert _plain(ref) == _plain(run)  # loops, callbacks, schedulers: every other value
+    assert resumed["pointers"]["last.ckpt"] == 30
+    capsys.readouterr()
+    assert pitstop_main(["verify", resumed["dir"]]) == 0

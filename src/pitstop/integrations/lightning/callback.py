@@ -3,11 +3,12 @@ needs them, and the crash-test hook (see the package docstring for the call sequ
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from pitstop.errors import (
@@ -71,6 +72,8 @@ class PitstopCallback(Callback):
         self._rng, self._at_epoch_start = saved["rng"], bool(saved.get("epoch_end"))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._io is not None:  # before the first save: where ModelCheckpoint saves "last"
+            self._io.fit_starts(_last_path(trainer))
         _load_missed_loader_states(trainer)
         if self._rng is not None:
             self._val_counts = _val_counts(trainer)
@@ -165,6 +168,22 @@ def _undo_fast_forward_counts(trainer: pl.Trainer, before: tuple[int, ...]) -> N
     if batches and all(n == max(batches) for n in added):
         c: Any = val.batch_progress.current
         c.ready, c.started, c.processed, c.completed = added
+
+
+def _last_path(trainer: pl.Trainer) -> str | None:
+    """Where the first ModelCheckpoint with ``save_last`` will save ``last`` next, as its
+    ``_save_last_checkpoint`` names it (None: none, or a name only its metrics tell)."""
+    for callback in trainer.checkpoint_callbacks:
+        if not (isinstance(callback, ModelCheckpoint) and callback.save_last is True):
+            continue  # save_last="link": Lightning links the top-k file, no save to "last"
+        name = callback.CHECKPOINT_NAME_LAST
+        if callback.dirpath is None or "{" in name:
+            return None
+        path = callback.format_checkpoint_name({}, name)
+        if os.path.exists(path) and path != callback.last_model_path:
+            return None  # Lightning writes last-v1.ckpt: not known before it does
+        return path
+    return None
 
 
 def _load_missed_loader_states(trainer: pl.Trainer) -> None:

@@ -23,12 +23,15 @@ from pitstop.errors import (
     CorruptCheckpointError,
     UnsupportedSetupError,
 )
+from pitstop.faults import killpoint
 from pitstop.integrations.lightning.pointers import (
     POINTER,
     REGISTRY,
     ROOT_MARK,
     STATE_KEY,
     ReferencedSteps,
+    as_last_file,
+    from_mark,
     is_last,
     map_strings,
     read_json,
@@ -74,6 +77,7 @@ class PitstopCheckpointIO(CheckpointIO):
         self._handles: dict[int, SaveHandle] = {}  # saves of this process not yet finished
         self._reusable: set[int] = set()  # committed steps a new path may point at as they are
         self._owns_run = False  # this process saved, or adopted the run it loaded
+        self._fitting = True  # until teardown: saves are fit's (ModelCheckpoint's), not after it
         self._error: BaseException | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pitstop-lightning")
         self._closed = False
@@ -121,7 +125,7 @@ class PitstopCheckpointIO(CheckpointIO):
             self._gen += 1
             gen = self._gen
             self._pending[path] = (gen, step)
-        self._writer.submit(self._write_pointer, path, step, gen, handle)
+        self._writer.submit(self._write_pointer, path, step, gen, handle, not self._fitting)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -149,9 +153,9 @@ class PitstopCheckpointIO(CheckpointIO):
         if own:
             self._adopt(step)
         real = os.path.realpath(root)  # as Lightning keeps its paths (ModelCheckpoint.dirpath)
-        value = map_strings(value, lambda s: _from_mark(s, real))
+        value = map_strings(value, lambda s: from_mark(s, real))
         if is_last(path):
-            _as_last_file(value, path)
+            as_last_file(value, path)
         if isinstance(map_location, (str, torch.device)):
             value = apply_to_collection(value, torch.Tensor, lambda t: t.to(map_location))
         return value
@@ -182,6 +186,7 @@ class PitstopCheckpointIO(CheckpointIO):
         ``close()`` (a later ``trainer.test()``) there is nothing in flight: it returns."""
         if self._closed:
             return
+        self._fitting = False  # a later save is trainer.save_checkpoint(...) after fit
         try:
             self.manager.wait()
         except BaseException as e:
@@ -207,10 +212,30 @@ class PitstopCheckpointIO(CheckpointIO):
         crash-test hook (``pitstop crashtest`` kills the process here)."""
         self.manager.reached(step)
 
+    def fit_starts(self, last: str | None) -> None:
+        """Training starts (PitstopCallback.on_train_start): the saves until ``teardown()``
+        are the fit's. ``last``, the path ModelCheckpoint will save its ``last`` checkpoint
+        to, is registered now: a kill after the first commit, before Lightning's first save of
+        ``last``, is repaired like any other (see ``_repair``)."""
+        self._fitting = True
+        if last is not None and not self._closed and "://" not in last:
+            self._note_path(os.path.abspath(last))
+
     # ------------------------------------------------------------------ pointers
-    def _write_pointer(self, path: str, step: int, gen: int, handle: SaveHandle | None) -> None:
+    def _write_pointer(
+        self, path: str, step: int, gen: int, handle: SaveHandle | None, after_fit: bool
+    ) -> None:
         """Pointer thread: once ``handle`` committed, write the pointer unless a newer save to
-        (or a removal of) ``path`` came meanwhile."""
+        (or a removal of) ``path`` came meanwhile. Kill point ``lightning.pointer`` once done
+        with each pointer (written or not), in the order of the saves."""
+        try:
+            self._put_pointer(path, step, gen, handle, after_fit)
+        finally:
+            killpoint("lightning.pointer")
+
+    def _put_pointer(
+        self, path: str, step: int, gen: int, handle: SaveHandle | None, after_fit: bool
+    ) -> None:
         try:
             if handle is not None:
                 try:
@@ -221,7 +246,8 @@ class PitstopCheckpointIO(CheckpointIO):
                     self._forget(path, gen)
                     return
             tmp = f"{path}.{gen}.pitstop-tmp"
-            write_bytes_durable(tmp, json.dumps(self._pointer_body(path, step)).encode())
+            body = self._pointer_body(path, step, after_fit)
+            write_bytes_durable(tmp, json.dumps(body).encode())
             with self._lock:
                 current = self._pending.get(path, (None, 0))[0] == gen
                 if current:
@@ -235,9 +261,10 @@ class PitstopCheckpointIO(CheckpointIO):
         except OSError as e:
             self._fail(CheckpointIOError(f"pointer not written: {e}", step=step, path=path))
 
-    def _pointer_body(self, path: str, step: int) -> dict[str, Any]:
+    def _pointer_body(self, path: str, step: int, after_fit: bool = False) -> dict[str, Any]:
         rel = os.path.relpath(self.root, os.path.dirname(path))
-        return {"pitstop": POINTER, "version": 1, "step": step, "root": rel, "root_abs": self.root}
+        body = {"pitstop": POINTER, "version": 1, "step": step, "root": rel, "root_abs": self.root}
+        return {**body, "after_fit": True} if after_fit else body
 
     def _forget(self, path: str, gen: int) -> None:
         """Its save failed: ``path`` keeps naming what its file on disk names."""
@@ -310,11 +337,16 @@ class PitstopCheckpointIO(CheckpointIO):
         last = os.path.relpath(self._registry_last, self.root) if self._registry_last else None
         body = {"pitstop": "lightning-registry", "version": 1, "dirs": rel, "last": last}
         write_json(os.path.join(self.root, REGISTRY), body)
+        killpoint("lightning.registry")
 
     def _repair(self) -> None:
         """Constructor, before Lightning resolves "last": read the registered pointer
         directories; point the registered ``last`` path at the newest committed step if it
-        names another and no pointer names it (a kill between a commit and its pointer)."""
+        names another, unless that step was saved after fit (``trainer.save_checkpoint(
+        "final.ckpt")``: ``last`` stays what Lightning made it). Any other such state is a kill
+        before ``last`` followed the commit: before any pointer of the step, or after its
+        top-k pointer (ModelCheckpoint saves the top-k file, then ``last``); a rerun from the
+        older step would collide with the newest at its next save."""
         for directory in sorted(self._registry_dirs):
             self._know_dir(directory)
         newest, last = self.manager.latest_step(), self._registry_last
@@ -326,18 +358,29 @@ class PitstopCheckpointIO(CheckpointIO):
             return
         if pointer is not None and (not self._ours(pointer.root) or pointer.step == newest):
             return
-        with self._lock:
-            if newest in self._pointers.values():  # its pointer was written: a save elsewhere
-                return  # (trainer.save_checkpoint("final.ckpt")), not a kill before a pointer
+        if self._saved_after_fit(newest):
+            return
         os.makedirs(os.path.dirname(last), exist_ok=True)
         write_json(last, self._pointer_body(last, newest))
         with self._lock:
             self._pointers[last] = newest
         _log.warning(
-            "%s named step %s, the newest committed step is %d (the last run ended between its "
-            "commit and its pointer): it names %d now", last,
+            "%s named step %s, the newest committed step is %d (the last run ended before this "
+            "pointer followed its commit): it names %d now", last,
             pointer.step if pointer else "nothing", newest, newest, phase="restore",
         )  # fmt: skip
+
+    def _saved_after_fit(self, step: int) -> bool:
+        """Whether a pointer read from the registered directories names ``step`` and was
+        written for a save after fit."""
+        with self._lock:
+            paths = [path for path, named in self._pointers.items() if named == step]
+        for path in paths:
+            with contextlib.suppress(CheckpointError):
+                pointer = read_pointer(path)
+                if pointer is not None and pointer.step == step and pointer.after_fit:
+                    return True
+        return False
 
     # ------------------------------------------------------------------ helpers
     def _adopt(self, step: int) -> None:
@@ -390,28 +433,6 @@ def _with_rng_object(checkpoint: dict[str, Any]) -> dict[str, Any]:
     if not (isinstance(ours, dict) and isinstance(ours.get("rng"), dict)):
         return checkpoint
     return {**checkpoint, STATE_KEY: {**ours, "rng": _SavedRNG(ours["rng"])}}
-
-
-def _from_mark(s: str, root: str) -> str:
-    if s == ROOT_MARK:
-        return root
-    if s.startswith(ROOT_MARK + "/"):
-        return os.path.join(root, *s[len(ROOT_MARK) + 1 :].split("/"))
-    return s
-
-
-def _as_last_file(checkpoint: dict[str, Any], path: str) -> None:
-    """Lightning saves a step to its top-k file, then to ``last.ckpt``; the two dicts differ
-    only in ModelCheckpoint's ``last_model_path``, set to ``last.ckpt`` in the second. The step
-    holds the first: loaded through a ``last`` file, it says what that file would have."""
-    for state in (checkpoint.get("callbacks") or {}).values():
-        if not (isinstance(state, dict) and {"dirpath", "last_model_path"} <= state.keys()):
-            continue
-        dirpath = state["dirpath"]
-        if isinstance(dirpath, str) and os.path.realpath(dirpath) == os.path.realpath(
-            os.path.dirname(path)
-        ):
-            state["last_model_path"] = os.path.join(dirpath, os.path.basename(path))
 
 
 def _load_step(manager: CheckpointManager, named: int | None, path: str) -> tuple[int, Any]:

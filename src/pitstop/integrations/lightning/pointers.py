@@ -1,5 +1,6 @@
-"""Pointer files: what Lightning sees at each ``.ckpt`` path (a root and a step), the root's
-registry of pointer directories, and the retention that keeps every step a pointer names."""
+"""Pointer files: what Lightning sees at each ``.ckpt`` path (a root and a step; saves made
+after ``fit`` say so), the root's registry of pointer directories, and the retention that
+keeps every step a pointer names."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ _MAX_POINTER_BYTES = 64 << 10
 class _Pointer:
     root: str
     step: int
+    after_fit: bool = False  # saved after Lightning's teardown (trainer.save_checkpoint(...))
 
 
 def is_last(path: str) -> bool:
@@ -78,7 +80,7 @@ def read_pointer(path: str) -> _Pointer | None:
     root = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), rel))
     if not os.path.isdir(root) and isinstance(absolute, str) and os.path.isdir(absolute):
         root = absolute  # the pointer moved without its root
-    return _Pointer(root, step)
+    return _Pointer(root, step, obj.get("after_fit") is True)
 
 
 def map_strings(obj: Any, fn: Callable[[str], str]) -> Any:
@@ -98,6 +100,29 @@ def map_strings(obj: Any, fn: Callable[[str], str]) -> Any:
         out = [map_strings(v, fn) for v in obj]
         return obj if all(a is b for a, b in zip(out, obj)) else type(obj)(out)
     return obj
+
+
+def from_mark(s: str, root: str) -> str:
+    """``s`` with ``ROOT_MARK`` (a path under the root, as saved) made a path under ``root``."""
+    if s == ROOT_MARK:
+        return root
+    if s.startswith(ROOT_MARK + "/"):
+        return os.path.join(root, *s[len(ROOT_MARK) + 1 :].split("/"))
+    return s
+
+
+def as_last_file(checkpoint: dict[str, Any], path: str) -> None:
+    """Lightning saves a step to its top-k file, then to ``last.ckpt``; the two dicts differ
+    only in ModelCheckpoint's ``last_model_path``, set to ``last.ckpt`` in the second. The step
+    holds the first: loaded through a ``last`` file, it says what that file would have."""
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if not (isinstance(state, dict) and {"dirpath", "last_model_path"} <= state.keys()):
+            continue
+        dirpath = state["dirpath"]
+        if isinstance(dirpath, str) and os.path.realpath(dirpath) == os.path.realpath(
+            os.path.dirname(path)
+        ):
+            state["last_model_path"] = os.path.join(dirpath, os.path.basename(path))
 
 
 class ReferencedSteps:
