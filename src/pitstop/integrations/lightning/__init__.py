@@ -16,7 +16,8 @@ written by a background thread once its step committed, so ``ckpt_path="last"`` 
 ``last*.ckpt`` on disk) never picks a step a kill cut short; the root's
 ``.pitstop-lightning.json`` lists the pointer directories (retention sees every pointer) and
 the ``last`` path, which the constructor points at the newest committed step if a kill came
-between a commit and its pointer. A step is kept while a pointer names it, while it is the
+after a commit and before ``last`` followed it (unless that step was saved after ``fit``:
+its pointer says ``after_fit``). A step is kept while a pointer names it, while it is the
 newest or in use, or while ``keep_last=``/``retention=`` keep it. docs/integrations/lightning.md
 says more.
 
@@ -28,7 +29,8 @@ Call sequence (the training thread of global rank 0 unless said otherwise)::
       load_checkpoint(path)          pointer -> step; verified load; the run adopted
       PitstopCallback.on_load_checkpoint      RNG state kept aside (fitting only)
       (Lightning restores model, loops with the train loader's state_dict(), optimizers)
-      PitstopCallback.on_train_start          loader checks, Lightning #20550
+      PitstopCallback.on_train_start          fit_starts(ModelCheckpoint's last path): registered;
+                                              loader checks, Lightning #20550
       PitstopCallback.on_train_epoch_start / on_train_batch_start   RNG restored (once)
       PitstopCallback.on_train_batch_end      manager.reached(global_step): crash-test hook
       ModelCheckpoint -> trainer.save_checkpoint
@@ -36,7 +38,8 @@ Call sequence (the training thread of global rank 0 unless said otherwise)::
         save_checkpoint(checkpoint, path)     async_save(step): returns after the copy
         [pitstop-persist] persist, commit, retention   [pitstop-lightning] pointer at path
       ModelCheckpoint -> remove_checkpoint(path)       pointer deleted
-      teardown()                     waits for saves and pointers; raises a failed save's error
+      teardown()                     waits for saves and pointers; raises a failed save's error;
+                                     later saves are after fit (trainer.save_checkpoint)
 """
 
 from __future__ import annotations
