@@ -125,7 +125,8 @@ def test_ls_of_a_file_says_not_a_directory(root: str, capsys: pytest.CaptureFixt
 
 
 def test_a_plain_dataloader_in_the_state_points_to_resumable_loader(root: str) -> None:
-    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
     with pytest.raises(UnsupportedValueError) as info:
         pitstop.save(root, {"w": torch.ones(2), "data": loader}, step=1)
     text = str(info.value)

@@ -160,3 +160,25 @@ def test_gc_damaged_deletes_a_marked_step_only_if_it_fails_verification_again(
     assert os.path.exists(os.path.join(root, S2, "manifest.json"))
     assert f"kept {S2}" in out and "verifies" in out
     assert not os.path.exists(os.path.join(root, S3))
+
+
+# ---------------------------------------------------------------- multi-level trees
+def test_a_garbage_marker_on_a_node_is_no_evidence_and_said(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    levels: list[pitstop.Local | pitstop.Shared] = [
+        pitstop.Local(tmp_path / "local" / "{node}", keep_last=2),
+        pitstop.Shared(tmp_path / "shared", every=10),
+    ]
+    model = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": model})
+        ckpt.close(flush=False)
+    (tmp_path / "local" / "n0" / S2 / "DAMAGED").write_text("garbage")
+    assert main(["verify", str(tmp_path / "shared"), "--level", "local", "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{S2}: ok" in out and "node n0: DAMAGED marker ignored" in out, out
+    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+        assert ckpt.restore({"model": model}) == 2
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"

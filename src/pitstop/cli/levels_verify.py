@@ -187,6 +187,9 @@ def _verify_step(
         print(f"  - {c.describe(placement)}")
     for note in notes:
         print(f"  - {note}")
+    for n, e in st.here.items():  # a marker that is no evidence: said, not acted on (restore)
+        for line in e.ignored:
+            print(f"  - node {n}: {line}; not acted on")
     return j.ok
 
 

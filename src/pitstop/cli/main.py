@@ -407,9 +407,10 @@ inside the copy); the paths used instead are said."""
 
 _VERIFY_MORE = """
 
-Exit 0: every checkpoint checked is whole. Exit 1: a checksum or size is wrong, or a
-checkpoint is damaged; under levels=, a shared checkpoint is bad or a local step cannot
-be rebuilt from its redundancy. A local step that lost pieces its redundancy can rebuild
+Exit 0: every checkpoint checked is whole. Exit 1: a checksum or size is wrong, a
+checkpoint is damaged, or a marker (DAMAGED, ABANDONED, ROLLBACK) is no evidence (empty,
+damaged or inconsistent with its step: shown, never acted on); under levels=, a shared
+checkpoint is bad or a local step cannot be rebuilt from its redundancy. A local step that lost pieces its redundancy can rebuild
 (a rank's files, a partner copy, parity, a node's manifest) still exits 0 and is
 reported "recoverable, degraded: will be repaired at the next restart that restores it".
 Exit 2: bad usage. A checkpoint root or a step directory is checked on its own and marked
