@@ -131,3 +131,14 @@ def test_a_plain_dataloader_in_the_state_points_to_resumable_loader(root: str) -
         pitstop.save(root, {"w": torch.ones(2), "data": loader}, step=1)
     text = str(info.value)
     assert "pitstop.ResumableLoader" in text and "allow_pickle" not in text
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_work_directories_inside_a_checkpoint_root_are_refused(
+    root: str, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _two_steps(root)
+    extra = ["--size", "1MB", "--reps", "1", "--no-progress"] if command == "bench" else []
+    code, _, err = _run(capsys, command, "--dir", root, *extra)
+    assert code == 2 and f"{root} is the checkpoint root" in err
+    assert sorted(os.listdir(root)) == [S1, S2]

@@ -180,7 +180,8 @@ def refuse_inside_checkpoint(out: str, roots: list[str], *, directory: bool) -> 
     target = os.path.realpath(out)  # through symlinks: a link into a root is inside it
     where = _checkpoint_around(target if directory else os.path.dirname(target), roots)
     if where is not None:
+        place = "is" if where == target else "lies inside"
         raise _UsageError(
-            f"{out} lies inside the checkpoint root {where}: nothing but a save writes there "
+            f"{out} {place} the checkpoint root {where}: nothing but a save writes there "
             "(it would change or hide committed checkpoints); write it outside the root"
         )

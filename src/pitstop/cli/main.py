@@ -303,9 +303,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _work_dir_outside_roots(path: str | None) -> None:
+    """A working directory (bench, demo) gets files of its own: never inside a checkpoint root."""
+    from pitstop.cli.choice import refuse_inside_checkpoint
+
+    if path is not None:
+        refuse_inside_checkpoint(path, [], directory=True)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pitstop.cli.demo import run_demo
 
+    _work_dir_outside_roots(args.dir)
     return run_demo(args)
 
 
@@ -340,6 +349,7 @@ def _size(text: str) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pitstop.bench import print_report, run_bench, write_profile
 
+    _work_dir_outside_roots(args.dir)
     result = run_bench(args.dir, args.size, args.reps, progress=args.progress)
     print_report(result)
     if args.profile:
