@@ -9,11 +9,16 @@ writing     ``.writing-step-N-ID``: a save being created (or its debris)
 retired     ``.retired-step-N-ID``: retention uncommitted it; its files are deleted next
 damaged     failed verification (``DAMAGED`` marker), a manifest that does not
             parse or validate, or ``.damaged-``/``.corrupt-step-N-ID`` set aside
-abandoned   ``.abandoned-step-N-ID``: newer than a step a rollback restored
+abandoned   ``.abandoned-step-N-ID`` or a step a rollback left (``ROLLBACK`` marker of
+            an older step, ``ABANDONED`` marker): newer than a step a rollback restored
 newer       written in a newer format than this pitstop reads: never touched
 foreign     a ``step-N`` that is a symlink or a file: never followed or removed
 other       anything else (not pitstop's)
 ==========  ==================================================================
+
+Only markers that are evidence count (sealed or of the previous format, consistent with their
+step: :mod:`pitstop.format.markers`); the others are listed in ``Entry.ignored``, and gc
+deletes a step marked damaged only if it fails verification again.
 
 Pins: a checkpoint being restored, loaded, exported or verified is pinned (a shared
 lock, :meth:`Catalog.pin`); retention, gc and set-aside take it exclusively without
@@ -441,8 +446,7 @@ class Catalog:
         return "kept: in use by a running save or reader, or committed meanwhile"
 
     def _collect_step(self, e: Entry, dry_run: bool) -> str:
-        """A step directory that gc was asked to delete as damaged or abandoned: deleted only
-        if the evidence holds, checked again while it is held (uncommitted first)."""
+        """A step gc was asked to delete as damaged or abandoned: only if the evidence holds."""
         lock = None if dry_run else self._hold(e.name, "pinned or being written; left for later")
         if lock is None and not dry_run:
             return "kept: in use by a running save or reader"
@@ -456,17 +460,16 @@ class Catalog:
         return "removed"
 
     def _doubt(self, e: Entry) -> str | None:
-        """Why the evidence that ``e`` is damaged or abandoned does not hold now (None: it
-        does): the markers and rollbacks are read and checked again, and a step marked damaged
-        whose manifest is whole is verified again (a marker alone deletes nothing)."""
+        """Why the evidence that ``e`` is damaged or abandoned does not hold now (None: it does):
+        markers and rollbacks checked again, a step marked damaged verified again."""
         now = next((x for x in self.scan() if x.name == e.name), None)
         if now is None:
             raise CheckpointNotFoundError(f"{e.name} is gone", path=f"{self.storage.url}/{e.name}")
         if now.status != e.status or now.manifest != e.manifest:
             return f"it changed since it was listed (now {now.status})"
-        if now.status == "damaged" and now.manifest is not None:
-            if verify_checkpoint(self.storage, now.name, now.manifest).ok:
-                return f"marked damaged ({now.error}), but it verifies now"
+        marked = now.manifest if now.status == "damaged" else None
+        if marked is not None and verify_checkpoint(self.storage, now.name, marked).ok:
+            return f"marked damaged ({now.error}), but it verifies now"
         return None
 
     def collect(
