@@ -26,7 +26,12 @@ versions 1 and 2 still parse.
 
 :func:`parse_objects` checks every node against this grammar in one iterative
 pass, linear in the file's size, and raises :class:`~pitstop.errors.ManifestError`
-naming the file and the key path of the first bad node. Code that restores a
+naming the file and the key path of the first bad node. The pass visits nodes that
+are JSON objects one by one; the plain values of a list or dict (a loss history of a
+million floats) are checked together, with no key path, stack entry or Python call
+of their own, so a file of plain values costs little more than its parse. A file
+of more than :data:`~pitstop.format.jsonsafe.MAX_VALUES` values is refused before it
+is parsed, and :func:`encode_objects` writes none. Code that restores a
 parsed tree may rely on it: no node can make it raise ``TypeError``,
 ``ValueError``, ``KeyError`` or ``IndexError``.
 
@@ -38,18 +43,15 @@ thread, ``pitstop verify``). Both are pure functions, safe in any thread.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import math
 import re
-import sys
-import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from pitstop.errors import FormatVersionError, ManifestError
-from pitstop.format.jsonsafe import load_json, nesting_depth
+from pitstop.errors import FormatVersionError, ManifestError, UnsupportedValueError
+from pitstop.format.jsonsafe import MAX_VALUES, json_shape, load_json, recursion_room
 
 __all__ = [
     "MAX_INT_DIGITS",
@@ -87,6 +89,9 @@ _FLOAT_WORDS = frozenset({"nan", "inf", "-inf"})
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _DECIMAL = re.compile(r"-?[0-9]+")
 _JSON_LEVELS_PER_NODE = 3  # {"dict": [[key, node]]} nests three JSON levels per tree level
+_PLAIN = frozenset({type(None), bool, int, str})  # nodes that need no check (ints: the parser's)
+_KEY_TYPES = _PLAIN | {float}
+_FEW = 16  # a list this short is checked item by item
 
 # node kind -> (keys it must have, keys it may have)
 _SHAPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -103,18 +108,32 @@ _SHAPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "pickle": (frozenset({"pickle", "type"}), frozenset()),
 }
 
+_ALONE = frozenset(kind for kind, (required, _) in _SHAPES.items() if required == {kind})
+"""Kinds whose node may hold its own key alone: ``{"list": [...]}``."""
+
 _Path = tuple[Any, Any] | None  # (parent path, key part), built lazily: linear time
 
 
-def encode_objects(tree: object, rank: int) -> bytes:
-    """The objects file of ``rank`` for ``tree`` (compact JSON; non-finite floats refused)."""
+def encode_objects(tree: object, rank: int, *, max_values: int = MAX_VALUES) -> bytes:
+    """The objects file of ``rank`` for ``tree`` (compact JSON; non-finite floats refused).
+
+    A tree of more than ``max_values`` values (what a reader accepts) raises
+    UnsupportedValueError: pitstop never writes a file that it would not read."""
     doc = {"format": OBJECTS_FORMAT, "format_version": OBJECTS_VERSION, "rank": rank, "tree": tree}
     try:
         text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
     except RecursionError:  # a deep tree: the C encoder recurses once per JSON level
-        with _recursion_room(_JSON_LEVELS_PER_NODE * MAX_TREE_DEPTH + 16):
+        with recursion_room(_JSON_LEVELS_PER_NODE * MAX_TREE_DEPTH + 16):
             text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
-    return text.encode()
+    data = text.encode()
+    values = json_shape(data).values
+    if values > max_values:
+        raise UnsupportedValueError(
+            f"the objects file of rank {rank} would hold {values} values, more than "
+            f"{max_values} values, the limit of a reader (MAX_VALUES): store long lists of "
+            "numbers as a tensor or a NumPy array"
+        )
+    return data
 
 
 def parse_objects(
@@ -124,24 +143,19 @@ def parse_objects(
     tensor_keys: Collection[str],
     path: str | None = None,
     max_depth: int = MAX_TREE_DEPTH,
+    max_values: int = MAX_VALUES,
 ) -> Any:
     """The validated tree of objects file ``name``, or ManifestError naming the bad node.
 
     ``tensor_keys`` are the manifest's keys of this rank: a node that refers to
     another key is an error (keys the tree never uses are fine). ``max_depth``
-    bounds the containers around any node. A newer format version raises
-    FormatVersionError.
+    bounds the containers around any node, ``max_values`` the values of the file
+    (checked before it is parsed). A newer format version raises FormatVersionError.
     """
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ManifestError(f"{name} is not UTF-8 (byte {e.start})", path=path) from None
-    json_depth = _JSON_LEVELS_PER_NODE * max_depth + 8
-    room = _recursion_room(json_depth) if nesting_depth(text) > 200 else contextlib.nullcontext()
-    with room:
-        doc = load_json(
-            text, what=name, path=path, max_depth=json_depth, max_int_digits=_V1_INT_DIGITS
-        )
+    doc = load_json(
+        data, what=name, path=path, max_depth=_JSON_LEVELS_PER_NODE * max_depth + 8,
+        max_int_digits=_V1_INT_DIGITS, max_values=max_values,
+    )  # fmt: skip
     tree = _check_wrapper(doc, name, path)
     keys = tensor_keys if isinstance(tensor_keys, AbstractSet) else frozenset(tensor_keys)
     _Validator(name, path, keys, max_depth).run(tree)
@@ -212,7 +226,8 @@ def _path_str(path: _Path) -> str:
 
 
 class _Validator:
-    """One iterative pass over every node; each check function pushes the node's children."""
+    """One iterative pass over the nodes that are JSON objects; each check function checks the
+    plain values among the node's children as it meets them and pushes the others."""
 
     def __init__(
         self, name: str, path: str | None, tensor_keys: AbstractSet[str], max_depth: int
@@ -244,17 +259,18 @@ class _Validator:
         self.stack.append((tree, None, 0))
         while self.stack:
             node, path, depth = self.stack.pop()
-            if node is None or isinstance(node, (bool, int, str)):
-                continue
-            if isinstance(node, float):
-                if not math.isfinite(node):
-                    raise self.fail(path, f"is the non-finite number {node!r}")
-                continue
-            if not isinstance(node, dict):
+            if type(node) is dict:
+                self.checks[self._kind(node, path)](node, path, depth)
+            elif type(node) is float and not math.isfinite(node):
+                raise self.fail(path, f"is the non-finite number {node!r}")
+            elif type(node) not in _PLAIN and type(node) is not float:
                 raise self.fail(path, f"is a bare JSON {type(node).__name__}, not a node")
-            self.checks[self._kind(node, path)](node, path, depth)
 
     def _kind(self, node: dict[str, Any], path: _Path) -> str:
+        if len(node) == 1:  # most nodes: {"list": [...]}, {"tensor": "..."}, ...
+            (kind,) = node
+            if kind in _ALONE:
+                return kind
         kinds = [k for k in node if k in _SHAPES]
         if len(kinds) != 1:
             what = "names no node kind" if not kinds else f"names several node kinds {kinds}"
@@ -273,6 +289,38 @@ class _Validator:
             raise self.fail(path, f"lies more than {self.max_depth} containers deep")
         self.stack.append((node, path, depth))
 
+    def child(self, node: Any, path: _Path, part: Any, depth: int) -> None:
+        """Check child ``part`` of the node at ``path`` (at ``depth``): a plain value now (no
+        key path is made for it), a node (a dict) is pushed."""
+        if depth >= self.max_depth:
+            raise self.fail((path, part), f"lies more than {self.max_depth} containers deep")
+        kind = type(node)
+        if kind is dict:
+            self.stack.append((node, (path, part), depth + 1))
+        elif kind is float and not math.isfinite(node):
+            raise self.fail((path, part), f"is the non-finite number {node!r}")
+        elif kind is list:
+            raise self.fail((path, part), "is a bare JSON list, not a node")
+
+    def items(self, items: list[Any], path: _Path, depth: int) -> None:
+        """A list node's items: a long one's plain values are checked together (a type at a
+        time, in C), so a list of a million numbers takes no Python step per number."""
+        if len(items) <= _FEW:
+            for i, item in enumerate(items):
+                self.child(item, path, i, depth)
+            return
+        if depth >= self.max_depth:
+            self.child(items[0], path, 0, depth)  # raises: too deep
+        types = set(map(type, items))
+        if float in types:
+            floats = items if len(types) == 1 else [v for v in items if type(v) is float]
+            if not all(map(math.isfinite, floats)):
+                types.add(dict)  # found below, item by item
+        if not types <= _PLAIN | {float}:
+            for i, item in enumerate(items):
+                if type(item) not in _PLAIN:
+                    self.child(item, path, i, depth)
+
     def _dict(self, node: dict[str, Any], path: _Path, depth: int) -> None:
         items = node["dict"]
         if not isinstance(items, list):
@@ -283,27 +331,27 @@ class _Validator:
             self.push(node["meta"], (path, "_metadata"), depth + 1)
         seen: set[Any] = set()
         for i, entry in enumerate(items):
-            if not (isinstance(entry, list) and len(entry) == 2):
+            if type(entry) is not list or len(entry) != 2:
                 raise self.fail(path, f"is a dict node whose entry {i} is not a [key, node] pair")
             key, child = entry
-            if not (key is None or isinstance(key, (str, int, bool, float))):
+            if type(key) not in _KEY_TYPES:
                 raise self.fail(
                     path, f"is a dict node with a key of JSON type {type(key).__name__}"
                 )
-            if isinstance(key, float) and not math.isfinite(key):
+            if type(key) is float and not math.isfinite(key):
                 raise self.fail(path, f"is a dict node with the non-finite key {key!r}")
             if key in seen:
                 raise self.fail(path, f"is a dict node that names the key {key!r} twice")
             seen.add(key)
-            self.push(child, (path, key), depth + 1)
+            if type(child) not in _PLAIN or depth >= self.max_depth:
+                self.child(child, path, key, depth)
 
     def _sequence(self, node: dict[str, Any], path: _Path, depth: int) -> None:
         kind = "list" if "list" in node else "tuple"
         items = node[kind]
         if not isinstance(items, list):
             raise self.fail(path, f"is a {kind} node whose items are not a list")
-        for i, child in enumerate(items):
-            self.push(child, (path, i), depth + 1)
+        self.items(items, path, depth)
 
     def _tensor(self, node: dict[str, Any], path: _Path, depth: int) -> None:
         kind = "tensor" if "tensor" in node else "ndarray"
@@ -412,27 +460,3 @@ def _scalar_fits(kind: str, bits: int, value: object) -> bool:
     assert isinstance(value, int)
     low, high = (-(1 << (bits - 1)), 1 << (bits - 1)) if kind == "i" else (0, 1 << bits)
     return low <= value < high
-
-
-_ROOM_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _recursion_room(levels: int) -> Iterator[None]:
-    """Raise Python's recursion limit so that the C json codec can nest ``levels`` more deep.
-
-    The codec counts its nesting against the interpreter's limit (1000 by default),
-    below what a valid deep tree needs; the limit is raised only for the call."""
-    depth, frame = 0, sys._getframe()
-    while frame is not None:
-        depth, frame = depth + 1, frame.f_back  # type: ignore[assignment]
-    need = depth + levels + 100
-    with _ROOM_LOCK:
-        old = sys.getrecursionlimit()
-        if need > old:
-            sys.setrecursionlimit(need)
-        try:
-            yield
-        finally:
-            if need > old:
-                sys.setrecursionlimit(old)

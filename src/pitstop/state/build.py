@@ -3,7 +3,10 @@
 :class:`Builder` turns validated tree nodes into values iteratively (no recursion, so a
 deep tree cannot overflow the stack); :func:`materialize` builds a whole tree as fresh
 objects; :func:`scan` refuses a pickle the caller did not allow and a bad key map before
-anything is built.
+anything is built. Plain values (None, bool, int, str, float) stand for themselves: they are
+taken over a list or dict at a time, with no key path, stack entry or Python step of their
+own, so a saved list of a million floats builds in the time of a list copy.
+:func:`walk_objects` visits the other nodes (those that are JSON objects) the same way.
 
 Call sequence: the restore path (training thread), once per load.
 """
@@ -12,8 +15,9 @@ from __future__ import annotations
 
 import base64
 import collections
+import itertools
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,9 +29,9 @@ from pitstop.errors import (
 )
 from pitstop.state.dtensor import copy_into
 from pitstop.state.keys import KeyMap, KeyMapper
-from pitstop.state.tree import children, join_key, node_kind, numpy_module, walk
+from pitstop.state.tree import join_key, node_kind, numpy_module
 
-__all__ = ["Builder", "TensorSource", "materialize", "scan"]
+__all__ = ["Builder", "TensorSource", "materialize", "scan", "walk_objects"]
 
 Node = Any
 
@@ -35,15 +39,57 @@ TensorSource = Callable[[str], torch.Tensor]
 """Returns the saved tensor of a stored key (a view of the read buffer: copy it before keeping it)."""
 
 
+_SAME: Any = object()  # the part of a stateful's state: its key path is the stateful's
+
+
+def walk_objects(tree: Node, key: str = "") -> Iterator[tuple[str, str, Node]]:
+    """(key path, kind, node) of every node of ``tree`` that is a JSON object (all but plain
+    values), in pre-order; iterative, any depth. Plain values are passed over a list or dict
+    at a time (no key path of their own), and pending nodes are held as one iterator per
+    open container, so memory stays in the depth of the tree."""
+    if type(tree) is not dict:
+        return
+    stack: list[tuple[str, Iterator[tuple[Any, Node]]]] = [(key, iter([(_SAME, tree)]))]
+    while stack:
+        parent, pending = stack[-1]
+        item = next(pending, None)
+        if item is None:
+            stack.pop()
+            continue
+        part, node = item
+        path = parent if part is _SAME else join_key(parent, part)
+        kind = node_kind(node)
+        yield path, kind, node
+        inner = _objects_inside(node, kind)
+        if inner is not None:
+            stack.append((path, inner))
+
+
+def _objects_inside(node: Node, kind: str) -> Iterator[tuple[Any, Node]] | None:
+    """(key or index, child) of the children of ``node`` that are JSON objects, lazily."""
+    if kind == "dict":
+        inner: Iterator[tuple[Any, Node]] = ((k, v) for k, v in node["dict"] if type(v) is dict)
+        meta = node.get("meta")
+        return itertools.chain(inner, [("_metadata", meta)]) if type(meta) is dict else inner
+    if kind in ("list", "tuple"):
+        items = node[kind]
+        if dict not in set(map(type, items)):
+            return None
+        return ((i, v) for i, v in enumerate(items) if type(v) is dict)
+    if kind == "stateful" and type(node["state"]) is dict:
+        return iter([(_SAME, node["state"])])
+    return None
+
+
 def scan(tree: Node, key: str, allow_pickle: bool, keys: KeyMapper) -> None:
     """Refuse a pickle the caller did not allow and a bad key map, before anything is built."""
-    for path, kind, node in walk(tree, key):
+    for path, kind, node in walk_objects(tree, key):
         if kind == "pickle" and not allow_pickle:
             raise PickleRefusedError(
                 f"value at {path!r} ({node['type']}) is stored as a pickle; "
                 "pass allow_pickle=True to load it (only for checkpoints you trust)"
             )
-        if kind == "dict":
+        if kind == "dict" and keys.key_map is not None:
             keys.check_dict(path, [k for k, _ in node["dict"]])
 
 
@@ -58,6 +104,7 @@ class _Meta:
 
 
 _TUPLE = object()  # a stack marker: the tuple's items are built
+_LAZY = object()  # a stack marker: an iterator of the tasks of a container's nodes
 
 
 class Builder:
@@ -86,6 +133,11 @@ class Builder:
         stack: list[tuple[Any, ...]] = [(node, key, key if skey is None else skey, out, 0)]
         while stack:
             task = stack.pop()
+            if task[0] is _LAZY:  # (_LAZY, tasks): the next one first, then the rest
+                nxt = next(task[1], None)
+                if nxt is not None:
+                    stack += [task, nxt]
+                continue
             if task[0] is _TUPLE:
                 task[2][task[3]] = tuple(task[1])  # (_TUPLE, items, holder, slot)
                 continue
@@ -94,14 +146,7 @@ class Builder:
             if kind == "dict":
                 holder[slot] = self._dict(node, key, skey, stack)
             elif kind in ("list", "tuple"):
-                kids = children(node, kind, skey)
-                items = [None] * len(kids)
-                if kind == "list":
-                    holder[slot] = items
-                else:
-                    stack.append((_TUPLE, items, holder, slot))
-                for i, spath, child in reversed(kids):
-                    stack.append((child, join_key(key, i), spath, items, i))
+                self._sequence(node[kind], kind == "tuple", (key, skey, holder, slot), stack)
             elif kind == "stateful":
                 stack.append((node["state"], key, skey, holder, slot))
             else:
@@ -115,17 +160,40 @@ class Builder:
         if "meta" in node:
             meta = join_key(key, "_metadata")
             stack.append((node["meta"], meta, join_key(skey, "_metadata"), _Meta(out), None))
-        tasks = []
+        nodes = []
         escaped: dict[str, Any] = {}
         for k, child in node["dict"]:
             target = self.keys.target(skey, k)
             if target is None:
                 continue
             live_key = self.keys.live_key(target, k, escaped)
-            out[live_key] = None  # the entry's place, in the saved order
-            tasks.append((child, join_key(key, live_key), join_key(skey, k), out, live_key))
-        stack.extend(reversed(tasks))
+            out[live_key] = child  # a plain value stands for itself; a node's place, in order
+            if type(child) is dict:
+                nodes.append((k, live_key, child))
+        if nodes:
+            stack.append((_LAZY, (
+                (child, join_key(key, live_key), join_key(skey, k), out, live_key)
+                for k, live_key, child in nodes
+            )))  # fmt: skip
         return out
+
+    def _sequence(
+        self, saved: list[Any], is_tuple: bool, task: tuple[str, str, Any, Any],
+        stack: list[tuple[Any, ...]],
+    ) -> None:  # fmt: skip
+        """Build a list (or tuple) node's items: a copy of them, each node then built in its
+        place. ``task``: the node's (key, saved key, holder, slot)."""
+        key, skey, holder, slot = task
+        items = list(saved)
+        if is_tuple:
+            stack.append((_TUPLE, items, holder, slot))
+        else:
+            holder[slot] = items
+        if dict in set(map(type, saved)):
+            stack.append((_LAZY, (
+                (child, join_key(key, i), join_key(skey, i), items, i)
+                for i, child in enumerate(saved) if type(child) is dict
+            )))  # fmt: skip
 
     def tensor(self, stored: str, key: str) -> torch.Tensor:
         saved = self.source(stored)

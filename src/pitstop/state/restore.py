@@ -1,8 +1,9 @@
 """Putting a saved tree back into the live state, in place (fresh objects: ``state.build``).
 
 The tree (see ``state.tree``; validated by ``format.objects.parse_objects``) is
-decoded in one place: ``tree.node_kind`` and ``tree.walk`` know the node grammar
-(the pickle and key-map scan walks with them), :class:`Builder` turns nodes into
+decoded in one place: ``tree.node_kind`` knows the node grammar, ``build.walk_objects``
+visits the nodes that are JSON objects (the pickle and key-map scan walks with it;
+plain values are passed over a list at a time), :class:`Builder` turns nodes into
 values, and the restorer pairs the live state with the tree.
 
 :func:`restore_into` works in two passes over the live state beside the tree:
@@ -46,10 +47,10 @@ from pitstop.errors import (
     PartialRestoreError,
     StateMismatchError,
 )
-from pitstop.state.build import Builder, TensorSource, materialize, scan
+from pitstop.state.build import Builder, TensorSource, materialize, scan, walk_objects
 from pitstop.state.dtensor import copy_into, is_dtensor
 from pitstop.state.keys import KeyMap, KeyMapper, wrapper_renames
-from pitstop.state.tree import is_stateful, join_key, node_kind, walk
+from pitstop.state.tree import is_stateful, join_key, node_kind
 
 __all__ = [
     "RestorePlan",
@@ -65,6 +66,9 @@ Node = Any
 
 TensorMeta = Callable[[str], tuple[torch.dtype, tuple[int, ...]]]
 """Returns the dtype and shape of a stored key, without reading it."""
+
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+"""Live values that hold neither a tensor nor a Stateful (checked a list at a time)."""
 
 
 @dataclass
@@ -392,7 +396,9 @@ def _holds_live(value: Any) -> bool:
             return True
         if isinstance(v, (Mapping, list, tuple)) and id(v) not in seen:
             seen.add(id(v))
-            stack.extend(v.values() if isinstance(v, Mapping) else v)
+            items = list(v.values()) if isinstance(v, Mapping) else v
+            if not _PLAIN.issuperset(map(type, items)):  # a list of floats: nothing to look at
+                stack.extend(items)
     return False
 
 
@@ -495,7 +501,7 @@ def _used_keys(tree: Node, pairings: dict[int, list[_Pair]]) -> set[str]:
             if "meta" in node:
                 stack.append(node["meta"])
         else:
-            for _, k, n in walk(node, ""):
+            for _, k, n in walk_objects(node):
                 if k in ("tensor", "ndarray"):
                     used.add(n[k])
     return used

@@ -271,9 +271,12 @@ class _Flattener:
         elif isinstance(obj, Mapping):
             node, children = self._mapping(obj, key)
         elif type(obj) in (list, tuple):
-            items: list[Node] = [None] * len(obj)
+            plain = _plain_items(obj)  # a list of floats: no task (and key path) per item
+            items: list[Node] = [None] * len(obj) if plain is None else plain
             node = {"list" if type(obj) is list else "tuple": items}
-            children = [(v, join_key(key, i), items, i) for i, v in enumerate(obj)]
+            children = [] if plain is not None else [
+                (v, join_key(key, i), items, i) for i, v in enumerate(obj)
+            ]  # fmt: skip
         else:
             node = {"stateful": _qualname(obj), "state": None}
             children = [(obj.state_dict(), key, node, "state")]
@@ -408,6 +411,26 @@ def _qualname(obj: object) -> str:
 
 def _real(value: float) -> Node:
     return value if math.isfinite(value) else {"float": repr(value)}
+
+
+_PLAIN_TYPES = frozenset({type(None), bool, str, int, float})
+
+
+def _plain_items(seq: list[Any] | tuple[Any, ...]) -> list[Any] | None:
+    """``seq``'s items as they are if each is its own node (None, bool, str, an int below
+    2**53, a finite float), checked a type at a time in C; else None (item by item)."""
+    types = set(map(type, seq))
+    if not types <= _PLAIN_TYPES:
+        return None
+    if float in types:
+        floats = seq if len(types) == 1 else [v for v in seq if type(v) is float]
+        if not all(map(math.isfinite, floats)):
+            return None
+    if int in types:
+        ints = seq if len(types) == 1 else [v for v in seq if type(v) is int]
+        if min(ints) <= -EXACT_INT or max(ints) >= EXACT_INT:
+            return None
+    return list(seq)
 
 
 def _too_long(value: int) -> bool:

@@ -1,0 +1,267 @@
+"""Manifests and objects files cost memory and time linear in their size: a plain list of a
+million numbers saves, loads, restores and verifies in a small multiple of its file's size,
+and a file of more values than the stated cap is refused, naming the file and the limit,
+before it is parsed.
+
+Memory is measured as the growth of peak RSS in a fresh process, after its imports: VmHWM of
+/proc/self/status, the peak of the process's own memory (``ru_maxrss`` of a child started by
+``subprocess`` can start at its parent's peak: a vfork child folds the parent's memory into its
+own at exec). No assertion is on time."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+import pitstop
+from pitstop.errors import ManifestError, UnsupportedValueError
+from pitstop.format.checksum import get_checksum
+from pitstop.format.jsonsafe import MAX_VALUES, json_shape, load_json, nesting_depth
+from pitstop.format.manifest import seal
+from pitstop.format.objects import encode_objects, parse_objects
+
+MIB = 1 << 20
+RATIO = 20  # peak memory growth allowed, in multiples of the objects file's size
+ALLOWANCE = 32 * MIB  # ... plus this much (buffers, lazily imported modules, allocator slack)
+N = 1_000_000
+OBJECTS = "objects-00000.json"
+
+# A child process: imports first (their memory is not the operation's), then the peak RSS
+# growth of one operation, printed as JSON. argv: operation, root, kind of list.
+_PEAK = textwrap.dedent(
+    """
+    def peak():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+    """
+)
+_CHILD = _PEAK + textwrap.dedent(
+    """
+    import json, random, sys
+    op, root, kind = sys.argv[1:4]
+    if op != "verify":
+        import torch  # noqa: F401
+        import pitstop, pitstop.manager, pitstop.engine.restore  # noqa: F401
+    from pitstop.cli.main import main
+
+    def values():
+        rnd = random.Random(0)
+        if kind == "floats":  # a loss history: one float per iteration
+            return [round(rnd.uniform(0.5, 3.0), 5) for _ in range(N)]
+        return [0] * N
+
+    N = int(sys.argv[4])
+    expected = values() if op != "verify" else None
+    state = {"history": []}
+    base = peak()
+    if op == "save":
+        pitstop.save(root, {"history": expected})
+    elif op == "load":
+        out = pitstop.load(root)
+    elif op == "restore":
+        pitstop.load(root, state)
+    else:
+        code = main(["verify", root])
+    growth = peak() - base
+    if op == "load":
+        assert out["history"] == expected
+    if op == "restore":
+        assert state["history"] == expected
+    if op == "verify":
+        assert code == 0, code
+    print(json.dumps({"growth": growth}))
+    """
+)
+
+
+def _child(op: str, root: str, kind: str, n: int = N) -> int:
+    """Peak RSS growth (bytes) of ``op`` in a fresh process."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, op, root, kind, str(n)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(json.loads(done.stdout.strip().splitlines()[-1])["growth"])
+
+
+def _objects_nbytes(root: str, step: int = 0) -> int:
+    return os.path.getsize(os.path.join(root, f"step-{step:010d}", OBJECTS))
+
+
+@pytest.fixture(scope="module")
+def float_history(tmp_path_factory: Any) -> tuple[str, int]:
+    """A state of one 1,000,000-float loss history, saved in a fresh process; the peak RSS
+    growth of that save."""
+    root = str(tmp_path_factory.mktemp("history") / "ckpts")
+    return root, _child("save", root, "floats")
+
+
+def _assert_linear(growth: int, nbytes: int, what: str) -> None:
+    bound = RATIO * nbytes + ALLOWANCE
+    assert growth <= bound, (
+        f"{what}: peak RSS grew by {growth / MIB:.0f} MiB for an objects file of "
+        f"{nbytes / MIB:.1f} MiB (bound {bound / MIB:.0f} MiB)"
+    )
+
+
+def test_saving_a_million_float_history_takes_memory_linear_in_its_file(
+    float_history: tuple[str, int],
+) -> None:
+    root, growth = float_history
+    nbytes = _objects_nbytes(root)
+    assert nbytes > 4 * MIB  # a list of plain values, not a tensor
+    _assert_linear(growth, nbytes, "save")
+
+
+@pytest.mark.parametrize("op", ["load", "restore"])
+def test_loading_a_million_float_history_takes_memory_linear_in_its_file(
+    float_history: tuple[str, int], op: str
+) -> None:
+    root, _ = float_history
+    _assert_linear(_child(op, root, "floats"), _objects_nbytes(root), op)
+
+
+@pytest.mark.parametrize("op", ["load", "verify"])
+def test_a_list_of_a_million_zeros_loads_and_verifies_in_linear_memory(
+    tmp_path: Any, op: str
+) -> None:
+    root = str(tmp_path / "ckpts")
+    pitstop.save(root, {"history": [0] * N})
+    nbytes = _objects_nbytes(root)
+    assert nbytes < 3 * MIB  # two bytes a value
+    _assert_linear(_child(op, root, "zeros"), nbytes, op)
+
+
+# ---------------------------------------------------------------- the cap on values
+
+
+def _crafted_objects(n: int) -> bytes:
+    """An objects file whose state is one list of ``n`` zeros (not written by ``encode_objects``,
+    which refuses more than MAX_VALUES)."""
+    return (
+        b'{"format":"pitstop-objects","format_version":3,"rank":0,"tree":{"dict":[["history",'
+        b'{"list":[' + b"0," * (n - 1) + b"0]}]]}}"
+    )
+
+
+def _replace_objects(root: str, step: int, data: bytes) -> None:
+    """Put ``data`` in as the objects file of ``step``, with its size and checksum in the
+    manifest and the manifest resealed: valid to every check but the file's own content."""
+    directory = os.path.join(root, f"step-{step:010d}")
+    with open(os.path.join(directory, OBJECTS), "wb") as f:
+        f.write(data)
+    with open(os.path.join(directory, "manifest.json")) as f:
+        doc = json.load(f)
+    algorithm = doc["checksum"]["algorithm"]
+    for entry in doc["files"]:
+        if entry["name"] == OBJECTS:
+            entry["nbytes"], entry["checksum"] = len(data), get_checksum(algorithm)(data)
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(seal(doc, doc["integrity"]["algorithm"]), f)
+
+
+_VERIFY_BOUNDED = _PEAK + textwrap.dedent(
+    """
+    import json, resource, sys
+    from pitstop.cli.main import main
+    limit = 2 << 30  # address space: a parse of the whole list would need far more
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    base = peak()
+    code = main(["verify", sys.argv[1], "--step", "2"])
+    growth = peak() - base
+    print(json.dumps({"code": code, "growth": growth}))
+    """
+)
+
+
+def test_an_objects_file_of_more_values_than_the_cap_is_refused_before_it_is_parsed(
+    root: str,
+) -> None:
+    pitstop.save(root, {"history": [0]}, step=1)
+    pitstop.save(root, {"history": [0]}, step=2)
+    data = _crafted_objects(MAX_VALUES + 1)  # 64 MiB; 60 M zeros would be 114 MiB
+    _replace_objects(root, 2, data)
+    done = subprocess.run(
+        [sys.executable, "-c", _VERIFY_BOUNDED, root],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    report = "\n".join(lines[:-1])
+    assert result["code"] == 1, report
+    assert OBJECTS in report and f"{MAX_VALUES}" in report, report
+    assert result["growth"] < 3 * len(data), result  # refused before the parse allocated
+    assert pitstop.load(root)["history"] == [0]  # restore falls back to step 1
+
+
+def test_the_cap_on_values_is_the_same_for_writer_and_reader() -> None:
+    tree = {"dict": [["history", {"list": [0.5] * 1000}], ["tag", 'a,[b\\"{']]}
+    data = encode_objects(tree, rank=0)
+    values = json_shape(data).values
+    assert 1000 < values < 1100
+    assert encode_objects(tree, rank=0, max_values=values) == data
+    assert parse_objects(data, name=OBJECTS, tensor_keys=(), max_values=values) == tree
+    with pytest.raises(UnsupportedValueError, match=f"more than {values - 1} values"):
+        encode_objects(tree, rank=0, max_values=values - 1)
+    with pytest.raises(ManifestError, match=f"{OBJECTS} holds more than {values - 1} values"):
+        parse_objects(data, name=OBJECTS, tensor_keys=(), max_values=values - 1)
+
+
+def test_a_manifest_of_more_values_than_the_cap_is_refused() -> None:
+    data = json.dumps({"files": [0] * 100}).encode()
+    assert load_json(data, what="manifest.json", max_values=200) == {"files": [0] * 100}
+    with pytest.raises(ManifestError, match=r"manifest.json holds more than 50 values"):
+        load_json(data, what="manifest.json", max_values=50)
+
+
+# ---------------------------------------------------------------- the scan before the parse
+
+
+def _reference(doc: Any) -> tuple[int, int]:
+    """(depth, values) of a parsed document as ``json_shape`` counts them in its text: one for
+    the top value, one for each container and one for each item after a container's first."""
+    depth, values, stack = 0, 1, [(doc, 0)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (list, dict)):
+            depth = max(depth, level + 1)
+            items = list(node.values()) if isinstance(node, dict) else node
+            values += max(len(items), 1)
+            stack.extend((item, level + 1) for item in items)
+    return depth, values
+
+
+_TRICKY = ['"', "\\", '\\"', "[", "]", "{", "}", ",", ":", "\\\\", '"]', "\u00e9", "\n", ""]
+
+
+def _random_doc(rnd: random.Random, level: int = 0) -> Any:
+    roll = rnd.random()
+    if level > 6 or roll < 0.35:
+        return rnd.choice([0, -1.5, None, True, "".join(rnd.choices(_TRICKY, k=rnd.randint(0, 5)))])
+    items = [_random_doc(rnd, level + 1) for _ in range(rnd.randint(0, 4))]
+    if roll < 0.7:
+        return items
+    return {
+        "".join(rnd.choices(_TRICKY, k=rnd.randint(0, 4))) + str(i): v for i, v in enumerate(items)
+    }
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_scan_counts_depth_and_values_outside_strings(seed: int) -> None:
+    rnd = random.Random(seed)
+    for _ in range(200):
+        doc = _random_doc(rnd)
+        for text in (json.dumps(doc), json.dumps(doc, ensure_ascii=False, indent=1)):
+            shape = json_shape(text.encode())
+            assert (shape.depth, shape.values) == _reference(doc), text
+            assert nesting_depth(text) == shape.depth
+    assert json_shape(b'"' + b'\\"' * 200_000).depth == 0  # unterminated: linear, no brackets
+    assert json_shape(b'["a\\\\", "\\\\\\"[", {"b": "]"}]').depth == 2
