@@ -63,9 +63,10 @@ def persist(
     rank: int = 0,
     before_extent: Callable[[Extent], None] | None = None,
     after_extent: Callable[[Extent], None] | None = None,
-    prepare: bool = True,
 ) -> PersistResult:
-    """Write this rank's data and objects files durably; return their manifest entries.
+    """Write this rank's data and objects files durably into ``directory`` (prepared by the
+    commit's coordinator: :func:`pitstop.engine.collective.commit_together`); return their
+    manifest entries.
 
     ``before_extent`` runs in the writer thread before an extent is written (the saver
     waits there for the extent's tensors to be copied into the arena); the extent is
@@ -86,8 +87,6 @@ def persist(
 
     data_name = data_file_name(rank)
     t0 = time.perf_counter()
-    if prepare:  # several ranks: the coordinator prepared it for all
-        storage.prepare(directory)
     result = storage.write_data(
         directory,
         data_name,

@@ -1,5 +1,8 @@
 """plan: the frozen layout of one save, cached while shapes do not change.
 
+Every world size, one process included, plans with :func:`pitstop.ranks.sharding.assign`
+(eager items first); :func:`plan_from_layout` turns a rank's part into its plan.
+
 Every stored tensor gets a 4 KiB-aligned offset in the rank's data file; the
 host arena has exactly this layout, so the arena *is* the file. Tensors are
 hashed in segments of ``segment_bytes`` (at most 16 MiB, so a reader checks each in one
@@ -15,13 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from pitstop.format.checksum import segments
-from pitstop.format.codec import dtype_from_name, dtype_name
-from pitstop.io.arena import align_up
+from pitstop.format.codec import dtype_from_name
 from pitstop.io.parallel import Extent, plan_extents
-from pitstop.options import ALIGN_BYTES, SEGMENT_BYTES
+from pitstop.options import SEGMENT_BYTES
 from pitstop.ranks.sharding import RankLayout
 
-__all__ = ["PlanCache", "PlanItem", "SavePlan", "make_plan", "plan_from_layout"]
+__all__ = ["PlanCache", "PlanItem", "SavePlan", "plan_from_layout"]
 
 
 @dataclass(frozen=True)
@@ -72,45 +74,6 @@ class SavePlan:
         return sum(1 for _ in segments(item.offset, item.nbytes, self.segment_bytes))
 
 
-def _signature(
-    tensors: dict[str, torch.Tensor], deferrable: set[str], chunk_bytes: int
-) -> tuple[object, ...]:
-    layout = [(key, t.dtype, tuple(t.shape), key in deferrable) for key, t in tensors.items()]
-    return (chunk_bytes, *layout)
-
-
-def make_plan(
-    tensors: dict[str, torch.Tensor],
-    deferrable: set[str],
-    chunk_bytes: int,
-    dtensors: set[str] | frozenset[str] = frozenset(),
-) -> SavePlan:
-    """One process: every tensor whole, one after the other (a DTensor of one rank: its
-    local tensor, which is all of it)."""
-    items: list[PlanItem] = []
-    offset = 0
-    # the tensors copied before async_save returns come first: writers start on them at
-    # once, and a save staged in pieces (host_memory_bytes) stalls only for their part
-    order = sorted(tensors, key=lambda k: k in deferrable)
-    for key in order:
-        t = tensors[key]
-        nbytes = t.numel() * t.element_size()
-        items.append(
-            PlanItem(
-                key=key,
-                dtype=t.dtype,
-                dtype_name=dtype_name(t.dtype, key=key),
-                shape=tuple(t.shape),
-                offset=offset,
-                nbytes=nbytes,
-                deferrable=key in deferrable,
-                local=key in dtensors,
-            )
-        )
-        offset = align_up(offset + max(nbytes, 0), ALIGN_BYTES)
-    return _finish(items, max(offset, 0), chunk_bytes, _signature(tensors, deferrable, chunk_bytes))
-
-
 def plan_from_layout(
     layout: RankLayout, chunk_bytes: int, signature: tuple[object, ...]
 ) -> SavePlan:
@@ -152,26 +115,12 @@ def _finish(
 
 
 class PlanCache:
-    """Returns the previous plan while the state's keys, dtypes and shapes are unchanged."""
+    """The previous plan, while every rank's keys, dtypes and shapes (its ``signature``) are
+    unchanged."""
 
     def __init__(self) -> None:
         self._plan: SavePlan | None = None
         self.misses = 0
-
-    def get(
-        self,
-        tensors: dict[str, torch.Tensor],
-        deferrable: set[str],
-        chunk_bytes: int,
-        dtensors: set[str] | frozenset[str] = frozenset(),
-    ) -> SavePlan:
-        if self._plan is not None and self._plan.signature == _signature(
-            tensors, deferrable, chunk_bytes
-        ):
-            return self._plan
-        self.misses += 1
-        self._plan = make_plan(tensors, deferrable, chunk_bytes, dtensors)
-        return self._plan
 
     def cached(self, signature: tuple[object, ...]) -> SavePlan | None:
         """The previous plan if it was made for ``signature``."""

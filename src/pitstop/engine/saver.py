@@ -285,15 +285,10 @@ class Saver:
         check: Callable[[], None] | None = None,
         step: int | None = None,
     ) -> tuple[Flat, SavePlan]:
-        """Flatten ``state`` and get its (cached) layout. Several ranks: collective (every
-        rank's description is gathered; a failure on any rank fails it on all)."""
+        """Flatten ``state`` and get its (cached) layout: collective (every rank's description
+        is gathered, one process's by the null group; a failure on any rank fails it on
+        all)."""
         chunk = self.options.io.chunk_bytes
-        if self.group.size == 1:
-            if check is not None:
-                check()
-            flat = flatten(state, allow_pickle=self.options.allow_pickle)
-            deferrable = flat.deferrable if self.options.overlap else set()
-            return flat, self._plans.get(flat.tensors, deferrable, chunk, flat.dtensors)
         error: BaseException | None = None
         try:
             if check is not None:
@@ -508,7 +503,6 @@ class Saver:
                     before_extent=before_extent,
                     after_extent=ring.release if ring is not None else None,
                     rank=self.group.rank,
-                    prepare=self.group.size == 1,
                 )
                 job.wait_copied()
                 handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
@@ -537,17 +531,9 @@ class Saver:
                     ) from e  # fmt: skip
                 return data
 
-            if self.group.size == 1:
-                result = write()
-                data = manifest([result], [])
-                if self.nodes is not None:
-                    self.nodes.replicate(directory, data)
-                    self.nodes.decided(self.nodes.decide())
-                self.storage.commit(directory, data)
-            else:
-                result = commit_together(
-                    self.group, self.storage, directory, meta.seq, write, manifest, self.nodes
-                )
+            result = commit_together(  # one process: on the null group, in-process
+                self.group, self.storage, directory, meta.seq, write, manifest, self.nodes
+            )
             stats = handle.stats
             stats.nbytes, stats.direct_io = result.nbytes, result.direct
             stats.persist_secs = time.perf_counter() - t1

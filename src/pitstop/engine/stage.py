@@ -320,6 +320,26 @@ class Ring:
             self._cond.notify_all()
 
 
+def _late_eager(flat: Flat, plan: SavePlan, overlap: bool) -> dict[int, torch.Tensor]:
+    """Copies, made now, of the eager items that lie past a deferred one in the file. The plan
+    puts eager items first, but a rank's own values (RNG streams) follow its slice of the
+    replicated stream: staged in file order through a ring, they would hold the loop for the
+    whole write before them. Set aside, they cost the loop their copy and the host their
+    size, nothing more."""
+    if not overlap:
+        return {}
+    deferred = [item.offset for item in plan.items if item.nbytes and item.deferrable]
+    if not deferred:
+        return {}
+    first = min(deferred)
+    with torch.no_grad():
+        return {
+            i: _flat_bytes(item.source(flat.tensors[item.key])).clone()
+            for i, item in enumerate(plan.items)
+            if item.nbytes and not item.deferrable and item.offset > first
+        }
+
+
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
@@ -330,20 +350,21 @@ def stage_ring(
 ) -> StageJob:
     """Stage through ``ring``, extent by extent, on the stage thread. The caller starts the
     writers, then ``job.wait_eager()`` returns once the eager tensors (which come first in
-    the plan) are staged: the loop stalls for as much of the write as it takes to make room
+    the plan; those that cannot, a rank's own values past its stream slice, are copied aside
+    at once) are staged: the loop stalls for as much of the write as it takes to make room
     for them. Deferred tensors follow while training goes on; the optimizer step pre-hook
     waits for all of them, as with a whole arena."""
     job = StageJob(len(plan.items))
     eager_done = job._eager = threading.Event()
-    eager_end = 0  # the byte after the last eager item
-    for item in plan.items:
-        if item.nbytes and not (overlap and item.deferrable):
+    sources: dict[int, torch.Tensor] = _late_eager(flat, plan, overlap)
+    eager_end = 0  # the byte after the last eager item staged in file order
+    for i, item in enumerate(plan.items):
+        if item.nbytes and not (overlap and item.deferrable) and i not in sources:
             eager_end = max(eager_end, item.offset + item.nbytes)
     ends = {i: item.offset + item.nbytes for i, item in enumerate(plan.items)}
     for i, item in enumerate(plan.items):
         if item.nbytes == 0:
             job.mark(i)
-    sources: dict[int, torch.Tensor] = {}
 
     def source(i: int) -> torch.Tensor:
         if i not in sources:

@@ -157,23 +157,14 @@ class Flusher:
             return PersistResult((), (), total, 0.0, False)
 
         try:
-            if self.group.size == 1:
-                self.shared.prepare(m.directory)
-                try:
-                    result = write()
-                    self.shared.commit(m.directory, data)
-                except BaseException:
-                    self.shared.abort(m.directory)
-                    raise
-            else:
-                try:
-                    result = commit_together(
-                        self.group, self.shared, m.directory, f"flush-{seq}", write,
-                        lambda results, hosts: data,
-                    )  # fmt: skip
-                except BaseException:
-                    self.shared.abort(m.directory)
-                    raise
+            try:  # one process: on the null group, in-process
+                result = commit_together(
+                    self.group, self.shared, m.directory, f"flush-{seq}", write,
+                    lambda results, hosts: data,
+                )  # fmt: skip
+            except BaseException:
+                self.shared.abort(m.directory)
+                raise
         finally:
             for arena in held:
                 arena.close()

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Group", "StoreGroup", "make_group"]
 
+_KEPT_POSTS = 64  # one process reads a word right after posting it, or never (a commit's)
 _BROADCAST_ELEMENTS = 64 << 20  # bytes of the uint8 buffers restore broadcasts, per call
 
 
@@ -65,11 +66,14 @@ class Group:
 
     def post(self, key: str, data: bytes) -> None:
         self._posts[key] = data
+        while len(self._posts) > _KEPT_POSTS:  # words nobody reads in one process go
+            del self._posts[next(iter(self._posts))]
 
     def channel(self) -> Group:
         """This group for one more background thread (the flush): the store calls of two
-        threads must not share a connection, where one thread's wait blocks the other's."""
-        return self
+        threads must not share a connection, where one thread's wait blocks the other's (one
+        process: a mailbox of its own)."""
+        return Group()
 
     def collect(self, key: str, phase: str) -> list[bytes]:
         return [self._posts.pop(f"{key}/0")]

@@ -16,7 +16,10 @@ descriptions are all-gathered on the training thread, and every rank runs
 * Everything else is the rank's **own** value (RNG state, data position, loose
   tensors, or a "shared" key the ranks do not all hold alike), written by that rank.
 
-A rank's data file is its stream slice followed by its sharded and own pieces.
+A rank's data file is its stream slice followed by its sharded and own pieces. Eager
+items (what a forward pass may change: buffers, RNG state) come before deferrable ones
+(parameters and optimizer state) in the stream and in each rank's own part. One process
+is a world of one: its stream is the whole replicated state.
 """
 
 from __future__ import annotations
@@ -133,7 +136,9 @@ def _stream_pieces(placed: list[tuple[int, LocalItem]], a: int, b: int) -> list[
 def assign(ranks: list[list[LocalItem]], mode: str = "split") -> list[RankLayout]:
     """Every rank's layout (see the module docstring); ``ranks[r]`` is what rank r holds."""
     world = len(ranks)
-    replicated = _replicated(ranks)
+    # eager items first (in the stream and in each rank's own part): a save staged through a
+    # ring smaller than the file stalls only until they are staged
+    replicated = sorted(_replicated(ranks), key=lambda i: i.deferrable)
     placed: list[tuple[int, LocalItem]] = []
     offset = 0
     for item in replicated:
@@ -158,7 +163,7 @@ def assign(ranks: list[list[LocalItem]], mode: str = "split") -> list[RankLayout
                 for i in replicated
                 if not i.nbytes
             ]
-        for item in items:
+        for item in sorted(items, key=lambda i: i.deferrable):
             if item.key in names:
                 continue
             box = (item.key, item.start, item.shape)
