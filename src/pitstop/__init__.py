@@ -25,6 +25,7 @@ from pitstop.errors import (
     CheckpointIOError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     FormatVersionError,
     ManifestError,
     MissingExtraError,
@@ -37,15 +38,33 @@ from pitstop.errors import (
     UnsupportedValueError,
 )
 from pitstop.options import IOOptions, SaveOptions
-from pitstop.policy.retention import KeepAny, KeepBest, KeepEvery, KeepLast
+from pitstop.policy import (
+    AnyPolicy,
+    CheckFreq,
+    Every,
+    EveryEpoch,
+    EveryN,
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    ValueAware,
+    YoungDaly,
+)
 
 __all__ = [
+    "AnyPolicy",
+    "CheckFreq",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointIOError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DistributedCheckpointError",
+    "Every",
+    "EveryEpoch",
+    "EveryN",
     "FormatVersionError",
     "IOOptions",
     "KeepAny",
@@ -69,6 +88,8 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedSetupError",
     "UnsupportedValueError",
+    "ValueAware",
+    "YoungDaly",
     "__version__",
     "add_prefix",
     "load",

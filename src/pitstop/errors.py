@@ -16,6 +16,8 @@
     ├── PickleRefusedError                         a pickled value without the caller's opt-in
     ├── CheckpointIOError(+OSError)                storage failed (ENOSPC, EIO, ...) after retries
     ├── UnsupportedSetupError(+RuntimeError)       a setup this pitstop cannot serve yet
+    ├── DistributedCheckpointError(+RuntimeError)  another rank failed or did not arrive
+    │                                              (every rank raises it; ``ranks`` names them)
     └── MissingExtraError(+ImportError)            an optional dependency is not installed
 
 Only evidence of damage (CorruptCheckpointError: checksum, size, parse) marks a

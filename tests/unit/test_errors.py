@@ -48,6 +48,23 @@ def test_error_tree() -> None:
     assert str(e) == "bad [phase=restore, step=3, rank=0, path=/x]"
 
 
+def test_the_one_drawing_of_the_tree_names_every_error_and_pitstop_exports_them() -> None:
+    import re
+
+    import pitstop.errors as errors
+
+    drawing = errors.__doc__ or ""
+    drawn = set(re.findall(r"(?:[├└]── |^    )(\w+Error)\b", drawing, flags=re.M))
+    exported = {
+        name
+        for name in errors.__all__
+        if isinstance(getattr(errors, name), type)
+        and issubclass(getattr(errors, name), CheckpointError)
+    }
+    assert exported - drawn == set()  # main: DistributedCheckpointError was not drawn
+    assert exported - set(pitstop.__all__) == set()  # main: nor exported from pitstop
+
+
 def test_dtype_and_shape_mismatch_name_the_key(root: str) -> None:
     pitstop.save(root, {"w": torch.zeros(2, 3), "model": nn.Linear(3, 2)}, step=1)
     with pytest.raises(StateMismatchError, match=r"w: state has torch.float32 \[3, 2\]"):

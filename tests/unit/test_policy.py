@@ -15,7 +15,7 @@ import torch
 
 import pitstop
 from pitstop.policy import (
-    Any,
+    AnyPolicy,
     CheckFreq,
     Every,
     EveryEpoch,
@@ -71,11 +71,23 @@ def test_fixed_policies() -> None:
     assert Every(secs=5).decide(ctx(secs_since_checkpoint=5.0)) and not Every(secs=5).decide(
         ctx(secs_since_checkpoint=4.9)
     )
-    both = Any(EveryN(100), EveryEpoch())
+    both = EveryN(100) | EveryEpoch()
+    assert both == AnyPolicy(EveryN(100), EveryEpoch())
     assert both.decide(ctx(epoch_end=True)) and both.decide(ctx(steps_since_checkpoint=100))
     assert not both.decide(ctx(steps_since_checkpoint=3))
     with pytest.raises(ValueError):
         EveryN(0)
+
+
+def test_schedules_combine_with_or_as_retention_does_and_any_is_deprecated() -> None:
+    three = EveryN(5) | Every(secs=60) | CheckFreq()
+    assert isinstance(three, AnyPolicy) and len(three.policies) == 3  # one level
+    assert pitstop.EveryN is EveryN and pitstop.AnyPolicy is AnyPolicy  # exported like KeepLast
+    with pytest.raises(TypeError, match="KeepLast"):
+        AnyPolicy(EveryN(5), pitstop.KeepLast(2))  # type: ignore[arg-type]
+    with pytest.warns(DeprecationWarning, match="AnyPolicy"):
+        from pitstop.policy import Any  # it shadowed typing.Any
+    assert Any is AnyPolicy
 
 
 def test_checkfreq_paper_example_and_budget() -> None:

@@ -11,16 +11,19 @@ measurements and drive the very same objects.
 ``YoungDaly(mtbf)``   Daly's exact optimum from the measured cost and the MTBF
 ``CheckFreq(0.02)``   the smallest interval whose overhead stays under a budget
 ``ValueAware(mtbf)``  dense early, sparse late, from the fitted loss curve (COCI)
-``Any(a, b, ...)``    when any of them says so
+``a | b``             when any of them says so (``AnyPolicy(a, b, ...)``)
 ====================  ==========================================================
 
 What to keep is a policy too (:mod:`pitstop.policy.retention`): ``KeepLast``,
-``KeepEvery``, ``KeepBest``, combined with ``|``.
+``KeepEvery``, ``KeepBest``, combined with ``|`` the same way (``KeepAny``). Both kinds
+are exported from ``pitstop`` too.
 """
 
-from pitstop.policy.base import CheckpointPolicy, PolicyContext
+from typing import Any as _Any
+
+from pitstop.policy.base import CheckpointPolicy, PolicyContext, Schedule
 from pitstop.policy.checkfreq import CheckFreq
-from pitstop.policy.fixed import Any, Every, EveryEpoch, EveryN
+from pitstop.policy.fixed import AnyPolicy, Every, EveryEpoch, EveryN
 from pitstop.policy.retention import (
     CheckpointInfo,
     KeepAny,
@@ -34,7 +37,7 @@ from pitstop.policy.value import LossCurve, ValueAware
 from pitstop.policy.youngdaly import YoungDaly
 
 __all__ = [
-    "Any",
+    "AnyPolicy",
     "CheckFreq",
     "CheckpointInfo",
     "CheckpointPolicy",
@@ -48,6 +51,7 @@ __all__ = [
     "LossCurve",
     "PolicyContext",
     "RetentionPolicy",
+    "Schedule",
     "ValueAware",
     "YoungDaly",
     "daly_higher_order",
@@ -55,3 +59,17 @@ __all__ = [
     "lambert_w0",
     "young_interval",
 ]
+
+
+def __getattr__(name: str) -> _Any:
+    if name == "Any":  # it shadowed typing.Any
+        import warnings
+
+        warnings.warn(
+            "pitstop.policy.Any is deprecated: combine policies with | (EveryN(100) | "
+            "EveryEpoch()) or use pitstop.policy.AnyPolicy",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return AnyPolicy
+    raise AttributeError(f"module 'pitstop.policy' has no attribute {name!r}")

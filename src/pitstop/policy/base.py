@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["CheckpointPolicy", "PolicyContext"]
+__all__ = ["CheckpointPolicy", "PolicyContext", "Schedule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +76,18 @@ class CheckpointPolicy(Protocol):
     (fits, current interval) but reads no clock and does no I/O."""
 
     def decide(self, ctx: PolicyContext) -> bool: ...
+
+
+class Schedule:
+    """The base of pitstop's schedule policies: ``a | b`` checkpoints when either says so
+    (:class:`~pitstop.policy.fixed.AnyPolicy`), as retention policies combine with ``|``."""
+
+    def __or__(self, other: CheckpointPolicy) -> CheckpointPolicy:
+        from pitstop.policy.fixed import AnyPolicy
+
+        return AnyPolicy(self, other)  # type: ignore[arg-type]
+
+    def __ror__(self, other: CheckpointPolicy) -> CheckpointPolicy:
+        from pitstop.policy.fixed import AnyPolicy
+
+        return AnyPolicy(other, self)  # type: ignore[arg-type]

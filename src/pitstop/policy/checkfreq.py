@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pitstop.policy.base import PolicyContext
+from pitstop.policy.base import PolicyContext, Schedule
 
 __all__ = ["CheckFreq"]
 
 
 @dataclass
-class CheckFreq:
+class CheckFreq(Schedule):
     """Pick the checkpoint interval k (iterations) from measurements, and keep picking it.
 
     After ``warmup`` iterations and ``profile`` more to time them, one checkpoint is

@@ -1,16 +1,16 @@
-"""Fixed schedules, and Any to combine policies."""
+"""Fixed schedules, and AnyPolicy to combine policies (``a | b``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pitstop.policy.base import CheckpointPolicy, PolicyContext
+from pitstop.policy.base import CheckpointPolicy, PolicyContext, Schedule
 
-__all__ = ["Any", "Every", "EveryEpoch", "EveryN"]
+__all__ = ["AnyPolicy", "Every", "EveryEpoch", "EveryN"]
 
 
 @dataclass
-class EveryN:
+class EveryN(Schedule):
     """Every ``n`` iterations (steps that are multiples of n)."""
 
     n: int
@@ -24,7 +24,7 @@ class EveryN:
 
 
 @dataclass
-class EveryEpoch:
+class EveryEpoch(Schedule):
     """At the end of every epoch (the manager learns it from ``step(..., epoch_end=True)``)."""
 
     def decide(self, ctx: PolicyContext) -> bool:
@@ -32,7 +32,7 @@ class EveryEpoch:
 
 
 @dataclass
-class Every:
+class Every(Schedule):
     """Every ``secs`` seconds of training time."""
 
     secs: float
@@ -46,15 +46,24 @@ class Every:
 
 
 @dataclass(init=False)
-class Any:
-    """Checkpoint when any of ``policies`` says so (each sees every iteration)."""
+class AnyPolicy(Schedule):
+    """Checkpoint when any of ``policies`` says so (each sees every iteration); what
+    ``EveryN(100) | EveryEpoch()`` makes."""
 
     policies: tuple[CheckpointPolicy, ...] = field(default=())
 
     def __init__(self, *policies: CheckpointPolicy) -> None:
         if not policies:
-            raise ValueError("Any needs at least one policy")
-        self.policies = policies
+            raise ValueError("AnyPolicy needs at least one policy")
+        for p in policies:
+            if not isinstance(p, CheckpointPolicy):
+                raise TypeError(
+                    f"AnyPolicy combines schedule policies (with a decide(ctx) method), got {p!r}"
+                )
+        flat: list[CheckpointPolicy] = []
+        for p in policies:  # (a | b) | c: one level
+            flat.extend(p.policies if isinstance(p, AnyPolicy) else (p,))
+        self.policies = tuple(flat)
 
     def decide(self, ctx: PolicyContext) -> bool:
         votes = [p.decide(ctx) for p in self.policies]  # every policy updates its state

@@ -16,7 +16,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from pitstop.policy.base import PolicyContext
+from pitstop.policy.base import PolicyContext, Schedule
 from pitstop.policy.theory import daly_optimum
 
 __all__ = ["LossCurve", "ValueAware"]
@@ -118,7 +118,7 @@ class LossCurve:
 
 
 @dataclass
-class ValueAware:
+class ValueAware(Schedule):
     """Checkpoint every tau(t) = Daly(C, M / w(t)) seconds, w = progress rate relative to the mean.
 
     ``mtbf_secs``: the job's MTBF. ``horizon_secs``: expected length of the run (the mean

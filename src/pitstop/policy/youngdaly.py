@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pitstop.policy.base import PolicyContext
+from pitstop.policy.base import PolicyContext, Schedule
 from pitstop.policy.theory import daly_optimum, young_interval
 
 __all__ = ["YoungDaly"]
 
 
 @dataclass
-class YoungDaly:
+class YoungDaly(Schedule):
     """Checkpoint every tau seconds of training, tau = Daly's exact optimum
     ``M [1 + W0(-exp(-(C/M + 1)))]`` (``exact=False``: Young's sqrt(2CM)).
 
