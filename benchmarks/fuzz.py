@@ -9,7 +9,7 @@ one mutation (random bytes; permuted, retyped, huge, long, deeply nested, duplic
 removed, extra or changed fields, sealed or not; special files; a step directory that is
 a symlink out of the root) and runs one operation (restore, load, verify, ls, inspect) in
 a persistent worker process with a per-case timeout and a 4 GiB address-space limit. See
-``pitstop.testing.fuzz`` for the categories.
+``tests/fuzzing`` (the engine, kept with the tests) for the categories.
 
 It prints the counts per category and per mutation family, the first failures of each
 bad category with their mutation, and a final JSON line. Exit code 1 if any case is in a
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
 
-from pitstop.testing.fuzz import BAD, CampaignResult, CaseResult, run_campaign
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from fuzzing import BAD, CampaignResult, CaseResult, run_campaign
 
 ORDER = ("ok_newest", "ok_fallback", "forged_value", "pitstop_error", "cli_exit_0", "cli_exit_1", "cli_exit_2")  # fmt: skip
 SHORT = {

@@ -1,7 +1,7 @@
 """Damaged and hostile metadata never gives a wrong value, a hang, a foreign exception or a
 half-restore: a short fuzz campaign, and a few named cases that read as sentences.
 
-The full campaign is ``python benchmarks/fuzz.py --cases 4000`` (see pitstop.testing.fuzz).
+The full campaign is ``python benchmarks/fuzz.py --cases 4000`` (the engine: tests/fuzzing).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pitstop.testing.fuzz import BAD, NAMED, CaseResult, Fuzzer, make_case, named_mutation
+from fuzzing import BAD, NAMED, CaseResult, Fuzzer, make_case, named_mutation
 
 pytestmark = pytest.mark.fault
 

@@ -16,12 +16,12 @@ from torch import nn
 
 import pitstop
 from conftest import Net, make_state, train_step
+from fuzzing.seal import reseal
 from pitstop.cli.main import main
 from pitstop.errors import ManifestError
 from pitstop.format import objects as objects_format
 from pitstop.format.objects import encode_objects, parse_objects
 from pitstop.state.tree import flatten, walk
-from pitstop.testing.fuzz.seal import reseal
 
 
 class Wrapped(nn.Module):

@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[float]] = {
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.ranks", "pitstop.engine", "pitstop.manager",
             "pitstop.multilevel.redundancy", "pitstop.multilevel.stack", "pitstop.multilevel.flush",
             "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
-            "pitstop.testing.crash", "pitstop.testing.fuzz", "pitstop.testing.distributed",
+            "pitstop.testing.crash", "pitstop.testing.distributed",
             "pitstop.cli.convert", "pitstop.cli.compare", "pitstop.probe",
             "pitstop.cli.export_formats", "pitstop.cli.export_names",
             "pitstop.cli.dcp_safe", "pitstop.integrations")  # fmt: skip

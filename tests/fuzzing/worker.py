@@ -5,11 +5,11 @@ it, with a pipe each way.
 Protocol: the parent sends ``("init", expected)``; the worker answers ``("ready", pid)``
 (or ``("fatal", traceback)`` and exits); then it answers each case dict (root, op,
 forgery, seed) with the ``(category, message)`` of
-:func:`~pitstop.testing.fuzz.classify.run_case`, until it receives ``None``.
+:func:`~fuzzing.classify.run_case`, until it receives ``None``.
 
 Call sequence: ``Worker(...)``, :meth:`Worker.call` per case, then :meth:`Worker.stop` or
 :meth:`Worker.kill`, from the driver thread of its slot in a
-:class:`~pitstop.testing.fuzz.campaign.Fuzzer` (``Fuzzer.close`` stops them from the
+:class:`~fuzzing.campaign.Fuzzer` (``Fuzzer.close`` stops them from the
 caller's thread).
 """
 
@@ -25,15 +25,13 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pitstop.testing.fuzz.classify import run_case
-from pitstop.testing.fuzz.root import Expected, build_state
+from fuzzing.classify import run_case
+from fuzzing.root import Expected, build_state
 
 __all__ = ["MEMORY_BYTES", "Abort", "Worker", "WorkerDied", "worker_main"]
 
 MEMORY_BYTES = 4 << 30
-_WORKER_CODE = (
-    "import sys; from pitstop.testing.fuzz.worker import worker_main; worker_main(sys.argv[1:])"
-)
+_WORKER_CODE = "import sys; from fuzzing.worker import worker_main; worker_main(sys.argv[1:])"
 
 
 def worker_main(argv: Sequence[str]) -> None:

@@ -10,9 +10,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from pitstop.format.names import MANIFEST, data_file_name
-from pitstop.testing.fuzz.edits import Edit, touches_seal
-from pitstop.testing.fuzz.jsonpath import (
+from fuzzing.edits import Edit, touches_seal
+from fuzzing.jsonpath import (
     JsonPath,
     exists,
     fmt_path,
@@ -22,8 +21,9 @@ from pitstop.testing.fuzz.jsonpath import (
     short,
     walk,
 )
-from pitstop.testing.fuzz.root import DATA, OBJECTS, Pristine
-from pitstop.testing.fuzz.seal import Subs
+from fuzzing.root import DATA, OBJECTS, Pristine
+from fuzzing.seal import Subs
+from pitstop.format.names import MANIFEST, data_file_name
 
 __all__ = ["edit_field", "edit_permute", "swap"]
 

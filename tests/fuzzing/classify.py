@@ -10,7 +10,7 @@ import os
 import traceback
 from collections.abc import Mapping
 
-from pitstop.testing.fuzz.root import Expected, build_state, digest_state
+from fuzzing.root import Expected, build_state, digest_state
 
 __all__ = ["BAD", "GOOD", "run_case", "where"]
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pitstop.testing.fuzz.jsonpath import JsonPath, fmt_path, get_at, pick, set_at, short
-from pitstop.testing.fuzz.root import BN_KEYS, Pristine
-from pitstop.testing.fuzz.seal import Subs, dump_objects
+from fuzzing.jsonpath import JsonPath, fmt_path, get_at, pick, set_at, short
+from fuzzing.root import BN_KEYS, Pristine
+from fuzzing.seal import Subs, dump_objects
 
 __all__ = [
     "Edit",

@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any
 
-from pitstop.testing.fuzz.root import OBJECTS, Pristine
+from fuzzing.root import OBJECTS, Pristine
 
 __all__ = ["Subs", "dump_manifest", "dump_objects", "objects_well_formed", "reseal"]
 

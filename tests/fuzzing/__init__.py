@@ -2,7 +2,7 @@
 
 ::
 
-    from pitstop.testing.fuzz import run_campaign
+    from fuzzing import run_campaign
     result = run_campaign(cases=200, seed=0, workers=2)
     result.counts      # Counter({"ok_fallback": 61, "pitstop_error": 40, ...})
     result.failures    # the cases in a BAD category, each with its mutation and message
@@ -60,9 +60,9 @@ structured edits), :mod:`.mutations` (a case from a seed, the named mutations),
 process) and :mod:`.campaign` (:class:`Fuzzer`, :func:`run_campaign`).
 """
 
-from pitstop.testing.fuzz.campaign import CampaignResult, CaseResult, Fuzzer, run_campaign
-from pitstop.testing.fuzz.classify import BAD
-from pitstop.testing.fuzz.mutations import NAMED, make_case, named_mutation
+from fuzzing.campaign import CampaignResult, CaseResult, Fuzzer, run_campaign
+from fuzzing.classify import BAD
+from fuzzing.mutations import NAMED, make_case, named_mutation
 
 __all__ = [
     "BAD",

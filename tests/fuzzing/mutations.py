@@ -7,9 +7,8 @@ from __future__ import annotations
 import copy
 import random
 
-from pitstop.format.names import MANIFEST
-from pitstop.testing.fuzz.cases import OP_WEIGHTS, OPS, Action, Case, Mutation, in_step
-from pitstop.testing.fuzz.edits import (
+from fuzzing.cases import OP_WEIGHTS, OPS, Action, Case, Mutation, in_step
+from fuzzing.edits import (
     Edit,
     EditFn,
     edit_deep,
@@ -20,10 +19,11 @@ from pitstop.testing.fuzz.edits import (
     edit_remove,
     edit_retype,
 )
-from pitstop.testing.fuzz.jsonpath import short
-from pitstop.testing.fuzz.root import BN_KEYS, DATA, OBJECTS, STEP1, STEP2, Pristine
-from pitstop.testing.fuzz.schema_edits import edit_field, edit_permute, swap
-from pitstop.testing.fuzz.seal import Subs, dump_manifest, dump_objects, objects_well_formed, reseal
+from fuzzing.jsonpath import short
+from fuzzing.root import BN_KEYS, DATA, OBJECTS, STEP1, STEP2, Pristine
+from fuzzing.schema_edits import edit_field, edit_permute, swap
+from fuzzing.seal import Subs, dump_manifest, dump_objects, objects_well_formed, reseal
+from pitstop.format.names import MANIFEST
 
 __all__ = ["NAMED", "make_case", "named_mutation"]
 

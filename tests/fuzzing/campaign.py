@@ -13,11 +13,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pitstop.testing.fuzz.cases import Case, Mutation, diff_snapshots, prepare_case, snapshot
-from pitstop.testing.fuzz.classify import BAD, where
-from pitstop.testing.fuzz.mutations import make_case
-from pitstop.testing.fuzz.root import Pristine, make_root
-from pitstop.testing.fuzz.worker import MEMORY_BYTES, Abort, Worker, WorkerDied
+from fuzzing.cases import Case, Mutation, diff_snapshots, prepare_case, snapshot
+from fuzzing.classify import BAD, where
+from fuzzing.mutations import make_case
+from fuzzing.root import Pristine, make_root
+from fuzzing.worker import MEMORY_BYTES, Abort, Worker, WorkerDied
 
 __all__ = ["CampaignResult", "CaseResult", "Fuzzer", "run_campaign"]
 

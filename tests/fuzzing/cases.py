@@ -11,8 +11,8 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+from fuzzing.root import DATA, OBJECTS, STEP2, Pristine
 from pitstop.format.names import MANIFEST
-from pitstop.testing.fuzz.root import DATA, OBJECTS, STEP2, Pristine
 
 __all__ = [
     "OPS",
