@@ -146,6 +146,7 @@ def commit_together(
             why = f"rank {leader} could not create it"
             raise _failure(word, why, directory, group.rank) from None
     result: PersistResult | None = None
+    mine: BaseException | None = None  # this rank's own failure: it raises that, not the round's
     try:
         if group.rank != leader:  # into the very directory the leader created, or not at all
             storage.join(directory, str(token))
@@ -156,12 +157,17 @@ def commit_together(
                 storage.leave(directory)
         report = json.dumps({"ok": result_to_json(result)}).encode()
     except BaseException as e:
-        report = _error_word(e, "persist")
+        mine, report = e, _error_word(e, "persist")
         if not group.coordinator:
             group.post(f"{key}/result/{group.rank}", report)
             raise
     if group.coordinator:
-        data = _coordinate(group, storage, directory, key, report, manifest, nodes is None)
+        try:
+            data = _coordinate(group, storage, directory, key, report, manifest, nodes is None)
+        except BaseException:
+            if mine is not None:  # the others were told; this rank (one process: the only
+                raise mine from None  # one) raises what it met, as every failing rank does
+            raise
     else:
         group.post(f"{key}/result/{group.rank}", report)
         word = group.read(f"{key}/commit" if nodes is None else f"{key}/manifest", "commit")
