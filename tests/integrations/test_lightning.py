@@ -197,6 +197,7 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+@pytest.mark.fault
 def test_killed_and_resumed_run_ends_bit_identical(runs: dict[str, str], capsys: Any) -> None:
     ref, crash = pitstop.load(runs["ref"]), pitstop.load(runs["crash"])
     assert ref["global_step"] == crash["global_step"] == 80
@@ -328,6 +329,7 @@ def _log(report: dict[str, Any]) -> str:
         return f"{report['log']}:\n{f.read()[-3000:]}"
 
 
+@pytest.mark.fault
 def test_every_kill_point_is_reached(kills: dict[str, list[dict[str, Any]]]) -> None:
     assert [r["status"] for r in kills["ref"]] == [0], _log(kills["ref"][0])
     for kill_at in KILLS:

@@ -88,6 +88,7 @@ def test_console_script_smoke(two_steps: str) -> None:
     assert out.stdout.strip() == f"pitstop {pitstop.__version__}"
 
 
+@pytest.mark.fault
 def test_demo_proves_identical_weights(
     tmp_path: object, capsys: pytest.CaptureFixture[str]
 ) -> None:

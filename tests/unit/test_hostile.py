@@ -264,6 +264,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.fault
 def test_two_processes_saving_the_same_steps_lose_nothing(root: str) -> None:
     procs = [
         subprocess.Popen(

@@ -43,6 +43,7 @@ def test_every_n_takes_the_expected_count() -> None:
     assert simulate(epochs, NO_FAILURES, EveryEpoch()).checkpoints == 4
 
 
+@pytest.mark.slow
 def test_simulated_optimum_interval_matches_daly() -> None:
     """Synchronous checkpoints (persist 0) under exponential failures: Daly's model exactly."""
     cost, mtbf = 60.0, 3600.0
@@ -123,6 +124,7 @@ def test_failure_classes_add_their_restart_cost() -> None:
     assert simulate(job, failures, EveryN(5)).restart_secs == pytest.approx(2 * 25.0)
 
 
+@pytest.mark.slow
 def test_value_aware_beats_uniform_on_value_weighted_overhead_with_early_stop() -> None:
     job = JobModel.for_hours(
         48, iter_secs=2.0, stall_secs=30.0, persist_secs=60.0, restart_secs=120.0
@@ -145,6 +147,7 @@ def test_trace_csv(tmp_path: object) -> None:
     assert load_trace(path) == (10.0, 30.5)
 
 
+@pytest.mark.slow
 def test_cli_simulate_table_json_and_plot(
     tmp_path: object, capsys: pytest.CaptureFixture[str]
 ) -> None:

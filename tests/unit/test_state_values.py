@@ -208,6 +208,7 @@ def test_nesting_limit(kind: str) -> None:
         parse_objects(_doc(_nested(kind, 9)), name=NAME, tensor_keys=KEYS, max_depth=8)
 
 
+@pytest.mark.slow
 def test_unreferenced_tensor_keys_are_fine_and_parse_is_linear() -> None:
     assert _parse({"dict": []}, keys=frozenset({"a", "b"})) == {"dict": []}
     n = 200_000
