@@ -9,11 +9,12 @@ allocates or recurses), ``NaN``/``Infinity`` constants, objects that name a key
 twice, integers longer than ``max_int_digits``, and anything ``json`` refuses.
 
 Cost: :func:`json_shape` works with bytes operations that run in C (replace,
-translate, count), never a Python step per byte or per value, and a copy of the
-file at most; the parse makes one Python object per value (numbers, strings, one
+translate, count; at worst a C iterator over the brackets), never a Python step per
+byte or per value, in about a copy of the file; the parse makes one Python object per value (numbers, strings, one
 list or dict per container). A file of plain values thus costs a few times its
-size, about 25 times at most for one made of nothing but small containers, and at
-most :data:`MAX_VALUES` objects whatever its size.
+size (2x for small ints, 5-7x for floats), one made mostly of small containers 20-25x,
+one of nothing but nested empty containers about 45x, and never more than
+:data:`MAX_VALUES` objects, whatever its size (docs/format.md lists measurements).
 
 Call sequence: any thread; pure functions (:func:`recursion_room` serializes the
 interpreter's recursion limit around a deep parse or encode).
@@ -110,12 +111,13 @@ def _depth(brackets: bytes) -> int:
     """The deepest nesting of a text of ``[`` and ``]`` (``{}`` mapped to ``[]``).
 
     Each pass drops the innermost pairs (``[]``): the leaves of the tree of containers, one
-    level of depth, in C. While that leaves most of the text (chains of containers, each
-    pass taking two brackets of one), the rest is summed bracket by bracket."""
+    level of depth, in C. Once a pass takes less than 1/32 of the text (long chains of
+    containers, each pass taking two brackets of one), the rest is summed bracket by bracket.
+    Either way each bracket costs at most about 32 C steps or one Python-level step."""
     passes = 0
     while brackets:
         inner = brackets.replace(b"[]", b"")
-        if len(inner) * 4 > len(brackets) * 3:
+        if (len(brackets) - len(inner)) * 32 < len(brackets):
             return passes + max(0, max(itertools.accumulate(map(_STEP.__getitem__, brackets))))
         passes, brackets = passes + 1, inner
     return passes
