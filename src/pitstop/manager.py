@@ -141,7 +141,9 @@ class CheckpointManager:
             )
             self.levels.identity = self.identity
         self.last_restore: RestoreResult | None = None
-        self._probe = CrashProbe.from_env()  # None unless `pitstop crashtest` runs this process
+        self._probe = CrashProbe.from_env(self.latest_step)  # None unless crashtest runs us
+        if self._probe is not None:  # crashtest's resume point is a checkpoint
+            self._loop.policy = self._probe.resume_point(self._loop.policy)
         self._committed = False  # a checkpoint of this root committed (or was restored)
         self._closed = False
 
@@ -175,6 +177,26 @@ class CheckpointManager:
         handle = self.async_save(step, state, metrics=metrics)
         handle.wait()
         return handle
+
+    def save_final(
+        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None
+    ) -> SaveHandle | None:
+        """After the last step (``step(..., last=True)``) and the work after it (evaluation,
+        ``scheduler.step()``): wait for saves in flight, then save ``state`` as ``step``,
+        durable when it returns. None if ``step`` is committed already: restored (a rerun of
+        a finished run: nothing to do) or saved by the policy before the end-of-training work
+        (a warning: that checkpoint holds the state of that moment)."""
+        self.wait()
+        if step not in self.steps():
+            return self.save(step, state, metrics=metrics)
+        restored = self.last_restore is not None and self.last_restore.step == step
+        if not restored:
+            _log.warning(
+                "final state not saved: step %d was checkpointed during training, before the "
+                "work after it; pass last=True to ckpt.step() at the last step",
+                step, phase="plan",
+            )  # fmt: skip
+        return None
 
     def reserve(self, state: Mapping[str, Any]) -> int:
         """Allocate the staging arena now, not at the first save (first touch is slow)."""
@@ -232,10 +254,16 @@ class CheckpointManager:
         loss: float | None = None,
         epoch: int | None = None,
         epoch_end: bool = False,
+        last: bool = False,
     ) -> StepResult:
         """Once per iteration, after ``optimizer.step()``: measure, ask the policy, maybe
         ``async_save``. Returns SAVED (truthy), SKIPPED or REFUSED (also warned and counted in
-        ``stats().refused_saves``). After a ``save_on_signal`` signal: save, SystemExit."""
+        ``stats().refused_saves``). After a ``save_on_signal`` signal: save, SystemExit.
+        ``last=True`` at the last step of training: the policy is not asked (SKIPPED), the
+        final state is saved by ``save_final`` once the end-of-training work is done."""
+        if last:
+            self.reached(step)
+            return StepResult.SKIPPED
         result = self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
         self.reached(step)
         return result

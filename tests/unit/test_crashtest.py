@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,13 +21,15 @@ import torch
 
 import pitstop
 from pitstop.cli.compare import compare
+from pitstop.cli.crashtest_causes import Record
+from pitstop.cli.crashtest_points import ResumePoint, Timeline, choose
 from pitstop.cli.main import main
 
 pytestmark = pytest.mark.fault
 
 SCRIPT = textwrap.dedent(
     """
-    import argparse, torch, pitstop
+    import argparse, random, torch, pitstop
     p = argparse.ArgumentParser()
     p.add_argument("--dir"); p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=4)
@@ -39,6 +43,7 @@ SCRIPT = textwrap.dedent(
     data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # stepped after training
     if a.variant.startswith("torchdata"):
         from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import RandomSampler
@@ -51,16 +56,24 @@ SCRIPT = textwrap.dedent(
             loader = StatefulDataLoader(data, batch_size=8, shuffle=True, generator=gen)
     else:
         loader = pitstop.ResumableLoader(data, batch_size=8, shuffle=True, seed=2)
+    # evaluated at the end of each epoch; persistent workers and no generator of its own: its
+    # first pass in each process draws a base seed from torch's global generator
+    evaluation = torch.utils.data.DataLoader(data, batch_size=32, num_workers=1,
+                                             persistent_workers=True)
     progress = {"step": 0}
-    state = {"model": model, "optimizer": opt, "data": loader, "progress": progress}
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader,
+             "progress": progress}
     if a.variant == "outside-counter":  # the step counter is not in the state
         del state["progress"]
     if a.variant != "no-rng":
         state["rng"] = pitstop.RNGState()
     every = a.steps if a.variant == "late" else a.every
+    if a.variant.startswith("timed") and a.dir.endswith("crashed"):
+        every = 1  # the crashed runs save at other steps than the reference, as a timed policy may
     if a.variant == "selfkill" and a.dir.endswith("crashed"):  # dies by itself, not by crashtest
         import os, signal
         os.kill(os.getpid(), signal.SIGKILL)
+    old_idiom = a.variant in ("timed-old-idiom", "no-final")
     with pitstop.CheckpointManager(a.dir, keep_last=2, policy=pitstop.policy.EveryN(every)) as ckpt:
         if a.variant != "norestore":
             ckpt.restore(state)
@@ -69,15 +82,28 @@ SCRIPT = textwrap.dedent(
                 pass
         while progress["step"] < a.steps:
             for x, y in loader:
+                if a.variant == "py-random":  # python's unseeded generator in the training
+                    x = x * (1 + 0.1 * random.random())
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 opt.zero_grad(); loss.backward(); opt.step()
                 progress["step"] += 1
-                ckpt.step(progress["step"], state)
+                if old_idiom:
+                    ckpt.step(progress["step"], state)
+                else:  # the last step is saved by save_final, after the end-of-training work
+                    ckpt.step(progress["step"], state, last=progress["step"] == a.steps)
                 if progress["step"] >= a.steps:
                     break
-        ckpt.wait()
-        if ckpt.latest_step() != progress["step"] and a.variant != "no-final":
-            ckpt.save(progress["step"], state)
+            else:  # the epoch ended
+                if a.variant == "eval-leak":
+                    for _ in evaluation:
+                        pass
+        sched.step()  # end-of-training work that changes the state
+        if a.variant == "timed-old-idiom":  # save the final state if the policy did not
+            ckpt.wait()
+            if ckpt.latest_step() != progress["step"]:
+                ckpt.save(progress["step"], state)
+        elif a.variant != "no-final":
+            ckpt.save_final(progress["step"], state)
     """
 )
 
@@ -108,8 +134,10 @@ def test_a_script_that_resumes_exactly_is_identical(tmp_path: Any, capsys: Any) 
     restores = [r["step"] for r in records if r["event"] == "restore"]
     assert len(kills) == 2 and len(restores) == 2
     assert all(r < k for r, k in zip(restores, kills[1:]))  # each restore precedes the next kill
-    # python's random and NumPy's global generator are unseeded in the script: not compared
+    # python's random and NumPy's global generator are unseeded in the script, but nothing
+    # draws from them: not compared, and not named as a cause
     assert "not compared: rng/numpy, rng/python" in out
+    assert "does not seed" not in out
 
 
 def test_drawing_from_the_global_generator_after_a_restore_is_named(
@@ -132,19 +160,97 @@ def test_a_state_without_rng_state_is_named(tmp_path: Any, capsys: Any) -> None:
 def test_a_step_counter_outside_the_state_is_named(tmp_path: Any, capsys: Any) -> None:
     code, out = _crashtest(tmp_path, capsys, "outside-counter", "--kill-at", "13")
     assert code == 1, out
-    assert "SIGKILL at step 13" in out
+    assert "checkpoint of step 13 committed, SIGKILL at step 14" in out
     assert "the runs made a different number of optimizer steps" in out
     assert "optimizer/state/0/step differs by" in out
 
 
 def test_a_run_that_does_not_save_its_final_state_is_noted(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "no-final", "--kill-at", "9")
+    code, out = _crashtest(tmp_path, capsys, "no-final")
     assert code == 0, out
     assert "trained to step 30 but its newest checkpoint is of step 28" in out
-    assert "SIGKILL at step 9" in out
+    # resumed at the reference's own checkpoints only (every 4th step): a resume elsewhere
+    # would shift the schedule, and the newest checkpoint would not be of step 28
+    tested = next(line for line in out.splitlines() if line.startswith("resume points tested:"))
+    assert all(int(step) % 4 == 0 for step in re.findall(r"step (\d+)", tested)), tested
     (tmp_path / "x").mkdir()
     code, out = _crashtest(tmp_path / "x", capsys, "good", "--kill-at", "30")
-    assert code == 2 and "choose a step from 5 to 29" in out
+    assert code == 2 and "choose steps from 1 to 29" in out
+
+
+def test_the_final_checkpoint_does_not_depend_on_when_the_policy_saves(
+    tmp_path: Any, capsys: Any
+) -> None:
+    # the crashed runs save at every step (a timed policy may save at any step, the last one
+    # included) and the reference every 4th; work after the last step (scheduler.step())
+    # changes the state: with last=True and save_final the final checkpoint always holds
+    # the state after that work
+    code, out = _crashtest(tmp_path, capsys, "timed")
+    assert code == 0, out
+    assert "identical: yes" in out
+
+
+def test_a_final_checkpoint_taken_at_another_place_is_named(tmp_path: Any, capsys: Any) -> None:
+    # the former idiom (save the last step if the policy did not): in the reference the final
+    # save after scheduler.step(), in the resumed run the policy's save inside the loop
+    code, out = _crashtest(tmp_path, capsys, "timed-old-idiom")
+    assert code == 1, out
+    assert "scheduler/last_epoch" in out
+    assert "the checkpoint of step 30 was taken at different places" in out
+    assert "last=True" in out and "save_final" in out
+    # not the causes that the different places explain
+    assert "the data position differs" not in out and "drawn outside" not in out
+
+
+def test_a_leak_that_shows_only_after_the_first_epoch_is_caught(tmp_path: Any, capsys: Any) -> None:
+    # the evaluation loader's first pass in each process draws from torch's generator: only a
+    # resume after the first epoch's evaluation shows it (seed 2 killed in the first epoch)
+    code, out = _crashtest(tmp_path, capsys, "eval-leak", "--seed", "2", "--keep")
+    assert code == 1, out
+    assert "identical: no" in out and "(torch) were drawn outside the saved state" in out
+    tested = next(line for line in out.splitlines() if line.startswith("resume points tested:"))
+    assert "early" in tested and "mid-epoch 1" in tested and "epoch 2" in tested
+    assert "step 29 (last step" in tested
+    restores = [json.loads(line)["step"] for name in sorted(os.listdir(tmp_path / "runs"))
+                if name.endswith(".log") for line in (tmp_path / "runs" / name).read_text()
+                .splitlines() if json.loads(line)["event"] == "restore"]  # fmt: skip
+    assert len(restores) == 4 and any(r > 8 for r in restores)  # one after the first epoch
+
+
+def test_generators_are_named_only_when_the_script_draws_from_them(
+    tmp_path: Any, capsys: Any
+) -> None:
+    code, out = _crashtest(tmp_path, capsys, "py-random", "--kill-at", "13")
+    assert code == 1, out
+    assert "the script does not seed python and draws from it" in out
+    assert "numpy" not in out.split("identical: no")[1]  # numpy is unseeded but unused
+
+
+def test_the_last_step_is_left_to_save_final(tmp_path: Any, caplog: Any) -> None:
+    state = {"w": torch.zeros(2), "progress": {"step": 0, "done": False}}
+    root = str(tmp_path / "ck")
+    with pitstop.CheckpointManager(root, policy=pitstop.policy.EveryN(1)) as ckpt:
+        for step in range(1, 4):
+            state["w"] += 1
+            state["progress"]["step"] = step
+            assert ckpt.step(step, state, last=step == 3) == (step < 3)  # the policy: every step
+        state["progress"]["done"] = True  # end-of-training work
+        handle = ckpt.save_final(3, state)
+        assert handle is not None and handle.committed
+        assert ckpt.steps() == [1, 2, 3]
+    assert pitstop.load(root)["progress"] == {"step": 3, "done": True}
+    # a rerun of the finished run restores step 3 and saves nothing again, silently
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(state) == 3
+        assert ckpt.save_final(3, state) is None
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # without last=True the policy took step 3 before the end-of-training work: said so
+    with pitstop.CheckpointManager(str(tmp_path / "b"), policy=pitstop.policy.EveryN(1)) as ckpt:
+        ckpt.step(1, state)
+        state["progress"]["done"] = False
+        assert ckpt.save_final(1, state) is None
+    assert pitstop.load(str(tmp_path / "b"))["progress"]["done"] is True
+    assert any("last=True" in r.getMessage() for r in caplog.records)
 
 
 def test_an_unseeded_script_is_named(tmp_path: Any, capsys: Any) -> None:
@@ -202,7 +308,7 @@ def test_the_kill_waits_for_a_committed_checkpoint(tmp_path: Any) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     log = tmp_path / "log.jsonl"
-    env = dict(os.environ, PITSTOP_CRASHTEST_KILL_STEP="1", PITSTOP_CRASHTEST_LOG=str(log))
+    env = dict(os.environ, PITSTOP_CRASHTEST_KILL_STEP="3", PITSTOP_CRASHTEST_LOG=str(log))
     proc = subprocess.run(
         [sys.executable, str(script), "--dir", str(tmp_path / "ck"), "--every", "5"],
         env=env, capture_output=True, timeout=120,
@@ -210,8 +316,10 @@ def test_the_kill_waits_for_a_committed_checkpoint(tmp_path: Any) -> None:
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     kill = next(r for r in records if r["event"] == "kill")
-    assert kill["step"] >= 5  # not at step 1: nothing had committed before the save of step 5
-    assert pitstop.CheckpointManager(str(tmp_path / "ck")).steps()[0] == 5
+    # the policy (every 5) would not save step 3: crashtest's resume point is saved anyway,
+    # and the kill at the next step waits until that checkpoint has committed
+    assert (kill["step"], kill["resume"]) == (4, 3)
+    assert pitstop.CheckpointManager(str(tmp_path / "ck")).steps() == [3]
 
 
 def test_torchdata_stateful_loader_with_its_own_generator_resumes_exactly(
@@ -240,6 +348,49 @@ def test_torchdata_loader_sharing_its_generator_with_the_sampler_is_named(
     code, out = _crashtest(tmp_path, capsys, "torchdata-shared")
     assert code == 1, out
     assert "the data loader's own state differs (data/" in out
+
+
+def _timeline(
+    saves: list[int], final: int, per_epoch: int | None, trained: int | None = None
+) -> Timeline:
+    def epoch(step: int) -> dict[str, Any]:
+        return {} if per_epoch is None else {"epoch": (step - 1) // per_epoch}
+
+    records = [Record("ref", "save", s, 0, 1, epoch(s)) for s in [*saves, final]]
+    steps = range(saves[0], (trained or final) + 1)
+    records += [Record("ref", "step", s, 0, 1, epoch(s)) for s in steps]
+    return Timeline.of(records, final)
+
+
+def test_resume_points_cover_early_mid_epoch_a_later_epoch_and_the_last_step() -> None:
+    tl = _timeline(list(range(4, 29, 4)), 30, per_epoch=8)  # epochs: 1-8, 9-16, 17-24, 25-30
+    assert tl.starts == [(0, 1), (1, 9), (2, 17), (3, 25)] and tl.label(17) == "epoch 3"
+    for seed in range(30):
+        points = choose(tl, None, random.Random(seed))
+        assert [p.kind for p in points] == ["early", "mid-epoch 1", "epoch 2", "last step"]
+        early, mid, later, last = (p.step for p in points)
+        assert early == 4 and 5 <= mid <= 7 and 9 <= later <= 12 and last == 29
+    assert [p.kind for p in choose(tl, 1, random.Random(0))] == ["epoch 2"]
+    more = choose(tl, 6, random.Random(0))
+    assert len({p.step for p in more}) == 6 and sum(p.kind == "random" for p in more) == 2
+    # the first checkpoint late in the first epoch (a timed policy): both epoch points in the
+    # second epoch, the later-epoch one first
+    tl = _timeline([15], 32, per_epoch=16)
+    for seed in range(30):
+        points = choose(tl, None, random.Random(seed))
+        assert [p.kind for p in points] == ["early", "epoch 2", "mid-epoch 2", "last step"]
+        assert points[0].step == 15 and 17 <= points[1].step < points[2].step <= 31
+    # no epochs known: the middle and the last quarter instead
+    points = choose(_timeline([4, 8], 40, per_epoch=None), None, random.Random(0))
+    assert [p.kind for p in points] == ["early", "middle", "late", "last step"]
+    assert choose(_timeline([4], 5, per_epoch=None), None, random.Random(0)) == [
+        ResumePoint(4, "early")
+    ]
+    # no final save (trained to 30, newest checkpoint 28): the reference's checkpoints only
+    tl = _timeline(list(range(4, 28, 4)), 28, per_epoch=8, trained=30)
+    for seed in range(30):
+        points = choose(tl, None, random.Random(seed))
+        assert all(p.step % 4 == 0 for p in points) and points[-1] == ResumePoint(24, "last step")
 
 
 # ---------------------------------------------------------------------- compare and diff

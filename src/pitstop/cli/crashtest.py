@@ -2,17 +2,20 @@
 
 CMD takes its checkpoint directory on its command line as ``{dir}``. crashtest runs it
 
-1. to completion in a fresh directory (the *reference*);
-2. in a second directory with ``PITSTOP_CRASHTEST_KILL_STEP=k`` set, a random step after
-   the first checkpoint of the reference: the CheckpointManager SIGKILLs the process at the
-   first step ``>= k`` once a checkpoint has committed (``--kills N``: N such runs, each
-   killed at a random step after the newest checkpoint the previous one left);
+1. to completion in a fresh directory (the *reference*), whose log says where it saved and
+   where its epochs begin; from it, resume points (:mod:`~pitstop.cli.crashtest_points`: an
+   early step, a mid-epoch step, a step in a later epoch, the last step; ``--kills N``: N
+   points; ``--kill-at K``: those);
+2. in a second directory once per point ``k``, in order, with ``PITSTOP_CRASHTEST_KILL_STEP=k``
+   set: the CheckpointManager checkpoints step ``k`` (whatever the policy says) and SIGKILLs
+   the process at the next step, once that checkpoint has committed; each run after the
+   first resumes from the checkpoint the previous one was killed after;
 3. again in that directory, without a kill step, until it exits 0 (it resumes);
 
 then compares the newest committed checkpoints of the two directories tensor by tensor and
-value by value. It prints ``identical: yes`` (exit 0), or the first differences with their
-largest absolute difference and the causes it can see in the runs' logs (exit 1). A run
-that fails on its own, or a kill that never comes, is exit 2.
+value by value. It prints the resume points it tested and ``identical: yes`` (exit 0), or the
+first differences with their largest absolute difference and the causes it can see in the
+runs' logs (exit 1). A run that fails on its own, or a first kill that never comes, is exit 2.
 
 Causes are found from ``PITSTOP_CRASHTEST_LOG`` (see :mod:`pitstop.probe`): at each save
 every process logs a digest of each global random generator. The generators at a step of
@@ -22,8 +25,9 @@ drew from them between the two (a DataLoader without ``generator=``, evaluation,
 augmentation in the main process). Equal generators and different tensors point to the
 computation itself (non-deterministic kernels, a different thread count).
 
-Call sequence (the CLI's thread): ``run_crashtest(args)``: ``_Runner.run`` x (1 + kills + up
-to ``--restarts`` reruns) -> ``_load`` x 2 -> ``compare`` -> ``diagnose`` -> print.
+Call sequence (the CLI's thread): ``run_crashtest(args)``: ``_Runner.run`` (the reference)
+-> ``choose`` -> ``_Runner.run`` x (points + up to ``--restarts`` reruns) -> ``_load`` x 2 ->
+``compare`` -> ``diagnose`` -> print.
 """
 
 from __future__ import annotations
@@ -42,7 +46,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pitstop.cli.crashtest_causes import Record, diagnose, read_log, state_causes, unseeded
+from pitstop.cli.crashtest_causes import (
+    Record,
+    diagnose,
+    drawn,
+    final_sites,
+    read_log,
+    state_causes,
+    unseeded,
+)
+from pitstop.cli.crashtest_points import ResumePoint, Timeline, choose, given
 
 if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
@@ -135,59 +148,86 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _pick(rng: random.Random, low: int, high: int) -> int | None:
-    return rng.randint(low, high) if low <= high else None
+@dataclass
+class _Chain:
+    """The runs in the crashed directory: their logs, the points each resume tested (the
+    point, the step the next run restored), pitstop's warnings in their output."""
+
+    logs: list[str]
+    tested: list[tuple[ResumePoint, int]]
+    warnings: dict[str, None]
 
 
 def _crash_runs(
-    runner: _Runner, args: argparse.Namespace, rng: random.Random, crash_dir: str, steps: range
-) -> list[str]:
-    """The killed runs (each at a step of ``steps`` after the newest checkpoint), then the
-    reruns until one exits 0; the log files of all of them. Every run after the first must
-    have restored what the previous one left, or nothing was tested."""
-    logs: list[str] = []
-    warnings: dict[str, None] = {}  # pitstop's warnings in the runs' output, in order, once
-    first, final = steps.start, steps.stop
-    for i in range(args.kills):
+    runner: _Runner, args: argparse.Namespace, crash_dir: str, points: list[ResumePoint],
+    final: int,
+) -> _Chain:  # fmt: skip
+    """One killed run per point (each after the newest checkpoint the previous one left),
+    then reruns until one exits 0. Every run after the first must have restored what the
+    previous one left, or nothing was tested. A run after the first that is not killed (no
+    checkpoint at or after its point before the end) is the one that finishes."""
+    chain = _Chain([], [], {})
+    killed: ResumePoint | None = None
+    for point in points:
         have = _committed_steps(crash_dir)
-        low = max(first, (have[-1] + 1) if have else first)
-        kill = _pick(rng, low, final - 1)
-        if i == 0 and args.kill_at is not None:
-            if not first <= args.kill_at < final:
-                raise CrashtestError(
-                    f"--kill-at {args.kill_at}: the reference checkpointed first at step "
-                    f"{first - 1} and ended at {final}; choose a step from {first} to {final - 1}"
-                )
-            kill = args.kill_at
-        if kill is None:
-            _say(f"kill {i + 1}: no step left between the newest checkpoint and the last step")
-            break
-        log = os.path.join(runner.workdir, f"crashed-{i + 1}.log")
-        logs.append(log)
-        run = runner.run(f"crashed-{i + 1}", crash_dir, log, kill)
+        kill = point.step if not have else max(point.step, have[-1] + 1)
+        if kill >= final:
+            _say(f"{point.kind} (step {point.step}): no step left before the last: not tested")
+            continue
+        log = os.path.join(runner.workdir, f"crashed-{len(chain.logs) + 1}.log")
+        chain.logs.append(log)
+        run = runner.run(f"crashed-{len(chain.logs)}", crash_dir, log, kill)
         records = read_log(log, "")
-        kills = [r.step for r in records if r.event == "kill"]
-        if not kills:  # the probe did not kill it: it ended, or something else did
-            raise CrashtestError(_not_killed(i + 1, kill, run))
-        _check_restored(f"crashed run {i + 1}", records, resumed=i > 0)
-        warnings.update(_warnings(run.output))
-        newest = _committed_steps(crash_dir)
+        chain.warnings.update(_warnings(run.output))
+        resumed = _resumed(chain, killed, records, f"crashed run {len(chain.logs)}")
+        kills = [r for r in records if r.event == "kill"]
+        if not kills and (killed is None or run.returncode != 0):
+            raise CrashtestError(_not_killed(len(chain.logs), kill, run))  # it ended, or died
+        if not kills:
+            _say(
+                f"crashed run {len(chain.logs)}{resumed}: no checkpoint at or after step {kill} "
+                f"before the end: it ran to the end ({run.secs:.1f} s)"
+            )
+            return chain
+        killed = point
         _say(
-            f"crashed run {i + 1}: SIGKILL at step {min(kills)} ({run.secs:.1f} s); newest "
-            f"committed checkpoint: {newest[-1] if newest else 'none'}"
+            f"crashed run {len(chain.logs)} ({point.kind}){resumed}: the checkpoint of step "
+            f"{kills[0].data.get('resume', '?')} committed, SIGKILL at step {kills[0].step} "
+            f"({run.secs:.1f} s)"
         )
-    if not logs:
+    if killed is None:
         raise CrashtestError("no run was killed: nothing was tested")
+    _resumed_runs(runner, args, crash_dir, chain, killed)
+    return chain
+
+
+def _resumed_runs(
+    runner: _Runner, args: argparse.Namespace, crash_dir: str, chain: _Chain,
+    killed: ResumePoint,
+) -> None:  # fmt: skip
+    """The runs after the last kill, until one exits 0."""
     for attempt in range(1 + args.restarts):
         log = os.path.join(runner.workdir, f"resumed-{attempt + 1}.log")
-        logs.append(log)
+        chain.logs.append(log)
         run = runner.run(f"resumed-{attempt + 1}", crash_dir, log, None)
+        chain.warnings.update(_warnings(run.output))
         if run.returncode == 0:
-            _check_restored("the resumed run", read_log(log, ""), resumed=True)
-            _say(f"resumed run: exit 0 ({run.secs:.1f} s)")
-            return logs
+            resumed = _resumed(chain, killed, read_log(log, ""), "the resumed run")
+            _say(f"resumed run{resumed}: exit 0 ({run.secs:.1f} s)")
+            return
         _say(f"resumed run {attempt + 1}: {_exit(run.returncode)}\n{_tail(run.output)}")
     raise CrashtestError(f"the resumed run did not exit 0 in {1 + args.restarts} attempts")
+
+
+def _resumed(chain: _Chain, killed: ResumePoint | None, records: list[Record], label: str) -> str:
+    """A run after a kill must have restored a checkpoint (else the resume was not tested):
+    the step it restored is the one the killed point tested. Text for the run's line."""
+    if killed is None:
+        return ""
+    _check_restored(label, records, resumed=True)
+    step = min((r for r in records if r.event == "restore"), key=lambda r: r.rank).step
+    chain.tested.append((killed, step))
+    return f", resumed from step {step}"
 
 
 _WARNED = re.compile(r"^\[rank \d+\] [a-z-]+: |\bpitstop\b.*\bWARNING\b")
@@ -213,15 +253,19 @@ def _exit(code: int) -> str:
 def _not_killed(run_no: int, kill: int, run: _Run) -> str:
     if run.returncode == 0:
         why = (
-            "finished without being killed: does the script call ckpt.step() (or "
-            "ckpt.reached(step) once per step) and commit a checkpoint before its last step?"
+            "finished without being killed: does the script call ckpt.step() once per step "
+            "(or, if it saves with save()/async_save() itself, ckpt.reached(step), and "
+            f"save a checkpoint at or after step {kill} before its last step)?"
         )
     else:
         why = (
             f"ended ({_exit(run.returncode)}) before crashtest killed it: it failed by itself "
             "(out of memory, a crash, a signal from elsewhere?)"
         )
-    return f"run {run_no} was to be killed at step {kill} but {why}\n{_tail(run.output)}"
+    return (
+        f"run {run_no} was to be killed after its checkpoint of step {kill} but {why}\n"
+        f"{_tail(run.output)}"
+    )
 
 
 def _check_restored(label: str, records: list[Record], *, resumed: bool) -> None:
@@ -289,15 +333,55 @@ def _workdir(given: str | None) -> str:
 def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     runner = _Runner(cmd, workdir, args.timeout)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    rng = random.Random(seed)
     ref_dir, crash_dir = os.path.join(workdir, "reference"), os.path.join(workdir, "crashed")
-    ref_log = os.path.join(workdir, "reference.log")
     _say(f"crashtest seed {seed}: {' '.join(cmd)}")
+    ref_records, final, warned = _reference(runner, ref_dir, os.path.join(workdir, "reference.log"))
+    tl = Timeline.of(ref_records, final)
+    outside = [k for k in args.kill_at or () if k >= final]
+    if outside:
+        raise CrashtestError(
+            f"--kill-at {outside[0]}: the reference run's final checkpoint is of step {final}; "
+            f"choose steps from 1 to {final - 1}"
+        )
+    points = (
+        given(tl, args.kill_at) if args.kill_at else choose(tl, args.kills, random.Random(seed))
+    )
+    _say("resume points: " + ", ".join(f"step {p.step} ({p.kind})" for p in points))
+    chain = _crash_runs(runner, args, crash_dir, points, final)
+    crash_records = [r for i, log in enumerate(chain.logs) for r in read_log(log, f"run{i}")]
+    skip = unseeded(ref_records, read_log(chain.logs[0], "run0"))
+    used = drawn(ref_records + crash_records)
+    ignore = list(args.ignore or ()) + _unseeded_note(ref_records, skip, used)
+    from pitstop.cli.compare import compare  # torch: only once the runs are done
+
+    (step_a, a, ranks), (step_b, b, _) = (
+        _load(ref_dir, args.allow_pickle),
+        _load(crash_dir, args.allow_pickle),
+    )
+    if ranks > 1:
+        _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
+    for line in {**warned, **chain.warnings}:
+        _say(f"pitstop warned in a run: {line}")
+    _say("resume points tested: " + ", ".join(_tested(tl, p, step) for p, step in chain.tested))
+    diffs = compare(a, b, ignore=ignore)
+    site = final_sites(ref_records, crash_records, step_b) if step_a == step_b else None
+    causes = (
+        ([site] if site else [])
+        + state_causes(diffs, position=site is None)
+        + diagnose(ref_records, crash_records, skip, used, {step_b} if site else set())
+    )
+    return _report(step_a, step_b, a, diffs, causes, args)
+
+
+def _reference(
+    runner: _Runner, ref_dir: str, ref_log: str
+) -> tuple[list[Record], int, dict[str, None]]:
+    """Run the reference: its log records, its final (newest committed) step, its warnings."""
     run = runner.run("reference", ref_dir, ref_log, None)
     if run.returncode != 0:
         raise CrashtestError(f"the reference run exited {run.returncode}\n{_tail(run.output)}")
-    ref_records = read_log(ref_log, "reference")
-    saves = sorted({r.step for r in ref_records if r.event == "save"})
+    records = read_log(ref_log, "reference")
+    saves = sorted({r.step for r in records if r.event == "save"})
     committed = _committed_steps(ref_dir)
     final = committed[-1] if committed else None
     if final is None or not saves:
@@ -307,39 +391,44 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
         )
     if saves[0] >= final:
         raise CrashtestError(
-            f"the reference run checkpointed first at its last step ({final}): there is no step "
-            "to kill at after a checkpoint; checkpoint more often or train longer"
+            f"the reference run checkpointed first at its last step ({final}): there is no "
+            "checkpoint to resume from before the end; checkpoint more often or train longer"
         )
-    _say(f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves")
-    trained = max((r.step for r in ref_records if r.event == "end"), default=final)
+    epochs = len({r.data["epoch"] for r in records if type(r.data.get("epoch")) is int})
+    _say(
+        f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves"
+        + (f", {epochs} epochs" if epochs > 1 else "")
+    )
+    trained = max((r.step for r in records if r.event == "end"), default=final)
     if trained > final:
         _say(
             f"note: the reference trained to step {trained} but its newest checkpoint is of step "
             f"{final}: what came after is not compared (save the final state at the end)"
         )
-    logs = _crash_runs(runner, args, rng, crash_dir, range(saves[0] + 1, final))
-    crash_records = [r for i, log in enumerate(logs) for r in read_log(log, f"run{i}")]
-    skip = unseeded(ref_records, read_log(logs[0], "run0"))
-    ignore = list(args.ignore or ())
-    rng_keys = sorted({k for r in ref_records for k in r.data.get("rng_keys", [])})
-    names = [f"{k}/{g}" for k in rng_keys for g in sorted(skip - {"torch"})]
-    if names:
-        ignore += names + [f"rank*/{n}" for n in names]  # the per-rank states of a job
-        _say(
-            f"not compared: {', '.join(names)} (the script does not seed "
-            f"{' and '.join(sorted(skip - {'torch'}))}: they differ between any two runs)"
-        )
-    from pitstop.cli.compare import compare  # torch: only once the runs are done
+    return records, final, _warnings(run.output)
 
-    (step_a, a, ranks), (step_b, b, _) = (
-        _load(ref_dir, args.allow_pickle),
-        _load(crash_dir, args.allow_pickle),
+
+def _unseeded_note(ref: list[Record], skip: set[str], used: set[str]) -> list[str]:
+    """The keys of generators the script does not seed (not compared), said once."""
+    rng_keys = sorted({k for r in ref for k in r.data.get("rng_keys", [])})
+    gens = sorted(skip - {"torch"})
+    names = [f"{k}/{g}" for k in rng_keys for g in gens]
+    if not names:
+        return []
+    drawn_from = [g for g in gens if g in used]
+    why = (
+        f"unseeded, and the script draws from {' and '.join(drawn_from)}"
+        if drawn_from
+        else "unseeded, and nothing in the runs draws from them"
     )
-    if ranks > 1:
-        _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
-    diffs = compare(a, b, ignore=ignore)
-    causes = state_causes(diffs) + diagnose(ref_records, crash_records, skip)
-    return _report(step_a, step_b, a, diffs, causes, args)
+    _say(f"not compared: {', '.join(names)} ({why}: they differ between any two runs)")
+    return names + [f"rank*/{n}" for n in names]  # the per-rank states of a job
+
+
+def _tested(tl: Timeline, point: ResumePoint, step: int) -> str:
+    epoch = tl.label(step)
+    where = point.kind if not epoch or epoch in point.kind else f"{point.kind}, {epoch}"
+    return f"step {step} ({where})"
 
 
 def _report(
@@ -383,9 +472,12 @@ def _at_least(low: float, kind: type = int) -> Any:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command; {dir} is replaced")
-    p.add_argument("--kills", type=_at_least(1), default=1, help="kill this many times (default 1)")
-    p.add_argument("--seed", type=int, help="seed of the random kill steps (default: random)")
-    p.add_argument("--kill-at", type=_at_least(1), help="the first kill's step (default: random)")
+    p.add_argument("--kills", type=_at_least(1),
+                   help="resume points (default 4: early, mid-epoch, a later epoch, the last "
+                        "step, chosen from the reference run)")  # fmt: skip
+    p.add_argument("--seed", type=int, help="seed of the steps chosen (default: random)")
+    p.add_argument("--kill-at", type=_at_least(1), action="append", metavar="STEP",
+                   help="resume from this step (repeatable; instead of chosen points)")  # fmt: skip
     p.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the runs' directories and output")
     p.add_argument("--timeout", type=_at_least(1, float), default=900.0,

@@ -1,14 +1,19 @@
 """Why a crashtest's two runs ended differently: the runs' logs, read back and diagnosed.
 
-Every process crashtest runs appends one JSON line per save and per restore (see
-:mod:`pitstop.probe`). From them :func:`unseeded` finds the generators the script does not
-seed, and :func:`diagnose` names the causes it can see: no ``RNGState`` in the state, loaders
-without a generator of their own, generators drawn outside the state after an exact restore,
-a restore that did not put them back, settings that changed between runs, or (when the
-generators agree) the computation itself. :func:`state_causes` reads the differences.
+Every process crashtest runs appends one JSON line per event (start, save, restore, epoch,
+kill, end; see :mod:`pitstop.probe`). From them :func:`unseeded` finds the generators the
+script does not seed, :func:`drawn` those that something in the runs draws from (evidence,
+not a guess: a digest that changes within one process), :func:`final_sites` whether the
+compared checkpoint was taken at the same place of the script in both runs, and
+:func:`diagnose` names the causes it can see: no ``RNGState`` in the state, loaders without a
+generator of their own, generators drawn outside the state after an exact restore, a
+restore that did not put them back, settings that changed between runs, unseeded generators
+the script draws from, or (when the generators agree) the computation itself.
+:func:`state_causes` reads the differences.
 
 Call sequence (the CLI's thread, after the runs): ``read_log`` per log file ->
-``unseeded(reference, first crashed run)`` -> ``state_causes(diffs)`` + ``diagnose(...)``.
+``unseeded(reference, first crashed run)``, ``drawn(all records)`` -> ``final_sites`` ->
+``state_causes(diffs)`` + ``diagnose(...)``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
 
-__all__ = ["Record", "diagnose", "read_log", "state_causes", "unseeded"]
+__all__ = ["Record", "diagnose", "drawn", "final_sites", "read_log", "state_causes", "unseeded"]
 
 
 @dataclass
@@ -66,10 +71,69 @@ def unseeded(ref: list[Record], fresh: list[Record]) -> set[str]:
     return set()
 
 
-def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[str]:
+_SEED = {"python": "random.seed", "numpy": "numpy.random.seed"}
+
+
+def drawn(records: list[Record]) -> set[str]:
+    """The generators that something in the runs draws from: the evidence is a digest that
+    changes between two records of one process (but for a restore, which sets them)."""
+    last: dict[tuple[str, int, int], dict[str, Any]] = {}
+    used: set[str] = set()
+    for r in records:
+        gens = r.data.get("generators")
+        if not gens:
+            continue
+        before = last.get((r.run, r.pid, r.rank))
+        if before is not None and r.event != "restore":
+            used |= {k for k, v in gens.items() if k in before and before[k] != v}
+        last[(r.run, r.pid, r.rank)] = gens
+    return used
+
+
+def final_sites(ref: list[Record], crashed: list[Record], step: int) -> str | None:
+    """The cause when the checkpoint of ``step`` (the one compared) was taken at different
+    places of the script in the two runs (the policy's save in the loop in one, the save
+    after the loop in the other): what runs between the two places is in one checkpoint and
+    not in the other. None when the places agree, or are not known."""
+    a, b = _last_save(ref, step), _last_save(crashed, step)
+    if a is None or b is None or _where(a) == _where(b):
+        return None
+    return (
+        f"the checkpoint of step {step} was taken at different places in the two runs: "
+        f"{_where(a)} in the reference, {_where(b)} in the resumed run, so what the script did "
+        "in between (evaluation, scheduler.step() after the last step) is in one and not the "
+        "other. A policy that decides by time saves the last step in some runs only: pass "
+        "last=True to ckpt.step() at the last step and save the final state after the "
+        "end-of-training work with ckpt.save_final(step, state)"
+    )
+
+
+def _last_save(records: list[Record], step: int) -> Record | None:
+    saves = [r for r in records if r.event == "save" and r.step == step]
+    return min(saves[::-1], key=lambda r: r.rank) if saves else None  # the last one, rank 0
+
+
+def _where(r: Record) -> str:
+    via, site = r.data.get("via"), r.data.get("site")
+    call = "by the policy in ckpt.step()" if via == "step" else f"by {via or 'a save'}()"
+    return f"{call} at {os.path.basename(site)}" if site else call
+
+
+def diagnose(
+    ref: list[Record],
+    crashed: list[Record],
+    skip: set[str],
+    used: set[str] | None = None,
+    exclude: set[int] | None = None,
+) -> list[str]:
     """The causes of a difference that the runs' logs show (see the module docstring);
-    generators in ``skip`` (unseeded ones) are left out of the comparison of digests."""
+    generators in ``skip`` (unseeded ones) are left out of the comparison of digests and
+    named when they are in ``used`` (see :func:`drawn`); saves of the steps in ``exclude``
+    (taken at different places of the script) are not compared."""
     causes: list[str] = []
+    exclude = exclude or set()
+    ref = [r for r in ref if not (r.event == "save" and r.step in exclude)]
+    crashed = [r for r in crashed if not (r.event == "save" and r.step in exclude)]
     saves = [r for r in ref if r.event == "save"]
     ref_saves = {(r.step, r.rank): _seeded(r.data, skip) for r in saves}
     if "torch" in skip:
@@ -88,20 +152,24 @@ def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[s
             f"loaders in the state without their own generator: {', '.join(loaders)} "
             "(DataLoader(..., generator=torch.Generator().manual_seed(seed)))"
         )
-    drift = _generator_drift(ref_saves, crashed, skip)
+    marks = {(r.step, r.rank): _seeded(r.data, skip) for r in ref if r.event in _MARKS}
+    starts = {r.step for r in ref if r.event == "step" and r.data.get("epoch_start")}
+    drift = _generator_drift(marks, crashed, skip, starts)
     for found in (drift, _settings(ref_saves, crashed)):
         if found:
             causes.append(found)
-    if skip - {"torch"}:
-        names = " and ".join(sorted(skip - {"torch"}))
+    named = sorted((skip - {"torch"}) & (used or set()))
+    if named:
         causes.append(
-            f"the script does not seed {names}: if anything draws from them (augmentation in "
-            "the main process, random.shuffle), two runs differ; seed them at the start "
-            "(random.seed, numpy.random.seed)"
+            f"the script does not seed {' and '.join(named)} and draws from "
+            f"{'it' if len(named) == 1 else 'them'} (in the main process, e.g. augmentation, "
+            "random.shuffle): two runs differ; seed at the start ("
+            + ", ".join(_SEED.get(n, "torch.manual_seed") for n in named)
+            + ")"
         )
     if not causes:
         causes.append(
-            "the global random generators agree with the reference at every save after the "
+            "the global random generators agree with the reference at every step after the "
             "resume, so the computation itself differs: non-deterministic kernels "
             "(torch.use_deterministic_algorithms(True)), or training state kept outside the "
             "checkpoint (a counter, a schedule, a cache)"
@@ -109,9 +177,10 @@ def diagnose(ref: list[Record], crashed: list[Record], skip: set[str]) -> list[s
     return causes
 
 
-def state_causes(diffs: list[Difference]) -> list[str]:
+def state_causes(diffs: list[Difference], *, position: bool = True) -> list[str]:
     """Causes that the differing keys themselves show: a different number of optimizer steps,
-    a different data position, a torchdata loader whose order does not resume."""
+    a different data position (unless ``position`` is False: the checkpoints were taken at
+    different places, which explains it), a torchdata loader whose order does not resume."""
     causes = []
     steps = [d for d in diffs if d.key.endswith("/step") and "state" in d.key]
     if steps:
@@ -121,7 +190,7 @@ def state_causes(diffs: list[Difference]) -> list[str]:
             "a step or epoch counter, or a loop bound, kept outside the state?"
         )
     torchdata = [d.key for d in diffs if "_sampler_iter_state" in d.key or "_num_yielded" in d.key]
-    position = [d.key for d in diffs if "sampler" in d.key and d.key not in torchdata]
+    where = [d.key for d in diffs if "sampler" in d.key and d.key not in torchdata]
     if torchdata:
         causes.append(
             f"the data loader's own state differs ({torchdata[0]}): batches after the resume do "
@@ -130,9 +199,9 @@ def state_causes(diffs: list[Difference]) -> list[str]:
             "the loader's: StatefulDataLoader(ds, sampler=RandomSampler(ds, generator="
             "torch.Generator().manual_seed(s)), generator=torch.Generator().manual_seed(s + 1))"
         )
-    elif position and not steps:
+    elif position and not steps and where:
         causes.append(
-            f"the data position differs ({position[0]}): the runs consumed different batches"
+            f"the data position differs ({where[0]}): the runs consumed different batches"
         )
     return causes
 
@@ -142,18 +211,30 @@ def _seeded(data: dict[str, Any], skip: set[str]) -> dict[str, Any]:
     return dict(data, generators={k: v for k, v in gens.items() if k not in skip})
 
 
+_MARKS = ("save", "step")  # records whose generators are compared with the reference's
+
+
 def _generator_drift(
-    ref_saves: dict[tuple[int, int], dict[str, Any]], crashed: list[Record], skip: set[str]
+    marks: dict[tuple[int, int], dict[str, Any]],
+    crashed: list[Record],
+    skip: set[str],
+    starts: set[int],
 ) -> str | None:
-    """The first place, in run order, where the crashed runs' generators leave the reference's:
-    a restore that does not put them back where the checkpoint's writer saved them, or a save
-    of a process that restored exactly and then drew outside the state."""
+    """The first place, in run order, where the crashed runs' generators leave the reference's
+    (``marks``: its generators at each save and step): a restore that does not put them back
+    where the checkpoint's writer saved them, or, in a process that restored exactly, the
+    first step at which they differ from the reference's (something outside the state drew;
+    ``starts``: the steps that begin an epoch, where the work between epochs is the suspect)."""
     written: dict[tuple[int, int], dict[str, Any]] = {}  # what each checkpoint was saved with
     restored: dict[tuple[int, int], Record] = {}  # (pid, rank) -> its restore
+    agreed: dict[tuple[int, int], int] = {}  # (pid, rank) -> the last step that agreed
     for r in crashed:
+        if r.event != "restore" and r.event not in _MARKS:
+            continue
         got = _seeded(r.data, skip)["generators"]
+        proc = (r.pid, r.rank)
         if r.event == "restore":
-            restored[(r.pid, r.rank)] = r
+            restored[proc] = r
             want = written.get((r.step, r.rank))
             if want is not None and got != want:
                 return (
@@ -161,20 +242,37 @@ def _generator_drift(
                     f"({_differing(got, want)}) are not where they were when it was saved: the "
                     "state does not restore them (add pitstop.RNGState() to the state)"
                 )
-        elif r.event == "save":
+            continue
+        if r.event == "save":
             written[(r.step, r.rank)] = got
-            ref = ref_saves.get((r.step, r.rank))
-            back = restored.get((r.pid, r.rank))
-            if ref is not None and back is not None and got != ref["generators"]:
-                return (
-                    f"the global random generators ({_differing(got, ref['generators'])}) were "
-                    f"drawn outside the saved state: restored exactly at step {back.step}, they "
-                    f"differ from the reference at step {r.step} (rank {r.rank}); typical: a "
-                    "DataLoader without generator= (evaluation loaders draw a seed at every "
-                    "iter(), with persistent workers only at the first), evaluation or "
-                    "augmentation in the main process drawing a different amount after a resume"
-                )
+        ref, back = marks.get((r.step, r.rank)), restored.get(proc)
+        if ref is None or back is None:
+            continue
+        if got == ref["generators"]:
+            agreed[proc] = r.step
+            continue
+        differing = _differing(got, ref["generators"])
+        return _drawn_outside(back.step, r, agreed.get(proc), differing, r.step in starts)
     return None
+
+
+def _drawn_outside(
+    restored: int, at: Record, agreed: int | None, names: str, epoch_start: bool
+) -> str:
+    since = f"they agree with the reference up to step {agreed} and " if agreed else "they "
+    between = (
+        f" (step {at.step} begins an epoch: the work between two epochs, such as an "
+        "evaluation, drew from them)"
+        if agreed == at.step - 1 and epoch_start
+        else ""
+    )
+    return (
+        f"the global random generators ({names}) were drawn outside the saved state: restored "
+        f"exactly at step {restored}, {since}differ from step {at.step} on (rank {at.rank})"
+        f"{between}; typical: a DataLoader without generator= (evaluation loaders draw a seed "
+        "at every iter(), with persistent workers only at the first), evaluation or "
+        "augmentation in the main process drawing a different amount after a resume"
+    )
 
 
 def _differing(a: dict[str, Any], b: dict[str, Any]) -> str:
