@@ -18,6 +18,7 @@ gather per step on pitstop's own gloo group), and a signal on any rank makes all
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import signal
 import time
@@ -29,6 +30,7 @@ from pitstop.engine.handle import SaveHandle
 from pitstop.errors import CheckpointExistsError
 from pitstop.log import get_logger
 from pitstop.policy import CheckpointPolicy, PolicyContext
+from pitstop.policy.fixed import explain
 from pitstop.profiler import Profiler, ProfileStats
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["LoopDriver", "StepResult"]
 
 _log = get_logger("pitstop")
+
+_QUIET_STEPS, _QUIET_SECS = 100, 60.0  # a stretch without a checkpoint worth a warning
 
 
 class StepResult(enum.IntEnum):
@@ -72,6 +76,7 @@ class LoopDriver:
         self.step_seen = 0
         self.exit_code: int | None = 0
         self._signals: dict[int, Any] = {}
+        self._quiet = (_QUIET_STEPS, _QUIET_SECS)  # the next stretch to warn about
 
     # ------------------------------------------------------------------ per iteration
     def step(
@@ -99,7 +104,10 @@ class LoopDriver:
         if not decide and not self.saver.reserving:
             self.saver.reserve_async(state)  # the arena fills in while training goes on
         result = StepResult.SKIPPED
+        if not decide:
+            self._say_unprotected(ctx)
         if decide:
+            self._quiet = (_QUIET_STEPS, _QUIET_SECS)
             t0 = time.perf_counter()
             metrics = {"loss": float(loss)} if loss is not None else None
             self.profiler.save_started()
@@ -150,6 +158,20 @@ class LoopDriver:
             **extra,
         )
 
+    def _say_unprotected(self, ctx: PolicyContext) -> None:
+        """Warn once the work a failure would lose passes a stretch (both steps and seconds),
+        then again each time both doubled: a policy that waits long says so, and why."""
+        steps, secs = self._quiet
+        if ctx.steps_since_checkpoint < steps or ctx.secs_since_checkpoint < secs:
+            return
+        self._quiet = (2 * steps, 2 * secs)
+        _log.warning(
+            "no checkpoint for %d steps (%.0f s of training): %s; a failure now loses that "
+            "much work (ckpt.stats() shows it; EveryN or Every bound it)",
+            ctx.steps_since_checkpoint, ctx.secs_since_checkpoint, explain(self.policy, ctx),
+            phase="plan",
+        )  # fmt: skip
+
     def _refused(self, step: int, error: Exception) -> None:
         self.profiler.refused_saves += 1
         _log.warning(
@@ -183,7 +205,14 @@ class LoopDriver:
         interval = getattr(self.policy, "interval", None) or getattr(
             self.policy, "interval_secs", None
         )
-        return self.profiler.snapshot(interval=interval)
+        now = time.perf_counter()
+        ctx = self._context(self.step_seen, now)
+        return dataclasses.replace(
+            self.profiler.snapshot(interval=interval),
+            steps_since_checkpoint=ctx.steps_since_checkpoint,
+            secs_since_checkpoint=ctx.secs_since_checkpoint if self.started else 0.0,
+            policy_reason=explain(self.policy, ctx),
+        )
 
     # ------------------------------------------------------------------ signals
     def save_on_signal(self, signals: tuple[int, ...], exit_code: int | None) -> None:

@@ -54,6 +54,13 @@ class ProfileStats:
     """Training time one checkpoint costs, measured in pairs (median of the last few)."""
     checkpoint_cost_step: int | None = None
     """The step at which the newest paired measurement ended."""
+    steps_since_checkpoint: int = 0
+    """Steps since the newest checkpoint started (or since training started): what a failure
+    now would lose."""
+    secs_since_checkpoint: float = 0.0
+    """The same in seconds."""
+    policy_reason: str | None = None
+    """What the schedule policy says of its interval now (why no checkpoint came sooner)."""
 
 
 _BEFORE = 5  # quiet iterations just before a save: the baseline of its paired measurement

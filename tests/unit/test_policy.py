@@ -425,3 +425,43 @@ def test_a_pair_across_which_the_machine_changed_speed_is_dropped() -> None:
 
     assert pair(0.3, 0.4, 0.3) == pytest.approx(0.01 + 3 * 0.1)  # the checkpoint's cost
     assert pair(0.3, 1.0, 1.0) is None  # a neighbour started: not the checkpoint's doing
+
+
+class _Clock:
+    """Stands in for the loop driver's ``time`` module: one second per ``tick``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_long_stretch_without_a_checkpoint_is_said_in_stats_and_the_log(
+    root: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import pitstop.loop as loop_mod
+
+    clock = _Clock()
+    monkeypatch.setattr(loop_mod, "time", clock)
+    state = {"w": torch.zeros(4)}
+    caplog.set_level("WARNING", logger="pitstop")
+    with pitstop.CheckpointManager(root, policy=EveryN(1000)) as ckpt:
+        for step in range(1, 251):
+            clock.now += 1.0
+            ckpt.step(step, state)
+        stats = ckpt.stats()
+    assert stats.steps_since_checkpoint == 250 and stats.secs_since_checkpoint == 249.0
+    assert stats.policy_reason is not None and "every 1000 steps" in stats.policy_reason
+    said = [r.getMessage() for r in caplog.records if "no checkpoint for" in r.getMessage()]
+    assert len(said) == 2, said  # at 100 steps / 100 s, again when both doubled
+    assert "every 1000 steps" in said[0] and "a failure now loses" in said[0]
+
+
+def test_checkfreq_explains_its_interval() -> None:
+    p = CheckFreq(max_overhead=0.02)
+    assert "warming up" in p.explain(ctx(iter_secs=None, stall_secs=None, persist_secs=None))
+    c = ctx(iter_secs=0.1, stall_secs=0.5, persist_secs=1.0, slowdown_secs=0.0)
+    p.decide(c)
+    why = p.explain(c)
+    assert f"every {p.interval} steps" in why and "2%" in why and "0.5" in why, why

@@ -105,6 +105,23 @@ class CheckFreq(Schedule):
         self.interval, self.cost_secs = k, cost
         return ctx.steps_since_checkpoint >= k
 
+    def explain(self, ctx: PolicyContext) -> str:
+        """Why the interval is what it is (``ckpt.stats().policy_reason``, the loop's warning)."""
+        name = f"CheckFreq({self.max_overhead:.0%})"
+        if not ctx.measured or self.interval is None:
+            return f"{name} is warming up: no checkpoint until iterations and one save are timed"
+        it = _finite(ctx.iter_secs)
+        budget = f"{self.max_overhead:.0%} overhead budget"
+        why = (
+            f"{name} checkpoints every {self.interval} steps: one checkpoint costs "
+            f"{self.cost_secs or 0.0:.3g} s of training (stall {_finite(ctx.stall_secs):.3g} s "
+            f"+ slowdown) against {it:.3g} s per step, and more often would exceed the {budget}"
+        )
+        persist = _finite(ctx.persist_secs)
+        if persist > 0 and it > 0 and _ceil(persist / it) + 1 >= self.interval:
+            why += f"; a write takes {persist:.3g} s, and the next waits for it"
+        return why
+
 
 _MAX_INTERVAL = 10**9
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pitstop.policy.base import CheckpointPolicy, PolicyContext, Schedule
 
-__all__ = ["AnyPolicy", "Every", "EveryEpoch", "EveryN"]
+__all__ = ["AnyPolicy", "Every", "EveryEpoch", "EveryN", "explain"]
 
 
 @dataclass
@@ -22,6 +22,9 @@ class EveryN(Schedule):
     def decide(self, ctx: PolicyContext) -> bool:
         return ctx.steps_since_checkpoint >= self.n
 
+    def explain(self, ctx: PolicyContext) -> str:
+        return f"EveryN({self.n}) checkpoints every {self.n} steps"
+
 
 @dataclass
 class EveryEpoch(Schedule):
@@ -29,6 +32,9 @@ class EveryEpoch(Schedule):
 
     def decide(self, ctx: PolicyContext) -> bool:
         return ctx.epoch_end
+
+    def explain(self, ctx: PolicyContext) -> str:
+        return "EveryEpoch() checkpoints at the end of every epoch (step(..., epoch_end=True))"
 
 
 @dataclass
@@ -43,6 +49,9 @@ class Every(Schedule):
 
     def decide(self, ctx: PolicyContext) -> bool:
         return ctx.secs_since_checkpoint >= self.secs
+
+    def explain(self, ctx: PolicyContext) -> str:
+        return f"Every(secs={self.secs:g}) checkpoints every {self.secs:g} s of training"
 
 
 @dataclass(init=False)
@@ -68,3 +77,12 @@ class AnyPolicy(Schedule):
     def decide(self, ctx: PolicyContext) -> bool:
         votes = [p.decide(ctx) for p in self.policies]  # every policy updates its state
         return any(votes)
+
+    def explain(self, ctx: PolicyContext) -> str:
+        return "; or ".join(explain(p, ctx) for p in self.policies)
+
+
+def explain(policy: CheckpointPolicy, ctx: PolicyContext) -> str:
+    """What ``policy`` says of its schedule now (its ``explain(ctx)``, if it has one)."""
+    fn = getattr(policy, "explain", None)
+    return str(fn(ctx)) if callable(fn) else f"{policy!r} decides"

@@ -200,6 +200,14 @@ class ValueAware(Schedule):
         tau = daly_optimum(cost, effective_mtbf) if cost < 2 * effective_mtbf else effective_mtbf
         return min(max(tau, tau_min), tau_max)
 
+    def explain(self, ctx: PolicyContext) -> str:
+        if self.interval_secs is None:
+            return "ValueAware waits for a measured checkpoint cost"
+        return (
+            f"ValueAware checkpoints every {self.interval_secs:.3g} s of training now: sparser "
+            "as the fitted loss curve flattens (progress is worth less), never past its bound"
+        )
+
     def decide(self, ctx: PolicyContext) -> bool:
         if ctx.loss is not None:
             self.observe(ctx.elapsed_secs, ctx.loss)

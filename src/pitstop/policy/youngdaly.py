@@ -46,6 +46,14 @@ class YoungDaly(Schedule):
         self._memo = (cost_secs, tau)
         return tau
 
+    def explain(self, ctx: PolicyContext) -> str:
+        if self.interval_secs is None:
+            return f"YoungDaly(mtbf={self.mtbf_secs:g} s) waits for a measured checkpoint cost"
+        return (
+            f"YoungDaly(mtbf={self.mtbf_secs:g} s) checkpoints every {self.interval_secs:.3g} s "
+            "of training: the interval that loses least to checkpoints and failures together"
+        )
+
     def decide(self, ctx: PolicyContext) -> bool:
         if not ctx.measured:
             return ctx.checkpoints == 0 and ctx.step >= self.warmup
