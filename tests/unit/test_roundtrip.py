@@ -230,3 +230,28 @@ def test_keys_that_look_alike_do_not_collide(root: str) -> None:
     }
     pitstop.load(root, live)
     assert live["extra"][1].tolist() == [0.0, 0.0] and live["extra"]["1"].tolist() == [1.0, 1.0]
+
+
+def test_a_resume_at_an_epochs_end_steps_the_scheduler_without_torchs_warning(root: str) -> None:
+    import warnings
+
+    def fresh() -> dict[str, object]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return {
+            "model": model,
+            "optimizer": opt,
+            "scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
+        }
+
+    state = fresh()
+    state["model"](torch.ones(2, 4)).sum().backward()
+    state["optimizer"].step()  # the epoch's last batch; the checkpoint; then a kill
+    pitstop.save(root, state, step=1)
+    resumed = fresh()
+    pitstop.load(root, resumed)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        resumed["scheduler"].step()  # the epoch's end, as the uninterrupted run does it
+    assert not [w for w in seen if "lr_scheduler.step()" in str(w.message)], seen

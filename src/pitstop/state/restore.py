@@ -326,6 +326,10 @@ class _Restorer:
         if not isinstance(live, torch.nn.Module):
             live.load_state_dict(builder.build(state, key, skey))
             self.touched = True
+            if isinstance(live, torch.optim.Optimizer) and live.state:
+                # it stepped before the checkpoint: an LR scheduler stepped next (a resume at
+                # an epoch's end) must not warn "lr_scheduler.step() before optimizer.step()"
+                live._opt_called = True  # type: ignore[attr-defined]
             return
         sd: Any = collections.OrderedDict()
         for live_key, path, spath, child in self.pairings[id(state)]:
