@@ -97,7 +97,7 @@ def run_trial(index: int, workdir: str, seed: int) -> Trial:
             with open(root + ".digests") as f:
                 recorded = dict(line.split() for line in f.read().splitlines() if " " in line)
         ckpt = pitstop.CheckpointManager(root)
-        storage = ckpt.storage
+        storage = ckpt.hooks.storage
         steps = ckpt.steps()
         trial.committed = steps[-1] if steps else None
         fresh = state_for(10**6)

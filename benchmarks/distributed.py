@@ -169,7 +169,12 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     # pitstop: one reused manager per mode; the warm-up save (step 0) stays as restore source.
     dirs = {m: os.path.join(base, f"pitstop-{m}") for m in MODES}
     managers = {
-        m: pitstop.CheckpointManager(dirs[m], replicated=m, dist_timeout_secs=cfg["dist_timeout"])
+        m: pitstop.CheckpointManager(
+            dirs[m],
+            options=pitstop.SaveOptions.from_env(
+                replicated=m, dist_timeout_secs=cfg["dist_timeout"]
+            ),
+        )
         for m in MODES
     }
     keep: dict[str, set[str]] = {}

@@ -380,7 +380,7 @@ def lightning_section(args: argparse.Namespace, root: str, cache: PageCache) -> 
         # for here, outside the timings, so that the deletion does not overlap the next save.
         pio.remove_checkpoint(ppath(step))
         pio.teardown()
-        purger = getattr(pio.manager.catalog, "_purger", None)
+        purger = getattr(pio.manager.hooks.catalog, "_purger", None)
         if purger is not None:
             purger.submit(lambda: None).result()
 
@@ -649,7 +649,7 @@ def hf_section(args: argparse.Namespace, root: str, cache: PageCache) -> dict[st
         )
 
     def p_clean(step: int) -> None:
-        purger = getattr(mgr.catalog, "_purger", None)  # keep_last=1 retired it at the commit
+        purger = getattr(mgr.hooks.catalog, "_purger", None)  # keep_last=1 retired it at the commit
         if purger is not None:
             purger.submit(lambda: None).result()
 

@@ -40,7 +40,7 @@ the same start until ``handle.wait()`` returns (committed: for the levels, on ev
 node's local directory with its partner copy or parity). After it, untimed, every rank
 waits until its flush queue is empty, so a flush never overlaps the next save; the
 flush's own time (read the local files, verify, write and commit on the shared level)
-is reported from ``ckpt.levels.flusher.records``. Every figure is the maximum over the
+is reported from ``ckpt.flush_records``. Every figure is the maximum over the
 ranks of one save; the table gives medians over the rounds.
 
 Restarts run in a fresh process group (a second ``run_ranks``): ``--restore-reps``
@@ -169,14 +169,16 @@ def _local_base(cfg: dict[str, Any], key: str) -> str:
 def _manager(cfg: dict[str, Any], key: str) -> Any:
     import pitstop
 
-    common = {"keep_last": 2, "dist_timeout_secs": cfg["dist_timeout"]}
+    timeout = cfg["dist_timeout"]
     if CONFIGS[key][1] is None:
-        return pitstop.CheckpointManager(os.path.join(cfg["disk"], key), replicated=key, **common)
-    return pitstop.CheckpointManager(levels=_levels(cfg, key), topology=NODES, **common)
+        options = pitstop.SaveOptions.from_env(replicated=key, dist_timeout_secs=timeout)
+        return pitstop.CheckpointManager(os.path.join(cfg["disk"], key), 2, options=options)
+    options = pitstop.SaveOptions.from_env(dist_timeout_secs=timeout)
+    return pitstop.CheckpointManager(_levels(cfg, key), 2, topology=NODES, options=options)
 
 
 def _wait_flushes(ckpt: Any, timeout: float) -> None:
-    flusher = ckpt.levels.flusher if ckpt.levels is not None else None
+    flusher = ckpt.hooks.levels.flusher if ckpt.hooks.levels is not None else None
     deadline = time.monotonic() + timeout
     while flusher is not None and flusher.pending:
         if time.monotonic() > deadline:
@@ -254,8 +256,8 @@ def save_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     flushes: dict[str, list[tuple[int, bool, float, str | None]]] = {}
     for key in configs:
         ckpt = managers[key]
-        if ckpt.levels is not None and ckpt.levels.flusher is not None:
-            flushes[key] = [(r.step, r.ok, r.secs, r.error) for r in ckpt.levels.flusher.records]
+        if ckpt.hooks.levels is not None and ckpt.hooks.levels.flusher is not None:
+            flushes[key] = [(r.step, r.ok, r.secs, r.error) for r in ckpt.flush_records]
         ckpt.close()
     dist.barrier()
     say("managers closed")

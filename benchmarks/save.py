@@ -337,7 +337,9 @@ class Bench:
         d = self.subdir(name)
         info: dict[str, Any] = {}
         base = rss_bytes()
-        mgr = pitstop.CheckpointManager(d, keep_last=1, overlap=overlap)
+        mgr = pitstop.CheckpointManager(
+            d, keep_last=1, options=pitstop.SaveOptions.from_env(overlap=overlap)
+        )
         self.managers.append(mgr)
         # Warm-up, measuring the memory the manager adds: one save (one arena), then two saves
         # in flight at once (a second arena). Arenas are kept; later saves add nothing.

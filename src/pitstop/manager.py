@@ -28,8 +28,9 @@ process group.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.handle import SaveHandle
@@ -52,94 +53,95 @@ from pitstop.storage.base import Storage
 from pitstop.storage.local import open_root
 from pitstop.storage.retry import RetryingStorage
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "ManagerHooks"]
 
 _log = get_logger("pitstop")
+
+_PRIVATE = ("catalog", "group", "identity", "storage", "levels")  # public before hooks
+# keywords that copied SaveOptions / IOOptions fields: deprecated, still honoured
+_LEGACY_SAVE = ("allow_pickle", "max_in_flight", "overlap", "replicated", "dist_timeout_secs")
+_LEGACY_IO = {"io_threads": "threads", "chunk_bytes": "chunk_bytes", "direct_io": "direct"}
 
 
 class CheckpointManager:
     """Saves, restores and retires the checkpoints of one training job.
 
-    ``root`` is a directory (or a :class:`~pitstop.storage.Storage`). ``keep_last=n`` keeps
-    the newest n committed checkpoints of this run; ``retention=`` takes any retention policy
-    (``KeepLast(3) | KeepEvery(secs=3600) | KeepBest("loss")``); neither keeps everything.
-    ``allow_pickle`` lets values that JSON cannot hold be stored, and loaded, as pickles.
-    Other knobs live in :class:`~pitstop.options.SaveOptions` or their keyword shortcuts.
+    ``CheckpointManager(root, keep_last=None, *, policy=, retention=, options=)``:
 
-    ``levels=[pitstop.Local("/local/{node}", redundancy="partner"), pitstop.Shared(path,
-    every=10)]`` instead of ``root``: every save to node-local storage, protected across
-    nodes, every 10th flushed to the shared level (:mod:`pitstop.multilevel`);
-    ``keep_last``/``retention`` then apply to the shared level, ``Local(keep_last=2)`` to
-    the local one. ``topology=`` (rank -> node id) places ranks on nodes; without it
-    ``PITSTOP_NODE`` or the hostname does.
+    * ``root``: a directory or a :class:`~pitstop.storage.Storage`; or a list of levels,
+      ``[pitstop.Local("/local/{node}", redundancy="partner"), pitstop.Shared(path,
+      every=10)]``: every save to node-local storage, protected across nodes, every 10th
+      flushed to the shared level (:mod:`pitstop.multilevel`); ``keep_last``/``retention``
+      then apply to the shared level, ``Local(keep_last=2)`` to the local one, and
+      ``topology=`` (rank -> node id) places ranks on nodes (default: ``PITSTOP_NODE`` or
+      the hostname).
+    * ``keep_last=n`` keeps the newest n committed checkpoints of this run; ``retention=``
+      takes any retention policy (``KeepLast(3) | KeepEvery(secs=3600) | KeepBest("loss")``);
+      neither keeps everything.
+    * ``policy=``: when ``step()`` checkpoints (default ``CheckFreq(0.02)``; combine with
+      ``|``).
+    * ``options=``: :class:`~pitstop.options.SaveOptions` (``allow_pickle``,
+      ``host_memory_bytes``, ``max_in_flight``, ``replicated``, ``dist_timeout_secs``, and
+      ``io=IOOptions(...)``). The keyword copies of its fields (``allow_pickle=``,
+      ``io_threads=``, ...) and ``levels=`` are deprecated.
+
+    Integrations and tools reach the rest through ``ckpt.hooks`` (:class:`ManagerHooks`).
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | Storage | None = None,
+        root: str | os.PathLike[str] | Storage | Sequence[Local | Shared] | None = None,
         keep_last: int | None = None,
         *,
-        levels: Sequence[Local | Shared] | None = None,
-        topology: Mapping[int, str] | Sequence[str] | None = None,
+        policy: CheckpointPolicy | None = None,
         retention: RetentionPolicy | None = None,
         options: SaveOptions | None = None,
-        allow_pickle: bool | None = None,
-        max_in_flight: int | None = None,
-        overlap: bool | None = None,
-        io_threads: int | None = None,
-        chunk_bytes: int | None = None,
-        direct_io: str | None = None,
-        policy: CheckpointPolicy | None = None,
-        replicated: str | None = None,
-        dist_timeout_secs: float | None = None,
+        topology: Mapping[int, str] | Sequence[str] | None = None,
+        levels: Sequence[Local | Shared] | None = None,
+        **legacy: Any,
     ) -> None:
         if keep_last is not None and retention is not None:
             raise ValueError("give keep_last= or retention=, not both")
         self.retention = KeepLast(keep_last) if keep_last is not None else retention
-        knobs = {"threads": io_threads, "chunk_bytes": chunk_bytes, "direct": direct_io}
+        root, knobs, flags = _legacy_arguments(root, levels, legacy)
         if isinstance(root, (list, tuple)):
-            raise ValueError(
-                "a root is one directory or Storage; levels go in "
-                "CheckpointManager(levels=[pitstop.Local(...), pitstop.Shared(...)])"
-            )
-        if (root is None) == (levels is None):
-            raise ValueError(
-                "give a root directory or levels=[pitstop.Local(...), ...], one of them"
-            )
-        if levels is not None:
-            local, shared = _levels(levels)
+            local, shared = _split_levels(root)
             io = options.io if options else IOOptions.from_env(**knobs)
         else:
+            if root is None:
+                raise ValueError(
+                    "give a root: a directory, a Storage, or a list of levels "
+                    "[pitstop.Local(...), pitstop.Shared(...)]"
+                )
             if topology is not None:
-                raise ValueError("topology= places ranks on nodes for levels=; a root has none")
+                raise ValueError(
+                    "topology= places ranks on nodes for a list of levels; a root has none"
+                )
             inner, io = open_root(root, options.io if options else None, **knobs)
-        flags = {
-            "allow_pickle": allow_pickle, "max_in_flight": max_in_flight, "overlap": overlap,
-            "replicated": replicated, "dist_timeout_secs": dist_timeout_secs,
-        }  # fmt: skip
         self.options = SaveOptions.resolve(options, io, **flags)
-        self.group = make_group(self.options.dist_timeout_secs)  # collective under torchrun
-        self.levels: LevelStack | None = None
-        if levels is not None:
-            self.levels = LevelStack(
-                local, shared, self.group, io, topology=topology, shared_retention=self.retention
+        self._group = make_group(self.options.dist_timeout_secs)  # collective under torchrun
+        self._identity = RunIdentity()
+        self._levels: LevelStack | None = None
+        if isinstance(root, (list, tuple)):
+            self._levels = LevelStack(
+                local, shared, self._group, io, topology=topology, shared_retention=self.retention
             )
-            self.storage = self.levels.local_storage
-            self.catalog = self.levels.local_catalog
+            self._storage = self._levels.local_storage
+            self._catalog = self._levels.local_catalog
+            # node leaders apply retention: one run id for all ranks
+            self._identity.run = self._identity.timeline = self._group.broadcast(
+                self._identity.run, "plan"
+            )
+            self._levels.identity = self._identity
         else:
-            self.storage = RetryingStorage(inner)  # type: ignore[assignment]
-            self.catalog = Catalog(self.storage)
-        nodes = self.levels.node_commit() if self.levels is not None else None
+            self._storage = RetryingStorage(inner)  # type: ignore[assignment]
+            self._catalog = Catalog(self._storage)
+        nodes = self._levels.node_commit() if self._levels is not None else None
         self._saver = Saver(
-            self.storage, self.options, on_commit=self._retain, group=self.group, nodes=nodes
+            self._storage, self.options, on_commit=self._retain, group=self._group, nodes=nodes
         )
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
-        self.identity = RunIdentity()
-        if self.levels is not None:  # node leaders apply retention: one run id for all ranks
-            self.identity.run = self.identity.timeline = self.group.broadcast(
-                self.identity.run, "plan"
-            )
-            self.levels.identity = self.identity
+        self.hooks = ManagerHooks(self)
         self.last_restore: RestoreResult | None = None
         self._probe = CrashProbe.from_env(self.latest_step)  # None unless crashtest runs us
         if self._probe is not None:  # crashtest's resume point is a checkpoint
@@ -147,8 +149,34 @@ class CheckpointManager:
         self._committed = False  # a checkpoint of this root committed (or was restored)
         self._closed = False
 
+    if not TYPE_CHECKING:  # (mypy keeps checking attribute names)
+
+        def __getattr__(self, name: str) -> Any:
+            """The attributes that were public before ``hooks``: deprecated, still there."""
+            if name in _PRIVATE:
+                warnings.warn(
+                    f"CheckpointManager.{name} is private now: use ckpt.hooks.{name} "
+                    "(integrations and tools) or ckpt.url / ckpt.flush_records",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                return self.__dict__[f"_{name}"]
+            raise AttributeError(f"'CheckpointManager' object has no attribute {name!r}")
+
+    @property
+    def url(self) -> str:
+        """Where the checkpoints are (with levels: this node's local level)."""
+        return self._storage.url
+
+    @property
+    def flush_records(self) -> list[FlushRecord]:
+        """With a shared level: the outcome of each recent flush (``ok``/``error``), oldest
+        first; empty otherwise."""
+        flusher = self._levels.flusher if self._levels is not None else None
+        return list(flusher.records) if flusher is not None else []
+
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.storage.url!r}, retention={self.retention!r})"
+        return f"CheckpointManager({self._storage.url!r}, retention={self.retention!r})"
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -162,10 +190,10 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Stage ``state`` and return; it is persisted and committed in the background.
         ``metrics`` (e.g. ``{"val_loss": 0.3}``) are saved in the manifest for ``KeepBest``."""
-        if not self.identity.checked_root:
-            self.identity.checked_root = True
-            self.catalog.warn_other_runs(self.identity)
-        lineage = self.identity.lineage_for(step)
+        if not self._identity.checked_root:
+            self._identity.checked_root = True
+            self._catalog.warn_other_runs(self._identity)
+        lineage = self._identity.lineage_for(step)
         if self._probe is not None:
             self._probe.saved(step, state)
         return self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
@@ -211,7 +239,7 @@ class CheckpointManager:
         unless it is there already, and wait. Collective. Its FlushRecord (``ok``/``error``);
         None if there was nothing to flush. ``close()`` does this itself."""
         self._saver.wait_all()
-        return self.levels.flush() if self.levels is not None else None
+        return self._levels.flush() if self._levels is not None else None
 
     def close(self, *, flush: bool = True) -> None:
         """Wait for saves in flight, flush the newest checkpoint to the shared level if it is
@@ -223,17 +251,17 @@ class CheckpointManager:
         self._loop.restore_signals()
         try:
             self._saver.close()
-            if flush and self.levels is not None:
-                record = self.levels.flush()
+            if flush and self._levels is not None:
+                record = self._levels.flush()
                 if record is not None and not record.ok:
                     _log.warning("the newest checkpoint stays on the local level only",
                                  phase="flush")  # fmt: skip
         finally:
-            if self.levels is not None:
-                self.levels.close()
+            if self._levels is not None:
+                self._levels.close()
             else:
-                self.catalog.close()
-            self.group.close()
+                self._catalog.close()
+            self._group.close()
 
     @property
     def host_bytes(self) -> int:
@@ -262,16 +290,25 @@ class CheckpointManager:
         ``last=True`` at the last step of training: the policy is not asked (SKIPPED), the
         final state is saved by ``save_final`` once the end-of-training work is done."""
         if last:
-            self.reached(step)
+            self._reached(step)
             return StepResult.SKIPPED
         result = self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
-        self.reached(step)
+        self._reached(step)
         return result
 
     def reached(self, step: int) -> None:
-        """Training finished ``step``. ``step()`` calls this itself; a loop (or integration)
-        that saves with ``save``/``async_save`` calls it once per step: it is where
-        ``pitstop crashtest`` kills a run (at a random step, once a checkpoint committed)."""
+        """Deprecated: ``ckpt.hooks.reached(step)``."""
+        _deprecated("reached")
+        self._reached(step)
+
+    def resumed(self, step: int) -> None:
+        """Deprecated: ``ckpt.hooks.resumed(step)``."""
+        _deprecated("resumed")
+        self._resumed(step)
+
+    def _reached(self, step: int) -> None:
+        """See :meth:`ManagerHooks.reached` (crashtest kills a run here, at a chosen step,
+        once a checkpoint committed)."""
         if self._probe is None:
             return
         if not self._committed and self.latest_step() is not None:
@@ -303,7 +340,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ query
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return [e.step for e in self.catalog.committed() if e.step is not None]
+        return [e.step for e in self._catalog.committed() if e.step is not None]
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -311,7 +348,7 @@ class CheckpointManager:
 
     def entries(self) -> list[Entry]:
         """Everything under the root with its status (committed, damaged, abandoned, ...)."""
-        return self.catalog.scan()
+        return self._catalog.scan()
 
     # ------------------------------------------------------------------ restore
     def restore(
@@ -347,14 +384,12 @@ class CheckpointManager:
             )  # fmt: skip
         if rollback:
             self._adopt(result)
-        self.resumed(result.step)
+        self._resumed(result.step)
         return result.step
 
-    def resumed(self, step: int) -> None:
-        """Training goes on from ``step``, its state back in place, random streams included.
-        ``restore`` calls this itself; an integration that loads with ``load`` and puts the
-        state back later (Lightning's RNG streams) calls it once it has: ``pitstop crashtest``
-        records the generators here to tell a faulty restore from draws outside the state."""
+    def _resumed(self, step: int) -> None:
+        """See :meth:`ManagerHooks.resumed` (``pitstop crashtest`` records the generators here
+        to tell a faulty restore from draws outside the state)."""
         self._committed = True
         if self._probe is not None:
             self._probe.restored(step)
@@ -362,7 +397,7 @@ class CheckpointManager:
     def _adopt(self, result: RestoreResult) -> None:
         """Continue the restored checkpoint's run (its retention is ours now) and timeline."""
         assert result.step is not None
-        self.identity.adopt(result.manifest, result.step, new_timeline=bool(result.set_aside))
+        self._identity.adopt(result.manifest, result.step, new_timeline=bool(result.set_aside))
         self._loop.ckpt_step = result.step  # the policy counts from the restored checkpoint
 
     def _load(
@@ -375,7 +410,7 @@ class CheckpointManager:
         storage: Storage | None = None,
     ) -> Any:
         return load_entry(
-            storage or self.storage, entry, state, saver=self._saver, allow_pickle=self.options.allow_pickle,
+            storage or self._storage, entry, state, saver=self._saver, allow_pickle=self.options.allow_pickle,
             strict=strict, key_map=key_map, view_rank=rank,
         )  # fmt: skip
 
@@ -385,7 +420,7 @@ class CheckpointManager:
         data position) instead of rank 0's; the shared tensors are the same for every rank."""
         if rank is not None and (type(rank) is not int or rank < 0):
             raise ValueError(f"load(rank=) takes a saved rank (an int >= 0), not {rank!r}")
-        if rank is not None and self.group.size > 1:
+        if rank is not None and self._group.size > 1:
             raise ValueError(
                 "load(rank=) reads one saved rank's view in one process; under "
                 "torch.distributed every rank loads its own"
@@ -395,7 +430,7 @@ class CheckpointManager:
             lambda s, e: self._load(e, None, True, None, rank, storage=s), step, False, False
         )
         if result.step is None:
-            raise CheckpointNotFoundError("no committed checkpoint", path=self.storage.url)
+            raise CheckpointNotFoundError("no committed checkpoint", path=self._storage.url)
         self.last_restore = result
         value, _ = result.value
         result.value = None
@@ -412,12 +447,12 @@ class CheckpointManager:
         can deliver (the local level's, rebuilt from redundancy where a node lost it, first
         for a step both hold); ``fetch``: a step the shared level served is copied into the
         local level."""
-        if self.levels is None:
+        if self._levels is None:
             return recover(
-                self.catalog, lambda e: load(self.storage, e), step=step, rollback=rollback,
-                group=self.group,
+                self._catalog, lambda e: load(self._storage, e), step=step, rollback=rollback,
+                group=self._group,
             )  # fmt: skip
-        return self.levels.recover(load, step, rollback=rollback, fetch=fetch)
+        return self._levels.recover(load, step, rollback=rollback, fetch=fetch)
 
     # ------------------------------------------------------------------ retention and gc
     def _retain(self, newest: int) -> None:
@@ -425,34 +460,117 @@ class CheckpointManager:
         (the retired ones stop being checkpoints now; their files are deleted in the background).
         Several levels: the local level's own retention and the flush (``LevelStack``)."""
         self._committed = True
-        if self.levels is not None:
-            self.levels.committed(newest)
+        if self._levels is not None:
+            self._levels.committed(newest)
             return
-        if self.retention is not None and self.group.coordinator:
-            retired = self.catalog.retire(self.retention, newest=newest, identity=self.identity)
-            self.catalog.purge_later(retired)
+        if self.retention is not None and self._group.coordinator:
+            retired = self._catalog.retire(self.retention, newest=newest, identity=self._identity)
+            self._catalog.purge_later(retired)
 
     def gc(
         self, *, abandoned: bool = False, damaged: bool = False, dry_run: bool = False
     ) -> list[str]:
         """Remove debris of dead saves (and abandoned or damaged checkpoints when asked); saves in
         flight and pinned checkpoints are kept. Returns the names. Several ranks: rank 0 acts."""
-        if not self.group.coordinator:
+        if not self._group.coordinator:
             return []
-        done = self.catalog.collect(
+        done = self._catalog.collect(
             abandoned=abandoned, damaged=damaged, busy=self._saver.busy_directories, dry_run=dry_run
         )
         return [e.name for e, what in done if what in ("removed", "would remove")]
 
 
-def _levels(levels: Sequence[Local | Shared]) -> tuple[Local, Shared | None]:
+def _split_levels(levels: Sequence[Local | Shared]) -> tuple[Local, Shared | None]:
     """The one Local level and at most one Shared level of ``levels=``."""
     local = [lv for lv in levels if isinstance(lv, Local)]
     shared = [lv for lv in levels if isinstance(lv, Shared)]
     others = [lv for lv in levels if not isinstance(lv, (Local, Shared))]
     if others or len(local) != 1 or len(shared) > 1:
         raise ValueError(
-            "levels= takes one pitstop.Local(...) and at most one pitstop.Shared(...), got "
+            "a list of levels holds one pitstop.Local(...) and at most one pitstop.Shared(...), "
+            "got "
             f"{list(levels)!r}"
         )
     return local[0], (shared[0] if shared else None)
+
+
+def _deprecated(name: str) -> None:
+    warnings.warn(
+        f"ckpt.{name}() is deprecated: use ckpt.hooks.{name}()", DeprecationWarning, stacklevel=3
+    )
+
+
+def _legacy_arguments(
+    root: Any, levels: Sequence[Local | Shared] | None, legacy: dict[str, Any]
+) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(the root, IOOptions knobs, SaveOptions flags) from the deprecated keywords: the
+    option copies and ``levels=`` warn, and still work for this release."""
+    unknown = sorted(set(legacy) - set(_LEGACY_SAVE) - set(_LEGACY_IO))
+    if unknown:
+        raise TypeError(f"CheckpointManager() got an unexpected keyword argument {unknown[0]!r}")
+    if legacy:
+        given = ", ".join(f"{k}=" for k in legacy)
+        warnings.warn(
+            f"CheckpointManager({given}) is deprecated: pass options=pitstop.SaveOptions(...) "
+            "(I/O knobs: SaveOptions(io=pitstop.IOOptions(threads=, chunk_bytes=, direct=)))",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if levels is not None:
+        warnings.warn(
+            "CheckpointManager(levels=[...]) is deprecated: pass the list of levels as the root, "
+            "CheckpointManager([pitstop.Local(...), pitstop.Shared(...)])",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if root is not None:
+            raise ValueError("give a root or levels=, not both (levels= is deprecated)")
+        root = list(levels)
+    knobs = {_LEGACY_IO[k]: legacy.get(k) for k in _LEGACY_IO}
+    flags = {k: legacy.get(k) for k in _LEGACY_SAVE}
+    return root, knobs, flags
+
+
+class ManagerHooks:
+    """What integrations (Lightning, Hugging Face) and tools (``pitstop crashtest``, the CLI)
+    reach of a manager beyond its public methods: ``ckpt.hooks``. Training thread.
+
+    * ``reached(step)``: training finished ``step``. ``ckpt.step()`` calls it itself; a loop
+      or integration that saves with ``save``/``async_save`` calls it once per step: it is
+      where ``pitstop crashtest`` kills a run.
+    * ``resumed(step)``: training goes on from ``step`` with its state back in place, random
+      streams included (``restore`` calls it; an integration that loads with ``load`` and
+      puts the state back later calls it once it has).
+    * ``storage``, ``catalog``, ``identity``, ``levels``: the root's storage, its catalog
+      (statuses, pins, marks), the run's identity (run id, timeline) and the level stack
+      (None for one root).
+    """
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self._m = manager
+
+    def reached(self, step: int) -> None:
+        self._m._reached(step)
+
+    def resumed(self, step: int) -> None:
+        self._m._resumed(step)
+
+    @property
+    def storage(self) -> Storage:
+        return self._m._storage
+
+    @property
+    def catalog(self) -> Catalog:
+        return self._m._catalog
+
+    @property
+    def identity(self) -> RunIdentity:
+        return self._m._identity
+
+    @property
+    def levels(self) -> LevelStack | None:
+        return self._m._levels
+
+    @property
+    def group(self) -> Any:
+        return self._m._group

@@ -12,6 +12,7 @@ from typing import Any
 from pitstop.errors import CheckpointNotFoundError, NotACheckpointError
 from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir, step_dir_name
 from pitstop.manager import CheckpointManager, KeyMap
+from pitstop.options import SaveOptions
 
 __all__ = ["check_root", "load", "resolve", "save"]
 
@@ -53,9 +54,10 @@ def save(
     allow_pickle: bool = False,
 ) -> str:
     """Save ``state`` under the root ``path`` as ``step``; durable on return. Returns the checkpoint directory."""
-    with CheckpointManager(path, allow_pickle=allow_pickle, max_in_flight=1, overlap=False) as mgr:
+    options = SaveOptions.from_env(allow_pickle=allow_pickle, max_in_flight=1, overlap=False)
+    with CheckpointManager(path, options=options) as mgr:
         mgr.save(step, state)
-        return os.path.join(mgr.storage.url, step_dir_name(step))
+        return os.path.join(mgr.url, step_dir_name(step))
 
 
 def load(
@@ -77,7 +79,8 @@ def load(
     (no rollback).
     """
     root, step = resolve(os.fspath(path), step)
-    with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
+    options = SaveOptions.from_env(allow_pickle=allow_pickle, max_in_flight=1)
+    with CheckpointManager(root, options=options) as mgr:
         if state is None:
             return mgr.load(step, rank=rank)
         if rank is not None:

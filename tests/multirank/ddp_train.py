@@ -42,7 +42,10 @@ def main() -> None:
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader,
              "rng": pitstop.RNGState(), "progress": {"step": 0}}  # fmt: skip
     with pitstop.CheckpointManager(
-        args.ckpt, keep_last=3, policy=EveryN(3), dist_timeout_secs=30
+        args.ckpt,
+        keep_last=3,
+        policy=EveryN(3),
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=30),
     ) as ckpt:
         resumed = ckpt.restore(state)
         while state["progress"]["step"] < args.steps:

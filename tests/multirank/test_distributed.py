@@ -33,7 +33,9 @@ def _digest(state: dict[str, Any]) -> dict[str, list[float]]:
 
 
 def _save(rank: int, world: int, root: str, mode: str, step: int = 5) -> dict[str, Any]:
-    with pitstop.CheckpointManager(root, replicated=mode, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(replicated=mode, dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         ckpt.save(step, _state(rank))
     return _digest(_state(rank))
 
@@ -41,7 +43,9 @@ def _save(rank: int, world: int, root: str, mode: str, step: int = 5) -> dict[st
 def _restore(rank: int, world: int, root: str) -> tuple[int | None, dict[str, Any]]:
     fresh = _state(rank, seed=99)
     fresh["local"]["t"] = torch.zeros(3)
-    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         step = ckpt.restore(fresh)
     return step, _digest(fresh)
 
@@ -104,7 +108,9 @@ def _fail_on_rank1(rank: int, world: int, root: str) -> str:
     storage: Any = LocalStorage(root)
     if rank == 1:
         storage = FaultyStorage(storage, fail={"persist": range(1, 100)})
-    with pitstop.CheckpointManager(storage, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        storage, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         try:
             ckpt.save(2, _state(rank))
         except pitstop.errors.DistributedCheckpointError as e:
@@ -124,7 +130,9 @@ def test_a_failure_on_rank_1_reaches_rank_0_with_phase_and_rank(tmp_path: Any) -
 
 
 def _save_two(rank: int, world: int, root: str) -> None:
-    with pitstop.CheckpointManager(root, dist_timeout_secs=8.0) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=8.0)
+    ) as ckpt:
         ckpt.save(1, _state(rank))
         ckpt.save(2, _state(rank, seed=2))
 
@@ -169,13 +177,17 @@ def _dtensor_state(world: int, seed: int) -> dict[str, Any]:
 
 
 def _dtensor_save(rank: int, world: int, root: str) -> None:
-    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         ckpt.save(1, {"sharded": _dtensor_state(world, seed=3)["sharded"]})
 
 
 def _dtensor_restore(rank: int, world: int, root: str) -> dict[str, list[float]]:
     fresh = _dtensor_state(world, seed=4)["sharded"]
-    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         assert ckpt.restore({"sharded": fresh}) == 1
     return {k: v.full_tensor().flatten().tolist() for k, v in fresh.items()}
 
@@ -216,7 +228,9 @@ def test_dtensor_state_of_four_ranks_restores_on_two(tmp_path: Any) -> None:
 
 
 def _save_other_steps(rank: int, world: int, root: str) -> str:
-    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         try:
             ckpt.save(2 + rank, _state(rank))
         except pitstop.errors.DistributedCheckpointError as e:
@@ -237,7 +251,9 @@ def _stage_fails_on_rank1(rank: int, world: int, root: str) -> list[str]:
 
     out = []
     # the timeout is longer than run_ranks': a rank left waiting for rank 1 would hang the test
-    with pitstop.CheckpointManager(root, dist_timeout_secs=3 * TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=3 * TIMEOUT)
+    ) as ckpt:
         for step in (1, 2, 3):
             real = saver.stage
             if step == 2 and rank == 1:
@@ -277,7 +293,9 @@ def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int
 
     counting = FaultyStorage(LocalStorage(root))  # fails nothing; counts the bytes read
     fresh = _state(rank, seed=99)
-    with pitstop.CheckpointManager(counting, dist_timeout_secs=TIMEOUT) as ck:
+    with pitstop.CheckpointManager(
+        counting, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ck:
         step = ck.restore(fresh)
     return step, counting.bytes_read, _digest(fresh)
 
@@ -309,7 +327,9 @@ def _restore_mismatched(rank: int, world: int, root: str, steps: list[int | None
     fresh = _state(rank, seed=99)
     if rank == 1 and steps == [None, None]:
         fresh["big"] = torch.nn.Linear(512, 301)  # fits on rank 0 only
-    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         try:
             return f"restored {ckpt.restore(fresh, step=steps[rank])}"
         except pitstop.errors.DistributedCheckpointError as e:
@@ -339,7 +359,9 @@ def test_a_restore_failing_on_one_rank_or_asked_for_other_steps_fails_on_every_r
 def _save_empty_own(rank: int, world: int, root: str) -> str:
     state = _state(rank)
     state["extra"] = torch.empty(0)  # a per-rank tensor with no bytes
-    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         try:
             ckpt.save(1, state)
         except pitstop.errors.DistributedCheckpointError as e:
@@ -364,7 +386,9 @@ def _save_own(rank: int, world: int, root: str, value: float) -> None:
     state = {"model": torch.nn.Linear(2, 2), "own": torch.full((2,), value if rank else 0.0)}
     torch.manual_seed(0)
     state["model"] = torch.nn.Linear(2, 2)
-    with pitstop.CheckpointManager(root, dist_timeout_secs=TIMEOUT) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
         ckpt.save(1, state)
 
 

@@ -77,7 +77,9 @@ def _train(
     (rank, step): that rank dies before saving that step."""
     state = _state(rank)
     ckpt = pitstop.CheckpointManager(
-        levels=_levels(base, scheme, every), topology=nodes, dist_timeout_secs=timeout
+        _levels(base, scheme, every),
+        topology=nodes,
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=timeout),
     )
     with ckpt:
         start = ckpt.restore(state) or 0
@@ -87,8 +89,8 @@ def _train(
                 os._exit(9)
             ckpt.save(step, state)
         ckpt.wait()
-    assert ckpt.levels is not None and ckpt.levels.flusher is not None
-    return {"start": start, "flushes": [(r.step, r.ok) for r in ckpt.levels.flusher.records]}
+    assert ckpt.hooks.levels is not None and ckpt.hooks.levels.flusher is not None
+    return {"start": start, "flushes": [(r.step, r.ok) for r in ckpt.flush_records]}
 
 
 def _resume(
@@ -97,7 +99,9 @@ def _resume(
     state = _state(rank, seed=99)
     state["local"]["t"] = torch.zeros(3)
     with pitstop.CheckpointManager(
-        levels=_levels(base, scheme, 10), topology=nodes, dist_timeout_secs=TIMEOUT
+        _levels(base, scheme, 10),
+        topology=nodes,
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
     ) as ckpt:
         step = ckpt.restore(state)
         info = ckpt.last_restore
@@ -405,10 +409,7 @@ def _save_slow_commits(rank: int, world: int, base: str) -> list[int | None]:
 
     LocalStorage.commit = slow  # type: ignore[method-assign]
     seen = []
-    with pitstop.CheckpointManager(
-        levels=_levels(base, "partner", 10), topology=["a", "a", "b", "b"],
-        dist_timeout_secs=TIMEOUT,
-    ) as ckpt:  # fmt: skip
+    with pitstop.CheckpointManager(_levels(base, "partner", 10), topology=["a", "a", "b", "b"], options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)) as ckpt:  # fmt: skip
         for step in (1, 2):
             ckpt.save(step, _state(rank))
             seen.append(ckpt.latest_step())
@@ -422,7 +423,9 @@ def test_save_returns_once_the_step_is_committed_on_the_callers_node(tmp_path: A
 def _two_nodes_one_directory(rank: int, world: int, path: str) -> str:
     try:
         pitstop.CheckpointManager(
-            levels=[pitstop.Local(path)], topology=["a", "b"], dist_timeout_secs=TIMEOUT
+            [pitstop.Local(path)],
+            topology=["a", "b"],
+            options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
         )
     except pitstop.UnsupportedSetupError as e:
         return str(e)

@@ -58,7 +58,9 @@ def test_snapshot_equals_state_at_the_step_while_training_goes_on(root: str, ove
     model, opt = _bn_model()
     state = {"model": model, "optimizer": opt}
     _train(model, opt, 0)
-    with pitstop.CheckpointManager(root, overlap=overlap) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(overlap=overlap)
+    ) as ckpt:
         for step in range(1, 4):
             expected = tensors_of(state)
             handle = ckpt.async_save(step, state)
@@ -169,7 +171,9 @@ def test_arenas_are_reused_and_bounded(root: str) -> None:
     model, opt = _bn_model()
     state = {"model": model, "optimizer": opt}
     _train(model, opt, 0)
-    with pitstop.CheckpointManager(root, keep_last=2, max_in_flight=2) as ckpt:
+    with pitstop.CheckpointManager(
+        root, keep_last=2, options=pitstop.SaveOptions.from_env(max_in_flight=2)
+    ) as ckpt:
         ckpt.save(0, state)
         one = ckpt.host_bytes
         for step in range(1, 9):

@@ -31,7 +31,7 @@ def single(tmp_path: Path) -> Path:
         pitstop.Local(tmp_path / "local" / "{node}", redundancy="single"),
         pitstop.Shared(tmp_path / "shared", every=1),
     ]
-    ckpt = pitstop.CheckpointManager(levels=levels, topology=["n0"])
+    ckpt = pitstop.CheckpointManager(levels, topology=["n0"])
     for step in (1, 2):
         ckpt.save(step, {"w": torch.full((64,), float(step)), "extra": {"step": step}})
     ckpt.close()  # waits for the flushes
@@ -87,7 +87,7 @@ def test_relative_paths_are_found_from_any_level(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     levels = [pitstop.Local("ck/local/{node}", redundancy="single"), pitstop.Shared("ck/shared", 1)]
-    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(levels, topology=["n0"]) as ckpt:
         ckpt.save(3, {"w": torch.ones(8)})
     monkeypatch.chdir("/")
     for root in (tmp_path / "ck" / "shared", tmp_path / "ck" / "local" / "n0"):
@@ -143,7 +143,9 @@ def _train(rank: int, world: int, base: str, scheme: str) -> None:
         pitstop.Local(os.path.join(base, "local", "{node}"), redundancy=scheme),
         pitstop.Shared(os.path.join(base, "shared"), every=2),
     ]
-    with pitstop.CheckpointManager(levels=levels, topology=NODES4, dist_timeout_secs=20) as ckpt:
+    with pitstop.CheckpointManager(
+        levels, topology=NODES4, options=pitstop.SaveOptions.from_env(dist_timeout_secs=20)
+    ) as ckpt:
         for step in (1, 2):
             ckpt.save(step, {"w": torch.full((256,), float(rank + step)), "r": rank})
 

@@ -115,7 +115,9 @@ def test_every_checkpoint_corrupt_raises_instead_of_starting_over(root: str) -> 
 
 def test_segments_cover_large_tensors(root: str) -> None:
     big = {"w": torch.randn(3, 5000)}  # 60 KB in 16 KiB segments: several per tensor
-    with pitstop.CheckpointManager(root, chunk_bytes=16384) as ckpt:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(io=pitstop.IOOptions.from_env(chunk_bytes=16384))
+    ) as ckpt:
         ckpt.save(1, big)
         entry = ckpt.entries()[0].manifest.tensors[0]  # type: ignore[union-attr]
         assert len(entry.checksum) == 4
@@ -134,7 +136,9 @@ def test_retention_keeps_newest(root: str) -> None:
 
 
 def test_retention_with_async_saves_in_flight(root: str) -> None:
-    with pitstop.CheckpointManager(root, keep_last=1, max_in_flight=2) as ckpt:
+    with pitstop.CheckpointManager(
+        root, keep_last=1, options=pitstop.SaveOptions.from_env(max_in_flight=2)
+    ) as ckpt:
         handles = [
             ckpt.async_save(step, {"x": torch.full((1000,), float(step))}) for step in range(1, 8)
         ]

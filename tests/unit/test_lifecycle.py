@@ -249,8 +249,13 @@ def test_retention_never_touches_another_runs_checkpoints(root: str) -> None:
 def test_io_knobs_with_a_storage_object_are_refused(tmp_path: Any) -> None:
     from pitstop.storage.local import RamStorage
 
-    with pytest.raises(ValueError, match="IOOptions"):
+    with pytest.raises(ValueError, match="IOOptions"), pytest.warns(DeprecationWarning):
         pitstop.CheckpointManager(RamStorage(str(tmp_path / "ram")), direct_io="on")
+    with pytest.raises(ValueError, match=r"SaveOptions\(io=...\) configure a directory root"):
+        pitstop.CheckpointManager(
+            RamStorage(str(tmp_path / "ram")),
+            options=pitstop.SaveOptions.from_env(io=pitstop.IOOptions.from_env(direct="on")),
+        )
 
 
 # ---------------------------------------------------------------- 5. partial and remapped restore
@@ -398,7 +403,7 @@ def test_rollback_leaves_other_runs_alone(root: str) -> None:
 def test_rollback_holds_when_a_newer_checkpoint_is_in_use(root: str) -> None:
     _saved(root, range(1, 4)).close()
     with pitstop.CheckpointManager(root) as ckpt:
-        with ckpt.catalog.pin("step-0000000003"):  # e.g. `pitstop verify` in another process
+        with ckpt.hooks.catalog.pin("step-0000000003"):  # e.g. `pitstop verify` in another process
             assert ckpt.restore(make_state(seed=99), step=1) == 1
         assert ckpt.steps() == [1]  # step 3 is marked abandoned in place
         ckpt.save(2, make_state(seed=22))
@@ -417,7 +422,7 @@ def test_a_rollback_killed_after_its_first_write_still_holds(root: str) -> None:
         assert entry.manifest is not None and entry.manifest.lineage is not None
         lineage = entry.manifest.lineage
         doc = {"after": 1, "run": lineage.run, "timeline": lineage.timeline}
-        ckpt.storage.mark("step-0000000001", "rollback", json.dumps(doc))  # then: SIGKILL
+        ckpt.hooks.storage.mark("step-0000000001", "rollback", json.dumps(doc))  # then: SIGKILL
     with pitstop.CheckpointManager(root) as ckpt:
         assert ckpt.steps() == [1]
         assert ckpt.restore(make_state(seed=99)) == 1

@@ -108,7 +108,7 @@ def test_an_empty_or_garbage_marker_is_no_evidence(
 def test_a_damaged_marker_copied_from_another_step_is_no_evidence(root: str) -> None:
     _saved(root, range(1, 3))
     with pitstop.CheckpointManager(root) as ckpt:
-        ckpt.catalog.mark_damaged(S1, "a test said so")
+        ckpt.hooks.catalog.mark_damaged(S1, "a test said so")
     os.replace(os.path.join(root, S1, "DAMAGED"), os.path.join(root, S2, "DAMAGED"))
     assert _restore(root) == 2
 
@@ -134,9 +134,9 @@ def test_markers_are_sealed_and_name_their_step(root: str) -> None:
 
     _saved(root, range(1, 4))
     with pitstop.CheckpointManager(root) as ckpt:
-        with ckpt.catalog.pin(S3):  # in use: marked ABANDONED in place, not moved
+        with ckpt.hooks.catalog.pin(S3):  # in use: marked ABANDONED in place, not moved
             assert ckpt.restore(_state(), step=2) == 2
-        ckpt.catalog.mark_damaged(S1, "a test said so")
+        ckpt.hooks.catalog.mark_damaged(S1, "a test said so")
     for name, marker in ((S1, "DAMAGED"), (S2, "ROLLBACK"), (S3, "ABANDONED")):
         with open(os.path.join(root, name, marker)) as f:
             doc = json.load(f)
@@ -150,8 +150,8 @@ def test_gc_damaged_deletes_a_marked_step_only_if_it_fails_verification_again(
 ) -> None:
     _saved(root, range(1, 4))
     with pitstop.CheckpointManager(root) as ckpt:
-        ckpt.catalog.mark_damaged(S2, "an old verify said so")  # but its bytes are whole
-        ckpt.catalog.mark_damaged(S3, "a checksum failed")
+        ckpt.hooks.catalog.mark_damaged(S2, "an old verify said so")  # but its bytes are whole
+        ckpt.hooks.catalog.mark_damaged(S3, "a checksum failed")
     data = os.path.join(root, S3, "rank-00000.bin")
     with open(data, "r+b") as f:
         f.write(b"\xff\xff\xff\xff")  # and these are not
@@ -171,7 +171,7 @@ def test_a_garbage_marker_on_a_node_is_no_evidence_and_said(
         pitstop.Shared(tmp_path / "shared", every=10),
     ]
     model = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(levels, topology=["n0"]) as ckpt:
         for step in (1, 2):
             ckpt.save(step, {"model": model})
         ckpt.close(flush=False)
@@ -179,6 +179,6 @@ def test_a_garbage_marker_on_a_node_is_no_evidence_and_said(
     assert main(["verify", str(tmp_path / "shared"), "--level", "local", "--step", "2"]) == 0
     out = capsys.readouterr().out
     assert f"{S2}: ok" in out and "node n0: DAMAGED marker ignored" in out, out
-    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(levels, topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 2
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"

@@ -50,14 +50,12 @@ def test_bad_level_arguments_name_what_is_wrong(tmp_path: Any) -> None:
         pitstop.Shared(tmp_path, every=0)
     with pytest.raises(ValueError, match="Local path"):
         pitstop.Shared(tmp_path / "{node}")
-    with pytest.raises(ValueError, match="levels go in"):
-        pitstop.CheckpointManager([pitstop.Local(tmp_path / "{node}")])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="one of them"):
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
         pitstop.CheckpointManager(tmp_path, levels=[pitstop.Local(tmp_path / "{node}")])
+    with pytest.raises(ValueError, match="give a root"):
+        pitstop.CheckpointManager()
     with pytest.raises(ValueError, match="at most one"):
-        pitstop.CheckpointManager(
-            levels=[pitstop.Local(tmp_path / "a"), pitstop.Local(tmp_path / "b")]
-        )
+        pitstop.CheckpointManager([pitstop.Local(tmp_path / "a"), pitstop.Local(tmp_path / "b")])
 
 
 def test_a_full_shared_level_fails_the_flush_not_training(tmp_path: Any) -> None:
@@ -66,24 +64,24 @@ def test_a_full_shared_level_fails_the_flush_not_training(tmp_path: Any) -> None
     )
     model = torch.nn.Linear(4, 4)
     levels = [pitstop.Local(tmp_path / "local" / "{node}"), pitstop.Shared(shared, every=1)]
-    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(levels, topology=["n0"]) as ckpt:
         for step in (1, 2, 3):
             with torch.no_grad():
                 model.weight += 1
             ckpt.save(step, {"model": model})
-            assert ckpt.levels is not None and ckpt.levels.flusher is not None
-            ckpt.levels.flusher.drain()
-        assert ckpt.levels is not None and ckpt.levels.flusher is not None
-        ckpt.levels.flusher.close()
-        records = [(r.step, r.ok) for r in ckpt.levels.flusher.records]
-        error = ckpt.levels.flusher.records[0].error
+            assert ckpt.hooks.levels is not None and ckpt.hooks.levels.flusher is not None
+            ckpt.hooks.levels.flusher.drain()
+        assert ckpt.hooks.levels is not None and ckpt.hooks.levels.flusher is not None
+        ckpt.hooks.levels.flusher.close()
+        records = [(r.step, r.ok) for r in ckpt.flush_records]
+        error = ckpt.flush_records[0].error
     assert records == [(1, False), (2, True), (3, True)]
     assert error is not None and "No space left" in error
     assert sorted(os.listdir(tmp_path / "local" / "n0")) == [
         "levels.json", "step-0000000002", "step-0000000003",
     ]  # fmt: skip
     fresh = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(levels, topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": fresh}) == 3
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
     assert torch.equal(fresh.weight, model.weight)
@@ -111,9 +109,9 @@ def test_restore_of_an_older_step_sets_the_newer_ones_aside_on_both_levels(
     tmp_path: Any,
 ) -> None:
     model = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         _save_to(ckpt, model, range(1, 5))  # local keeps 3, 4; shared holds 2, 4
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}, step=3) == 3
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
         assert _steps(tmp_path / "local" / "n0") == [3] and _steps(tmp_path / "shared") == [2]
@@ -121,7 +119,7 @@ def test_restore_of_an_older_step_sets_the_newer_ones_aside_on_both_levels(
             model.weight.fill_(40.0)  # the new timeline's step 4
         ckpt.save(4, {"model": model})
     fresh = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": fresh}) == 4
     assert torch.equal(fresh.weight, torch.full((4, 4), 40.0))
     assert _steps(tmp_path / "shared") == [2, 4]  # the new step 4 (flushed: 3 was not there)
@@ -129,7 +127,7 @@ def test_restore_of_an_older_step_sets_the_newer_ones_aside_on_both_levels(
 
 def test_a_newer_intact_local_step_wins_over_an_older_shared_one(tmp_path: Any) -> None:
     model = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         _save_to(ckpt, model, range(1, 5))
     for level in ("local/n0", "shared"):  # step 4 damaged everywhere; local 3 intact
         with open(tmp_path / level / "step-0000000004" / "rank-00000.bin", "r+b") as f:
@@ -137,7 +135,7 @@ def test_a_newer_intact_local_step_wins_over_an_older_shared_one(tmp_path: Any) 
             byte = f.read(1)
             f.seek(0)
             f.write(bytes([byte[0] ^ 0xFF]))
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 3
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
         assert torch.equal(model.weight, torch.full((4, 4), 3.0))
@@ -148,11 +146,11 @@ def test_close_flushes_the_newest_step_and_the_schedule_survives_a_restart(
     tmp_path: Any,
 ) -> None:
     model = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path, every=10), topology=["n0"]) as ckpt:
         _save_to(ckpt, model, range(1, 4))
         assert _steps(tmp_path / "shared") == []
     assert _steps(tmp_path / "shared") == [3]  # flushed at close
-    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path, every=10), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 3
         _save_to(ckpt, model, range(4, 6))
         record = ckpt.flush()
@@ -160,12 +158,12 @@ def test_close_flushes_the_newest_step_and_the_schedule_survives_a_restart(
         assert ckpt.flush() is None  # flushed already
     assert _steps(tmp_path / "shared") == [3, 5]
     # a restart from a step the shared level lacks flushes the first step after it
-    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path, every=10), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}, step=4) == 4
         _save_to(ckpt, model, range(5, 6))
-        assert ckpt.levels is not None and ckpt.levels.flusher is not None
-        ckpt.levels.flusher.drain()
-        assert [(r.step, r.ok) for r in ckpt.levels.flusher.records] == [(5, True)]
+        assert ckpt.hooks.levels is not None and ckpt.hooks.levels.flusher is not None
+        ckpt.hooks.levels.flusher.drain()
+        assert [(r.step, r.ok) for r in ckpt.flush_records] == [(5, True)]
         ckpt.close(flush=False)
 
 
@@ -174,7 +172,7 @@ def test_an_exception_in_the_with_block_does_not_flush(tmp_path: Any) -> None:
     levels = _job(tmp_path, every=10)
     with (
         pytest.raises(RuntimeError, match="boom"),
-        pitstop.CheckpointManager(levels=levels, topology=["n0"]) as ckpt,
+        pitstop.CheckpointManager(levels, topology=["n0"]) as ckpt,
     ):
         _save_to(ckpt, model, range(1, 3))
         raise RuntimeError("boom")
@@ -183,12 +181,12 @@ def test_an_exception_in_the_with_block_does_not_flush(tmp_path: Any) -> None:
 
 def test_a_step_a_rollback_left_is_never_resumed(tmp_path: Any) -> None:
     model = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path, every=10), topology=["n0"]) as ckpt:
         _save_to(ckpt, model, range(1, 5))
         ckpt.close(flush=False)
     # a rollback that found step 4 in use marks it instead of moving it
     (tmp_path / "local" / "n0" / "step-0000000004" / "ABANDONED").write_text('{"after": 3}')
-    with pitstop.CheckpointManager(levels=_job(tmp_path, every=10), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path, every=10), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 3
         assert ckpt.last_restore is not None and ckpt.last_restore.repaired == []
         _save_to(ckpt, model, range(4, 5))  # the marked step 4 moves out of the way
@@ -219,14 +217,14 @@ def test_a_rollback_killed_after_its_first_mark_still_holds_on_both_levels(
     tmp_path: Any,
 ) -> None:
     model = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         _save_to(ckpt, model, range(1, 5))  # local 3, 4; shared 2, 4
         newest = next(e for e in ckpt.entries() if e.step == 4 and e.manifest is not None)
         lineage = newest.manifest.lineage  # type: ignore[union-attr]
     assert lineage is not None
     mark = {"after": 3, "run": lineage.run, "timeline": lineage.timeline, "time": 0.0}
     (tmp_path / "local" / "n0" / "step-0000000003" / "ROLLBACK").write_text(json.dumps(mark))
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 3  # not the shared level's step 4
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"
     assert _steps(tmp_path / "shared") == [2] and _steps(tmp_path / "local" / "n0") == [3]
@@ -236,17 +234,17 @@ def test_a_repair_replaces_a_hard_linked_file_and_never_writes_through_it(
     tmp_path: Any,
 ) -> None:
     model = torch.nn.Linear(4, 4)
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         _save_to(ckpt, model, range(1, 5))
     node = tmp_path / "local" / "n0"
     mine = node / "step-0000000004" / "rank-00000.bin"
     mine.unlink()
     os.link(node / "step-0000000003" / "rank-00000.bin", mine)  # as `cp -al` would leave it
     before = (node / "step-0000000003" / "rank-00000.bin").read_bytes()
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 4  # the shared level's, fetched back
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "shared"
     assert (node / "step-0000000003" / "rank-00000.bin").read_bytes() == before
-    with pitstop.CheckpointManager(levels=_job(tmp_path), topology=["n0"]) as ckpt:
+    with pitstop.CheckpointManager(_job(tmp_path), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 4
         assert ckpt.last_restore is not None and ckpt.last_restore.level == "local"

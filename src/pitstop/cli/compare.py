@@ -217,8 +217,10 @@ def load_ranks(root: str, step: int | None, *, allow_pickle: bool = False) -> tu
     rank of it: the step, the state (a dict ``rank<r>`` -> that rank's state when several
     ranks saved it, each with its own RNG streams and data position), and the rank count."""
     from pitstop.manager import CheckpointManager
+    from pitstop.options import SaveOptions
 
-    with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
+    options = SaveOptions.from_env(allow_pickle=allow_pickle, max_in_flight=1)
+    with CheckpointManager(root, options=options) as mgr:
         first = mgr.load(step)
         info = mgr.last_restore
         assert info is not None and info.step is not None and info.manifest is not None

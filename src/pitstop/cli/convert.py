@@ -48,6 +48,7 @@ from pitstop.errors import (
 )
 from pitstop.io.files import check_regular
 from pitstop.manager import CheckpointManager
+from pitstop.options import SaveOptions
 from pitstop.state.keys import unescape_key
 from pitstop.state.tree import join_key
 
@@ -120,14 +121,15 @@ def _load_with_tree(root: str, step: int | None, allow_pickle: bool) -> tuple[An
     the newest that verifies, falling back like restore), the objects tree it was built from,
     read again under a pin (``read_objects``: size, checksum and grammar checked against the
     same manifest), and the load's RestoreResult (which step, what it skipped)."""
-    with CheckpointManager(root, allow_pickle=allow_pickle, max_in_flight=1) as mgr:
+    options = SaveOptions.from_env(allow_pickle=allow_pickle, max_in_flight=1)
+    with CheckpointManager(root, options=options) as mgr:
         value = mgr.load(step)
         loaded = mgr.last_restore
         assert loaded is not None and loaded.name is not None and loaded.manifest is not None
         problems: list[str] = []
-        with mgr.catalog.pin(loaded.name) as alive:
+        with mgr.hooks.catalog.pin(loaded.name) as alive:
             tree = (
-                read_objects(mgr.storage, loaded.name, loaded.manifest, 0, problems)
+                read_objects(mgr.hooks.storage, loaded.name, loaded.manifest, 0, problems)
                 if alive
                 else None
             )
@@ -135,7 +137,7 @@ def _load_with_tree(root: str, step: int | None, allow_pickle: bool) -> tuple[An
             raise CorruptCheckpointError(
                 f"{loaded.name} changed while it was being exported"
                 + (f": {'; '.join(problems)}" if problems else " (removed)"),
-                step=loaded.step, path=f"{mgr.storage.url}/{loaded.name}",
+                step=loaded.step, path=f"{mgr.url}/{loaded.name}",
             )  # fmt: skip
     return value, tree, loaded
 
@@ -257,9 +259,8 @@ def run_import(args: argparse.Namespace) -> int:
     tree = _read_source(src, args.allow_pickle)
     if not isinstance(tree, Mapping):
         tree = {"state": tree}
-    with CheckpointManager(
-        args.to, allow_pickle=args.allow_pickle, max_in_flight=1, overlap=False
-    ) as mgr:
+    options = SaveOptions.from_env(allow_pickle=args.allow_pickle, max_in_flight=1, overlap=False)
+    with CheckpointManager(args.to, options=options) as mgr:
         mgr.save(args.step, tree)
     print(f"imported {src} into {args.to} as step {args.step} ({len(flat_tensors(tree))} tensors)")
     return 0

@@ -222,7 +222,7 @@ def refuse_node_dir(path: str, step: int | None, command: str) -> None:
     where = (
         f"{command} the shared level instead ({lv.shared})" if lv.shared is not None
         else f"the shared level is {lv.shared_url}" if lv.shared_url is not None
-        else "there is no shared level: CheckpointManager(levels=...) rebuilds the state"
+        else "there is no shared level: CheckpointManager(...) rebuilds the state"
     )  # fmt: skip
     if step is not None and lv.shared is not None and not _shared_has(lv, step, committed=True):
         where += f"; step {step} was not flushed to it (`pitstop ls {lv.shared}`)"

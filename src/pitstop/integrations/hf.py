@@ -312,7 +312,7 @@ class PitstopCallback(TrainerCallback):
             raise StateMismatchError(
                 f"step {step} was not saved by pitstop.integrations.hf (it has no 'trainer' "
                 "entry): give PitstopCallback a root of its own",
-                step=step, path=mgr.storage.url, phase="restore",
+                step=step, path=mgr.url, phase="restore",
             )  # fmt: skip
         return _Resume(step, progress.value, data.value)
 
@@ -331,7 +331,7 @@ class PitstopCallback(TrainerCallback):
         trainer.state = TrainerState(**resume.trainer_state)
         _log.info(
             "%s: step %d is the last step of this run (max_steps %d): nothing left to train",
-            self.manager.storage.url, resume.step, trainer.state.max_steps, phase="restore",
+            self.manager.url, resume.step, trainer.state.max_steps, phase="restore",
         )  # fmt: skip
         return TrainOutput(resume.step, float("nan"), {})
 
@@ -360,7 +360,7 @@ class PitstopCallback(TrainerCallback):
             if mgr.restore(self._state, resume.step) is None:
                 raise CheckpointNotFoundError(
                     f"step {resume.step} vanished before the Trainer restored it",
-                    step=resume.step, path=mgr.storage.url, phase="restore",
+                    step=resume.step, path=mgr.url, phase="restore",
                 )  # fmt: skip
             self._saved = resume.step
 
@@ -423,7 +423,7 @@ class PitstopCallback(TrainerCallback):
         step, self._due = self._due, None
         if step is None or self.manager is None or self._state is None:
             return
-        self.manager.reached(step)
+        self.manager.hooks.reached(step)
         if self._saved != step:
             try:
                 self.manager.async_save(step, self._state)

@@ -2,7 +2,7 @@
 
 ::
 
-    ckpt = CheckpointManager(levels=[
+    ckpt = CheckpointManager([
         pitstop.Local("/local/ckpt/{node}", redundancy="partner"),   # every checkpoint
         pitstop.Shared("/shared/ckpt", every=10),                   # every 10th, in the background
     ])

@@ -270,10 +270,29 @@ class LocalStorage:
         on_extent: Callable[[Extent], None] | None = None,
     ) -> IOResult:
         path, dir_fd = self._target(directory, name)
-        return write_file(
-            path, view, extents, pool=pool, direct=self.io.direct, fsync=self.io.fsync,
-            before_extent=before_extent, on_extent=on_extent, dir_fd=dir_fd,
-        )  # fmt: skip
+        try:  # a file already there (a repair) is replaced, never written through: see
+            os.lstat(path, dir_fd=dir_fd)  # write_object
+        except FileNotFoundError:
+            return write_file(
+                path, view, extents, pool=pool, direct=self.io.direct, fsync=self.io.fsync,
+                before_extent=before_extent, on_extent=on_extent, dir_fd=dir_fd,
+            )  # fmt: skip
+        except OSError as e:
+            raise _io_error(e, f"stat {name}", self._path(directory, name), "persist") from e
+        tmp = os.path.join(os.path.dirname(path), f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            result = write_file(
+                tmp, view, extents, pool=pool, direct=self.io.direct, fsync=self.io.fsync,
+                before_extent=before_extent, on_extent=on_extent, dir_fd=dir_fd,
+            )  # fmt: skip
+            os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+                raise _io_error(e, f"write {name}", self._path(directory, name), "persist") from e
+            raise
+        return result
 
     def join(self, directory: str, token: str) -> None:
         """Another rank's ``prepare``d ``directory``: open it and check that it is the one
@@ -560,10 +579,12 @@ def open_root(
     if isinstance(root, (str, os.PathLike)):
         io = options_io or IOOptions.from_env(**knobs)
         return LocalStorage(root, io), io
-    if any(v is not None for v in knobs.values()):
+    given = [k for k, v in knobs.items() if v is not None]
+    if options_io is not None and options_io not in (root.io, IOOptions.from_env()):
+        given.append("SaveOptions(io=...)")
+    if given:
         raise ValueError(
-            f"{', '.join(k for k, v in knobs.items() if v is not None)} configure a directory "
-            f"root; {type(root).__name__} brings its own IOOptions (pass io=IOOptions(...) "
-            "when you build it)"
+            f"{', '.join(given)} configure a directory root; {type(root).__name__} brings its "
+            "own IOOptions (pass io=IOOptions(...) when you build it)"
         )
     return root, root.io

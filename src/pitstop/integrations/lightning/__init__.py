@@ -32,7 +32,7 @@ Call sequence (the training thread of global rank 0 unless said otherwise)::
       PitstopCallback.on_train_start          fit_starts(ModelCheckpoint's last path): registered;
                                               loader checks, Lightning #20550
       PitstopCallback.on_train_epoch_start / on_train_batch_start   RNG restored (once)
-      PitstopCallback.on_train_batch_end      manager.reached(global_step): crash-test hook
+      PitstopCallback.on_train_batch_end      manager.hooks.reached(global_step): crash-test hook
       ModelCheckpoint -> trainer.save_checkpoint
         PitstopCallback.on_save_checkpoint    checkpoint["pitstop"] = RNG streams
         save_checkpoint(checkpoint, path)     async_save(step): returns after the copy

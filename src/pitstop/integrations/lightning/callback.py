@@ -114,7 +114,7 @@ class PitstopCallback(Callback):
         RNGState().load_state_dict(_native(self._rng))
         self._rng = None
         if self._io is not None:  # the whole state is back: crashtest's restore record
-            self._io.manager.resumed(trainer.global_step)
+            self._io.manager.hooks.resumed(trainer.global_step)
 
 
 def _portable(rng: dict[str, Any]) -> dict[str, Any]:

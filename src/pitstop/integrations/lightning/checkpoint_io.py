@@ -96,7 +96,7 @@ class PitstopCheckpointIO(CheckpointIO):
         self._raise_error()
         if self._closed:
             raise UnsupportedSetupError(
-                f"PitstopCheckpointIO({self.manager.storage.url!r}) is closed: cannot save {path}"
+                f"PitstopCheckpointIO({self.manager.url!r}) is closed: cannot save {path}"
             )
         if storage_options is not None:
             raise TypeError("PitstopCheckpointIO.save_checkpoint takes no storage_options")
@@ -210,7 +210,7 @@ class PitstopCheckpointIO(CheckpointIO):
     def reached(self, step: int) -> None:
         """Training finished ``step`` (PitstopCallback, once per optimizer step): the manager's
         crash-test hook (``pitstop crashtest`` kills the process here)."""
-        self.manager.reached(step)
+        self.manager.hooks.reached(step)
 
     def fit_starts(self, last: str | None) -> None:
         """Training starts (PitstopCallback.on_train_start): the saves until ``teardown()``
@@ -388,7 +388,7 @@ class PitstopCheckpointIO(CheckpointIO):
         saved nothing yet, and let later saves of that step point at it if it is the newest."""
         result = self.manager.last_restore
         if not self._owns_run and result is not None and result.step == step:
-            self.manager.identity.adopt(result.manifest, step, new_timeline=False)
+            self.manager.hooks.identity.adopt(result.manifest, step, new_timeline=False)
             self._owns_run = True
         if step == self.manager.latest_step():
             self._reusable.add(step)
@@ -399,8 +399,10 @@ class PitstopCheckpointIO(CheckpointIO):
         if newest is None or not self._owns_run:
             return
         try:
-            catalog = self.manager.catalog
-            retired = catalog.retire(self._retention, newest=newest, identity=self.manager.identity)
+            catalog = self.manager.hooks.catalog
+            retired = catalog.retire(
+                self._retention, newest=newest, identity=self.manager.hooks.identity
+            )
             catalog.purge_later(retired)
         except CheckpointError as e:  # a later commit tries again
             _log.warning("retention at teardown failed: %s", e, phase="gc")
