@@ -65,12 +65,11 @@ def main() -> None:
                 opt.step()
                 sched.step()
                 state["progress"]["step"] += 1
-                ckpt.step(state["progress"]["step"], state, loss=loss.item())  # pitstop
-                if state["progress"]["step"] >= args.steps:
+                last = state["progress"]["step"] >= args.steps  # pitstop: left to save_final
+                ckpt.step(state["progress"]["step"], state, loss=loss.item(), last=last)  # pitstop
+                if last:
                     break
-        ckpt.wait()
-        if ckpt.latest_step() != state["progress"]["step"]:  # pitstop: the final state
-            ckpt.save(state["progress"]["step"], state)
+        ckpt.save_final(state["progress"]["step"], state)  # pitstop: the final state
     if dist.get_rank() == 0:
         print(f"done: step {state['progress']['step']}, loss {loss.item():.6f}", flush=True)
     dist.destroy_process_group()

@@ -8,12 +8,18 @@ whose class is where a bright blob sits, so the net does learn.
     python examples/mnist.py --dir ckpts            # trains; rerun it after a kill: it resumes
     pitstop crashtest -- python examples/mnist.py --dir {dir} --epochs 2
 
+pitstop's default policy chooses when to checkpoint from what it measures (``--every N``:
+every N steps instead). The last step is left to ``ckpt.save_final``, after the last
+``test()`` and ``scheduler.step()``: the final checkpoint is the same whichever steps the
+policy took.
+
 ``--broken`` makes a common mistake: the test loader has the settings of the original
-script on a GPU (``shuffle=True, num_workers=1, persistent_workers=True``) and no generator of
-its own, and the script evaluates the model it starts from (fresh or restored). That pass
-draws base seeds from the global generator, which the checkpoint does not know about, so
-after a resume the dropout masks shift and the weights end differently; crashtest reports
-the difference and names the cause.
+script on a GPU (``num_workers=1, persistent_workers=True``) and no generator of its own. Its
+first pass in each process draws a base seed for its worker from the global generator, which
+the checkpoint does not know about: a run resumed after the first epoch draws where the
+uninterrupted one did not, and its random streams shift (a resume in the first epoch does
+not show it). crashtest resumes in a later epoch too, reports the difference and names the
+cause.
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ def train(args, model, train_loader, optimizer, epoch, state, ckpt) -> None:  # 
         loss.backward()
         optimizer.step()
         state["progress"]["step"] += 1  # pitstop
-        ckpt.step(state["progress"]["step"], state, loss=loss.item())  # pitstop
+        last = epoch == args.epochs and batch_idx == len(train_loader) - 1  # pitstop
+        ckpt.step(state["progress"]["step"], state, loss=loss.item(), last=last)  # pitstop
         if batch_idx % args.log_interval == 0:
             print(
                 f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)} "
@@ -110,9 +117,13 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--log-interval", type=int, default=5)
-    parser.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
+    parser.add_argument(  # pitstop
+        "--every", type=int, default=0, help="checkpoint every N steps (0: pitstop's policy)"
+    )
     parser.add_argument("--workers", type=int, default=0, help="train loader workers")
-    parser.add_argument("--broken", action="store_true", help="test loader without a generator")
+    parser.add_argument(
+        "--broken", action="store_true", help="persistent test loader without a generator"
+    )
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # the same kernels in every run
@@ -123,11 +134,10 @@ def main() -> None:
         train_set, batch_size=args.batch_size, shuffle=True, seed=args.seed,
         num_workers=args.workers,
     )  # fmt: skip
-    if args.broken:  # the original GPU settings: draws from the global generator
+    if args.broken:  # the original GPU settings: its first pass draws from the global generator
         test_loader = DataLoader(
-            test_set, batch_size=args.test_batch_size, shuffle=True, num_workers=1,
-            persistent_workers=True,
-        )  # fmt: skip
+            test_set, batch_size=args.test_batch_size, num_workers=1, persistent_workers=True
+        )
     else:  # its own generator: evaluation leaves the training's random streams alone
         test_loader = DataLoader(
             test_set, batch_size=args.test_batch_size, shuffle=True,
@@ -141,21 +151,16 @@ def main() -> None:
         "model": model, "optimizer": optimizer, "scheduler": scheduler, "data": train_loader,
         "rng": pitstop.RNGState(), "progress": {"step": 0},
     }  # fmt: skip
-    with pitstop.CheckpointManager(  # pitstop
-        args.dir, keep_last=2, policy=pitstop.policy.EveryN(args.every)
-    ) as ckpt:
+    policy = pitstop.policy.EveryN(args.every) if args.every else None  # pitstop
+    with pitstop.CheckpointManager(args.dir, keep_last=2, policy=policy) as ckpt:  # pitstop
         ckpt.restore(state)  # pitstop: newest valid checkpoint, if any
-        if args.broken:
-            test(model, test_loader)  # evaluates what it starts from: draws after the restore
         while train_loader.epoch < args.epochs:  # pitstop: was `for epoch in range(...)`
             epoch = train_loader.epoch + 1
             train(args, model, train_loader, optimizer, epoch, state, ckpt)
             ckpt.pause()  # pitstop: evaluation is not training time
             test(model, test_loader)
             scheduler.step()
-        ckpt.wait()  # pitstop: the last checkpoint is durable
-        if ckpt.latest_step() != state["progress"]["step"]:  # pitstop: and the final state
-            ckpt.save(state["progress"]["step"], state)
+        ckpt.save_final(state["progress"]["step"], state)  # pitstop: the state after all that
 
 
 if __name__ == "__main__":

@@ -66,6 +66,27 @@ def test_broken_example_differs_and_names_the_cause(tmp_path: Any, name: str) ->
     assert "max |a-b| = " in out  # the differing tensors, with how much
 
 
+def test_mnist_with_a_fixed_schedule_resumes_identically(tmp_path: Any) -> None:
+    # every 5 steps: the last step (32) is not one of them, the final save takes it
+    code, out = crashtest(tmp_path, [*_command("mnist"), "--every", "5"], "--seed", "0")
+    assert code == 0, out
+    assert "identical: yes" in out
+
+
+def test_mnist_broken_is_caught_by_a_resume_in_the_second_epoch(tmp_path: Any) -> None:
+    # its test loader's first pass in each process draws: a resume in the first epoch does
+    # not show it (--kill-at 5: identical); the one point crashtest keeps when asked for one
+    # is in a later epoch, and shows it
+    cmd = [*_command("mnist"), "--broken", "--every", "4"]
+    code, out = crashtest(tmp_path / "a", cmd, "--kill-at", "5")
+    assert code == 0, out
+    code, out = crashtest(tmp_path / "b", cmd, "--kills", "1", "--seed", "1")
+    assert code == 1, out
+    tested = [line for line in out.splitlines() if line.startswith("resume points tested:")]
+    assert tested and "(epoch 2)" in tested[0], out
+    assert "differ at the save of step 32 (by save_final()" in out
+
+
 @pytest.mark.dist
 def test_ddp_torchrun_resumes_identically_on_every_rank(tmp_path: Any) -> None:
     cmd = [*TORCHRUN, example("ddp_torchrun.py"), "--dir", "{dir}", "--steps", "24"]

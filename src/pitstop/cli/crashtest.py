@@ -179,10 +179,10 @@ def _crash_runs(
         run = runner.run(f"crashed-{len(chain.logs)}", crash_dir, log, kill)
         records = read_log(log, "")
         chain.warnings.update(_warnings(run.output))
-        resumed = _resumed(chain, killed, records, f"crashed run {len(chain.logs)}")
         kills = [r for r in records if r.event == "kill"]
         if not kills and (killed is None or run.returncode != 0):
             raise CrashtestError(_not_killed(len(chain.logs), kill, run))  # it ended, or died
+        resumed = _resumed(chain, killed, records, f"crashed run {len(chain.logs)}")
         if not kills:
             _say(
                 f"crashed run {len(chain.logs)}{resumed}: no checkpoint at or after step {kill} "
@@ -254,7 +254,7 @@ def _not_killed(run_no: int, kill: int, run: _Run) -> str:
     if run.returncode == 0:
         why = (
             "finished without being killed: does the script call ckpt.step() once per step "
-            "(or, if it saves with save()/async_save() itself, ckpt.reached(step), and "
+            "(or, if it saves with save()/async_save() itself, ckpt.hooks.reached(step), and "
             f"save a checkpoint at or after step {kill} before its last step)?"
         )
     else:
@@ -394,7 +394,7 @@ def _reference(
             f"the reference run checkpointed first at its last step ({final}): there is no "
             "checkpoint to resume from before the end; checkpoint more often or train longer"
         )
-    epochs = len({r.data["epoch"] for r in records if type(r.data.get("epoch")) is int})
+    epochs = len(Timeline.of(records, final).starts)
     _say(
         f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves"
         + (f", {epochs} epochs" if epochs > 1 else "")
@@ -403,7 +403,8 @@ def _reference(
     if trained > final:
         _say(
             f"note: the reference trained to step {trained} but its newest checkpoint is of step "
-            f"{final}: what came after is not compared (save the final state at the end)"
+            f"{final}: what came after is not compared (save the final state at the end: "
+            "ckpt.save_final(step, state))"
         )
     return records, final, _warnings(run.output)
 

@@ -59,12 +59,15 @@ def read_log(path: str, run: str) -> list[Record]:
 
 def unseeded(ref: list[Record], fresh: list[Record]) -> set[str]:
     """Generators that two fresh processes start differently (the script does not seed them):
-    their digests differ at the first step both saved before any restore."""
-    mine = {(r.step, r.rank): r.data for r in fresh if r.event == "save"}
+    their digests differ at the first step (or save) both logged before any restore."""
     restored = {r.pid for r in fresh if r.event == "restore"}
+    mine: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in fresh:
+        if r.event in _MARKS and r.pid not in restored:
+            mine.setdefault((r.step, r.rank), r.data)
     for r in ref:
         other = mine.get((r.step, r.rank))
-        if r.event != "save" or other is None or any(x.pid in restored for x in fresh):
+        if r.event not in _MARKS or other is None:
             continue
         a, b = r.data.get("generators") or {}, other.get("generators") or {}
         return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
@@ -259,19 +262,28 @@ def _generator_drift(
 def _drawn_outside(
     restored: int, at: Record, agreed: int | None, names: str, epoch_start: bool
 ) -> str:
-    since = f"they agree with the reference up to step {agreed} and " if agreed else "they "
-    between = (
-        f" (step {at.step} begins an epoch: the work between two epochs, such as an "
-        "evaluation, drew from them)"
-        if agreed == at.step - 1 and epoch_start
-        else ""
-    )
+    where = f"at step {at.step}"
+    if at.event == "save":
+        where = f"at the save of step {at.step} ({_where(at)})"
+    since = f"agree with the reference up to step {agreed} and " if agreed is not None else ""
+    between = ""
+    if agreed == at.step - 1 and epoch_start:
+        between = (
+            f" (step {at.step} begins an epoch: the work between two epochs, such as an "
+            "evaluation, drew from them)"
+        )
+    elif agreed == at.step and at.event == "save":
+        between = (
+            f" (the work between the end of step {at.step} and that save, such as a final "
+            "evaluation, drew from them)"
+        )
     return (
         f"the global random generators ({names}) were drawn outside the saved state: restored "
-        f"exactly at step {restored}, {since}differ from step {at.step} on (rank {at.rank})"
-        f"{between}; typical: a DataLoader without generator= (evaluation loaders draw a seed "
-        "at every iter(), with persistent workers only at the first), evaluation or "
-        "augmentation in the main process drawing a different amount after a resume"
+        f"exactly at step {restored}, they {since}differ {where}"
+        f"{f' on rank {at.rank}' if at.rank else ''}{between}; "
+        "typical: a DataLoader without generator= (evaluation loaders draw a seed at every "
+        "iter(), with persistent workers only at the first), evaluation or augmentation in the "
+        "main process drawing a different amount after a resume"
     )
 
 
