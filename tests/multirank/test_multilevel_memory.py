@@ -70,7 +70,7 @@ def _state(rank: int, nbytes: int = STATE) -> dict[str, torch.Tensor]:
 
 def _manager(base: str, levels: list[Any], nodes: list[str], **io: Any) -> Any:
     options = SaveOptions(host_memory_bytes=HOST, dist_timeout_secs=TIMEOUT, io=IOOptions(**io))
-    return pitstop.CheckpointManager(levels=levels, topology=nodes, options=options)
+    return pitstop.CheckpointManager(levels, topology=nodes, options=options)
 
 
 def _local(base: str, scheme: str) -> Any:
@@ -86,41 +86,63 @@ def _mib(n: int) -> str:
 
 
 # --------------------------------------------------------------------------- flush, fetch
-def _flush(rank: int, world: int, base: str) -> tuple[int, bool]:
+def _flush_and_fetch(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Save, flush (measured); lose the local step; restart from the shared level, which
+    fetches the step back into the local level (measured: load and fetch)."""
     state = _state(rank)
     levels = [_local(base, "single"), _shared(base, 1000)]
     with _manager(base, levels, ["n0"]) as ckpt:
         ckpt.save(1, state)
-        grew, record = _growth(ckpt.flush)
-    return grew, record is not None and record.ok
-
-
-def test_a_flush_of_a_state_four_times_host_memory_stays_within_it(tmp_path: Any) -> None:
-    base = str(tmp_path)
-    [(grew, ok)] = run_ranks(_flush, 1, base, timeout_secs=TIMEOUT)
-    assert ok
-    assert grew < LIMIT, f"a flush of {_mib(STATE)} grew the peak RSS by {_mib(grew)}"
-    for name in ("rank-00000.bin", "objects-00000.json"):
-        local = os.path.join(base, "local", "n0", STEP, name)
-        assert filecmp.cmp(local, os.path.join(base, "shared", STEP, name), shallow=False)
-
-
-def _fetch(rank: int, world: int, base: str) -> tuple[int, Any, Any]:
-    state = _state(rank)
-    levels = [_local(base, "single"), _shared(base, 1)]
-    with _manager(base, levels, ["n0"]) as ckpt:
-        ckpt.save(1, state)
+        flush, record = _growth(ckpt.flush)
     shutil.move(os.path.join(base, "local", "n0", STEP), os.path.join(base, "lost"))
     with _manager(base, levels, ["n0"]) as ckpt:
-        grew, step = _growth(lambda: ckpt.restore(state))
-        return grew, step, ckpt.last_restore.level if ckpt.last_restore else None
+        fetch, step = _growth(lambda: ckpt.restore(state))
+        level = ckpt.last_restore.level if ckpt.last_restore else None
+    return {
+        "flush": flush, "flushed": record is not None and record.ok, "fetch": fetch,
+        "step": step, "level": level,
+    }  # fmt: skip
 
 
-def test_a_fetch_from_the_shared_level_stays_within_host_memory(tmp_path: Any) -> None:
-    base = str(tmp_path)
-    [(grew, step, level)] = run_ranks(_fetch, 1, base, timeout_secs=TIMEOUT)
-    assert (step, level) == (1, "shared")
-    assert grew < LIMIT, f"a restart that fetched {_mib(STATE)} grew the peak RSS by {_mib(grew)}"
+_RUNS: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+
+
+def _run(tmp_path_factory: Any, key: str) -> tuple[str, list[dict[str, Any]]]:
+    """One run of each kind for the tests of its parts (spawning ranks is what they wait for)."""
+    if key not in _RUNS:
+        base = str(tmp_path_factory.mktemp(f"memory-{key}"))
+        if key == "levels":
+            out = run_ranks(_flush_and_fetch, 1, base, timeout_secs=TIMEOUT)
+        else:
+            out = run_ranks(_protect_and_rebuild, 2, base, key, timeout_secs=TIMEOUT * 2)
+        _RUNS[key] = (base, out)
+    return _RUNS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup() -> Any:
+    yield
+    for base, _ in _RUNS.values():
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_flush_of_a_state_four_times_host_memory_stays_within_it(tmp_path_factory: Any) -> None:
+    base, [r] = _run(tmp_path_factory, "levels")
+    assert r["flushed"]
+    assert r["flush"] < LIMIT, f"a flush of {_mib(STATE)} grew the peak RSS by {_mib(r['flush'])}"
+    for name in ("rank-00000.bin", "objects-00000.json"):
+        assert filecmp.cmp(
+            os.path.join(base, "lost", name), os.path.join(base, "shared", STEP, name),
+            shallow=False,
+        )  # fmt: skip
+
+
+def test_a_fetch_from_the_shared_level_stays_within_host_memory(tmp_path_factory: Any) -> None:
+    base, [r] = _run(tmp_path_factory, "levels")
+    assert (r["step"], r["level"]) == (1, "shared")
+    assert r["fetch"] < LIMIT, (
+        f"a restart that fetched {_mib(STATE)} grew the peak RSS by {_mib(r['fetch'])}"
+    )
     fetched = os.path.join(base, "local", "n0", STEP)
     assert os.path.exists(os.path.join(fetched, "manifest.json"))
     for name in ("rank-00000.bin", "objects-00000.json"):
@@ -151,25 +173,6 @@ def _protect_and_rebuild(rank: int, world: int, base: str, scheme: str) -> dict[
         "protect": protect, "rebuild": rebuild, "step": step,
         "level": info.level if info else None, "repaired": info.repaired if info else None,
     }  # fmt: skip
-
-
-_RUNS: dict[str, tuple[str, list[dict[str, Any]]]] = {}
-
-
-def _run(tmp_path_factory: Any, scheme: str) -> tuple[str, list[dict[str, Any]]]:
-    """One run per scheme for the tests of its partner copy (or parity) and its rebuild."""
-    if scheme not in _RUNS:
-        base = str(tmp_path_factory.mktemp(f"memory-{scheme}"))
-        out = run_ranks(_protect_and_rebuild, 2, base, scheme, timeout_secs=TIMEOUT * 2)
-        _RUNS[scheme] = (base, out)
-    return _RUNS[scheme]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cleanup() -> Any:
-    yield
-    for base, _ in _RUNS.values():
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("scheme", ["partner", "xor"])
@@ -247,16 +250,21 @@ def _small_state(rank: int) -> dict[str, Any]:
     }
 
 
-def _save_small(rank: int, world: int, base: str, scheme: str, lose: bool) -> Any:
+def _save_and_rebuild_small(rank: int, world: int, base: str, scheme: str) -> Any:
     """Save step 1 on three nodes through 4 KiB pieces (many rounds, blocks that straddle
-    files); with ``lose``: restart and rebuild node n1's files through the same pieces."""
+    files), lose node n1's step, restart: rebuilt (and protected again) through the same
+    pieces."""
+    import torch.distributed as dist
+
     state = _small_state(rank)
     io = {"read_chunk_bytes": ALIGN_BYTES, "read_buffers": 2}
     levels, nodes = [_local(base, scheme)], ["n0", "n1", "n2"]
-    if not lose:
-        with _manager(base, levels, nodes, **io) as ckpt:
-            ckpt.save(1, state)
-        return None
+    with _manager(base, levels, nodes, **io) as ckpt:
+        ckpt.save(1, state)
+    dist.barrier()
+    if rank == 1:
+        shutil.move(os.path.join(base, "local", "n1", STEP), os.path.join(base, "lost"))
+    dist.barrier()
     with _manager(base, levels, nodes, **io) as ckpt:
         step = ckpt.restore(state)
         return step, ckpt.last_restore.repaired if ckpt.last_restore else None
@@ -267,17 +275,23 @@ def test_redundancy_and_rebuilt_files_are_the_bytes_of_the_format(
     tmp_path: Any, scheme: str
 ) -> None:
     base = str(tmp_path)
-    run_ranks(_save_small, 3, base, scheme, False, timeout_secs=TIMEOUT)
+    out = run_ranks(_save_and_rebuild_small, 3, base, scheme, timeout_secs=TIMEOUT)
+    assert [o[0] for o in out] == [1, 1, 1] and out[0][1][0] == "rank 1", out
     step_dir = os.path.join(base, "local", "n{}", STEP)
     with open(os.path.join(step_dir.format(0), "manifest.json"), "rb") as f:
         manifest = Manifest.loads(f.read(), path=step_dir)
-    for k in range(3):
+    for entry in (e for e in manifest.files if e.rank == 1):
+        rebuilt = os.path.join(step_dir.format(1), entry.name)
+        lost = os.path.join(base, "lost", entry.name)
+        assert filecmp.cmp(lost, rebuilt, shallow=False), entry.name
+    for k in range(3):  # the redundancy the restart wrote again, as the save did
         here = step_dir.format(k)
         if scheme == "partner":  # rank k's node keeps the copy of rank k - 1
             src = (k - 1) % 3
-            for f in (f for f in manifest.files if f.rank == src):
-                theirs = os.path.join(step_dir.format(src), f.name)
-                assert filecmp.cmp(theirs, os.path.join(here, f"partner-{f.name}"), shallow=False)
+            for entry in (e for e in manifest.files if e.rank == src):
+                theirs = os.path.join(step_dir.format(src), entry.name)
+                copy = os.path.join(here, f"partner-{entry.name}")
+                assert filecmp.cmp(theirs, copy, shallow=False)
             continue
         parity = _expected_parity(step_dir, manifest, [0, 1, 2], k)
         with open(os.path.join(here, f"xor-{k:05d}.bin"), "rb") as f:
@@ -289,10 +303,3 @@ def test_redundancy_and_rebuilt_files_are_the_bytes_of_the_format(
             "block_bytes": len(parity), "algorithm": manifest.checksum_algorithm,
             "checksum": get_checksum(manifest.checksum_algorithm)(parity),
         }  # fmt: skip
-    lost = os.path.join(base, "lost")
-    shutil.move(step_dir.format(1), lost)
-    out = run_ranks(_save_small, 3, base, scheme, True, timeout_secs=TIMEOUT)
-    assert [o[0] for o in out] == [1, 1, 1] and out[0][1][0] == "rank 1", out
-    for f in (f for f in manifest.files if f.rank == 1):
-        rebuilt = os.path.join(step_dir.format(1), f.name)
-        assert filecmp.cmp(os.path.join(lost, f.name), rebuilt, shallow=False), f.name

@@ -11,12 +11,14 @@ Call sequence::
     flusher.close()              # waits for the flushes in flight
 
 One ``pitstop-flush`` thread per rank runs the flushes in order. Each holds a pin on its
-local step (retention skips it), reads the rank's member files from its node, verifies
-every checksum of the bytes in memory, writes them to the shared level and takes part in a
-commit round through the store (``commit_together``: rank 0 creates the directory and
-writes the manifest last, after every rank's files are durable). A failure (ENOSPC on the
-shared file system, a damaged local file, a rank that is gone) is logged and recorded in
-``records``; it never reaches training, and the local checkpoint stays as it was.
+local step (retention skips it), streams the rank's member files from its node to the
+shared level through a few bounded buffers (:func:`pitstop.engine.transfer.copy_files`:
+every checksum checked on the way, host memory within ``copy_budget`` whatever their
+size) and takes part in a commit round through the store (``commit_together``: rank 0
+creates the directory and writes the manifest last, after every rank's files are durable).
+A failure (ENOSPC on the shared file system, a damaged local file, a rank that is gone) is
+logged and recorded in ``records``; it never reaches training, and the local checkpoint
+stays as it was.
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ from dataclasses import dataclass
 from pitstop.engine.catalog import Catalog
 from pitstop.engine.collective import commit_together
 from pitstop.engine.persist import PersistResult
+from pitstop.engine.transfer import copy_files
 from pitstop.errors import CheckpointNotFoundError, CorruptCheckpointError
 from pitstop.faults import killpoint
-from pitstop.io.arena import Arena
 from pitstop.log import get_logger
-from pitstop.multilevel.redundancy import Member, read_payload, verify_payload
+from pitstop.multilevel.redundancy import Member
 from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage
 
@@ -139,35 +141,28 @@ class Flusher:
 
     def _copy(self, m: Member, seq: int, error: BaseException | None) -> int:
         data = m.manifest.dumps()
-        held: list[Arena] = []
 
         def write() -> PersistResult:  # read, verify and write inside the round: a failure
             if error is not None:  # of any rank is every rank's at once
                 raise error
-            arena, total = read_payload(m)
-            held.append(arena)
-            if not verify_payload(m, arena.view):
+            try:  # streamed: read, checked and written piece by piece
+                total = copy_files(m.storage, self.shared, m.directory, m.manifest, m.rank, "flush")
+            except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(
-                    f"rank {m.rank}'s files of step {m.manifest.step} fail their checksums on "
-                    f"{m.storage.url}; not flushed", step=m.manifest.step, phase="flush",
-                )  # fmt: skip
-            for f, at in m.files():
-                self.shared.write_object(m.directory, f.name, arena.view[at : at + f.nbytes])
+                    f"rank {m.rank}'s files of step {m.manifest.step} on {m.storage.url} are "
+                    f"damaged ({e.message}); not flushed", step=m.manifest.step, phase="flush",
+                ) from e  # fmt: skip
             killpoint("flush.mid")
             return PersistResult((), (), total, 0.0, False)
 
-        try:
-            try:  # one process: on the null group, in-process
-                result = commit_together(
-                    self.group, self.shared, m.directory, f"flush-{seq}", write,
-                    lambda results, hosts: data,
-                )  # fmt: skip
-            except BaseException:
-                self.shared.abort(m.directory)
-                raise
-        finally:
-            for arena in held:
-                arena.close()
+        try:  # one process: on the null group, in-process
+            result = commit_together(
+                self.group, self.shared, m.directory, f"flush-{seq}", write,
+                lambda results, hosts: data,
+            )  # fmt: skip
+        except BaseException:
+            self.shared.abort(m.directory)
+            raise
         return result.nbytes
 
     def close(self) -> None:

@@ -3,9 +3,11 @@
 Call sequence (every rank, the same calls in the same order)::
 
     protect(member)                     # persist thread, after every rank's files are
-                                        #   durable, before any node commits (NodeCommit)
-    payload, got = rebuild(member, lost, placement)   # training thread, at restore: the
-                                        #   member files of the ranks in ``lost``
+                                        #   durable, before any node commits (NodeCommit);
+                                        #   the training thread at restart (protect again)
+    verify_own(m), verify_copy(m), verify_parity(m)   # training thread, at restart
+    got = rebuild(member, lost)         # training thread, at restart: the member files of
+                                        #   the ranks in ``lost``; bytes received by source
 
 A rank's *payload* is its member files (its data and objects files of the step), each at a
 4 KiB-aligned offset, in name order: the same bytes on every node that keeps them.
@@ -17,41 +19,43 @@ A rank's *payload* is its member files (its data and objects files of the step),
 checksum in ``xor-<k>.json``), so the set stores N/(N-1) of its data. A lost member x is
 rebuilt block by block: ``block(x -> k) = P_k XOR block(j -> k) for every other j``: every
 survivor sends x what it holds of each k, x xors them.
+
+Every byte moves through :func:`pitstop.engine.transfer.transfer`: in rounds of pieces of
+bounded size (``piece_bytes``; every rank takes the same number of rounds, those with
+nothing to do in a round take part in none of its exchanges), read from the files and
+written with ``Storage.write_data`` as they come, what a rank receives checked against the
+manifest (a partner copy, a rebuilt file) or hashed into its parity's checksum on the way.
+Host memory stays within ``copy_budget`` whatever the size of the payloads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property, partial
 from typing import Any
 
-import torch
-
+from pitstop.engine.payload import Checker, Layout, Reader, align
+from pitstop.engine.transfer import Round, Target, payloads, piece_bytes, transfer
 from pitstop.engine.verify import verify_checkpoint
 from pitstop.errors import CheckpointError, CorruptCheckpointError
-from pitstop.format.checksum import get_checksum
+from pitstop.format.checksum import get_hasher
 from pitstop.format.manifest import FileEntry, Manifest, manifest_digest
 from pitstop.format.names import parity_file_names, partner_copy_name
-from pitstop.io.arena import Arena
+from pitstop.io.parallel import Extent
 from pitstop.log import get_logger
 from pitstop.multilevel.levels import Placement
-from pitstop.options import ALIGN_BYTES
 from pitstop.ranks.peers import PeerLink
 from pitstop.storage.base import Storage
 from pitstop.storage.wrap import StorageWrapper
 
 __all__ = [
-    "Member", "protect", "read_payload", "rebuild", "verify_copy", "verify_own", "verify_parity",
-    "verify_payload",
+    "Member", "protect", "rebuild", "verify_copy", "verify_own", "verify_parity",
 ]  # fmt: skip
 
 _PARITY_VERSION = 1
 _log = get_logger("pitstop.multilevel")
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
 
 @dataclass
@@ -65,57 +69,44 @@ class Member:
     link: PeerLink
     rank: int
 
+    @cached_property
+    def _payloads(self) -> dict[int, list[tuple[FileEntry, int]]]:
+        return payloads(self.manifest)
+
     def files(self, rank: int | None = None) -> list[tuple[FileEntry, int]]:
         """``rank``'s member files and their offsets in its payload."""
-        r = self.rank if rank is None else rank
-        out, at = [], 0
-        for f in sorted((f for f in self.manifest.files if f.rank == r), key=lambda f: f.name):
-            out.append((f, at))
-            at += _align(f.nbytes)
-        return out
+        return self._payloads.get(self.rank if rank is None else rank, [])
 
     def payload_bytes(self, rank: int | None = None) -> int:
-        return sum(_align(f.nbytes) for f, _ in self.files(rank))
+        return sum(align(f.nbytes) for f, _ in self.files(rank))
 
-    def block_bytes(self) -> int:
-        members = self.placement.xor_set(self.rank)
+    def block_bytes(self, rank: int | None = None) -> int:
+        """The parity block of ``rank``'s XOR set (default: this rank's)."""
+        members = self.placement.xor_set(self.rank if rank is None else rank)
         largest = max(self.payload_bytes(r) for r in members)
-        return _align(-(-largest // (len(members) - 1)))
+        return align(-(-largest // (len(members) - 1)))
+
+    def layout(self, rank: int | None = None, copy: bool = False) -> Layout:
+        """``rank``'s payload as files of this node (``copy``: the partner copies of them)."""
+        name: Callable[[str], str] = partner_copy_name if copy else str
+        return Layout.of((name(f.name), f.nbytes) for f, _ in self.files(rank))
+
+    def reader(self, rank: int | None = None, copy: bool = False) -> Reader:
+        return Reader(self.storage, self.directory, self.layout(rank, copy))
+
+    def rounds(self, piece: int, ranks: list[int]) -> int:
+        """How many rounds a transfer of the payloads of ``ranks`` takes: every rank computes
+        the same, so that every rank takes the same number of rounds."""
+        return max((self.layout(r).count(piece) for r in ranks), default=0)
 
 
-def _read(storage: Storage, directory: str, name: str, out: memoryview) -> None:
-    """Fill ``out`` (aligned) with file ``name``; a short file is damage."""
-    with contextlib.closing(storage.open_data(directory, name)) as reader:
-        at = 0
-        while at < len(out):
-            n = reader.read_into(at, out[at:])
-            if n <= 0:
-                break
-            at += n
+def _padded(rounds: list[Round], count: int) -> list[Round]:
+    """``rounds`` and empty ones up to ``count`` (no exchange: nothing to wait for)."""
+    return rounds + [Round()] * (count - len(rounds))
 
 
-def read_payload(m: Member, rank: int | None = None, copy: bool = False) -> tuple[Arena, int]:
-    """``rank``'s payload (its files, or the partner copies of them) read from this node."""
-    total = m.payload_bytes(rank)
-    arena = Arena(max(total, ALIGN_BYTES))
-    for f, at in m.files(rank):
-        name = partner_copy_name(f.name) if copy else f.name
-        _read(m.storage, m.directory, name, arena.view[at : at + _align(f.nbytes)])
-    return arena, total
-
-
-def write_payload(m: Member, rank: int, data: memoryview, copy: bool) -> None:
-    for f, at in m.files(rank):
-        name = partner_copy_name(f.name) if copy else f.name
-        m.storage.write_object(m.directory, name, data[at : at + f.nbytes])
-
-
-def _u8(view: memoryview) -> torch.Tensor:
-    return (
-        torch.frombuffer(view, dtype=torch.uint8)
-        if len(view)
-        else torch.empty(0, dtype=torch.uint8)
-    )
+def _parity_layout(rank: int, block: int) -> Layout:
+    return Layout.of([(parity_file_names(rank)[0], block)])
 
 
 # ---------------------------------------------------------------------- save
@@ -125,73 +116,85 @@ def protect(m: Member) -> int:
     scheme = m.placement.scheme
     if scheme == "single":
         return 0
-    arena, total = read_payload(m)
-    try:
-        if scheme == "partner":
-            return _protect_partner(m, arena, total)
-        return _protect_xor(m, arena)
-    finally:
-        arena.close()
+    if scheme == "partner":
+        return _protect_partner(m)
+    return _protect_xor(m)
 
 
-def _protect_partner(m: Member, arena: Arena, total: int) -> int:
+def _protect_partner(m: Member) -> int:
+    """Round t: this rank sends piece t of its payload to its partner holder and receives
+    piece t of its partner source's, written as ``partner-<name>`` and checked."""
     src, dst = m.placement.partner_source(m.rank), m.placement.partner_holder(m.rank)
-    theirs = m.payload_bytes(src)
-    inbox = Arena(max(theirs, ALIGN_BYTES))
+    piece = piece_bytes(m.storage.io, 1)
+    mine = m.layout().pieces(piece)
+    theirs = m.layout(src, copy=True)
+    pieces = theirs.pieces(piece)
+    reader = m.reader()
     try:
-        m.link.exchange(
-            [(dst, _u8(arena.view[:total]))], [(src, _u8(inbox.view[:theirs]))], "replicate"
-        )
-        write_payload(m, src, inbox.view, copy=True)
+        rounds = []
+        for t in range(max(len(mine), len(pieces))):
+            e = mine[t] if t < len(mine) else None
+            sends = ((dst, e.nbytes, partial(reader.read, e.start)),) if e else ()
+            rounds.append(Round(sends, (src,), t) if t < len(pieces) else Round(sends))
+        count = m.rounds(piece, list(range(len(m.placement.nodes))))
+        checker = Checker(m.manifest, m.files(src))
+        transfer(
+            _padded(rounds, count), pieces, target=Target(m.storage, m.directory, theirs),
+            link=m.link, check=checker.feed, phase="replicate",
+        )  # fmt: skip
+        checker.finish()
     finally:
-        inbox.close()
-    return theirs
+        reader.close()
+    return m.payload_bytes(src)
 
 
-def _blocks(m: Member, arena_view: memoryview, block: int, rank: int) -> dict[int, memoryview]:
-    """``rank``'s padded payload cut into one block for each other member of its set."""
-    others = [k for k in m.placement.xor_set(rank) if k != rank]
-    return {k: arena_view[i * block : (i + 1) * block] for i, k in enumerate(others)}
+def _xor_buffers(m: Member) -> int:
+    """Buffers besides the ring in an XOR transfer: sends and receives of the largest set."""
+    n = max(len(s) for s in m.placement.sets)
+    return max(1, 2 * n - 3)
 
 
-def _padded(view: memoryview, total: int, block: int, n: int) -> Arena:
-    out = Arena(block * (n - 1))
-    out.view[:total] = view[:total]
-    return out
-
-
-def _protect_xor(m: Member, arena: Arena) -> int:
+def _protect_xor(m: Member) -> int:
+    """Round t: this rank sends piece t of each block it cuts for the others and XORs their
+    pieces t for it into piece t of its parity block, hashed on the way."""
     members = m.placement.xor_set(m.rank)
-    block = m.block_bytes()
-    total = m.payload_bytes()
-    padded = _padded(arena.view, total, block, len(members))
     others = [k for k in members if k != m.rank]
-    inbox = Arena(block * len(others))
+    block = m.block_bytes()
+    piece = piece_bytes(m.storage.io, _xor_buffers(m))
+    layout = _parity_layout(m.rank, block)
+    pieces = layout.pieces(piece)
+    count = max(-(-m.block_bytes(r) // piece) for r in range(len(m.placement.nodes)))
+    digest = get_hasher(m.manifest.checksum_algorithm)()
+    reader = m.reader()
     try:
-        mine = _blocks(m, padded.view, block, m.rank)
-        recvs = [(j, _u8(inbox.view[i * block : (i + 1) * block])) for i, j in enumerate(others)]
-        m.link.exchange([(k, _u8(mine[k])) for k in others], recvs, "replicate")
-        parity = torch.zeros(block, dtype=torch.uint8)
-        for _, t in recvs:
-            parity.bitwise_xor_(t)
-        _write_parity(m, members, block, parity)
+        rounds = [
+            Round(
+                sends=tuple(
+                    (k, e.nbytes, partial(reader.read, i * block + e.start))
+                    for i, k in enumerate(others)
+                ),
+                recvs=tuple(others),
+                piece=t,
+            )
+            for t, e in enumerate(pieces)
+        ]
+        transfer(
+            _padded(rounds, count), pieces, target=Target(m.storage, m.directory, layout),
+            link=m.link, check=lambda _, data: digest.update(data), phase="replicate",
+        )  # fmt: skip
     finally:
-        padded.close()
-        inbox.close()
+        reader.close()
+    _write_parity_meta(m, members, block, digest.hexdigest())
     return block * len(others)
 
 
-def _write_parity(m: Member, members: list[int], block: int, parity: torch.Tensor) -> None:
-    data_name, meta_name = parity_file_names(m.rank)
-    data = memoryview(parity.numpy().data).cast("B")
-    algorithm = m.manifest.checksum_algorithm
+def _write_parity_meta(m: Member, members: list[int], block: int, checksum: str) -> None:
     meta = {
         "version": _PARITY_VERSION, "step": m.manifest.step, "set": members,
         "manifest": manifest_digest(m.manifest),
-        "block_bytes": block, "algorithm": algorithm, "checksum": get_checksum(algorithm)(data),
+        "block_bytes": block, "algorithm": m.manifest.checksum_algorithm, "checksum": checksum,
     }  # fmt: skip
-    m.storage.write_object(m.directory, data_name, data)
-    m.storage.write_object(m.directory, meta_name, json.dumps(meta).encode())
+    m.storage.write_object(m.directory, parity_file_names(m.rank)[1], json.dumps(meta).encode())
 
 
 # ---------------------------------------------------------------------- verify
@@ -221,38 +224,6 @@ def _verify_rank(storage: Storage, m: Member, rank: int) -> bool:
         return False
 
 
-class _Payload:
-    """A rank's payload in memory, seen as the files it holds (to verify before a copy)."""
-
-    def __init__(self, m: Member, view: memoryview) -> None:
-        self.url, self.io = f"{m.storage.url}/{m.directory} (in memory)", m.storage.io
-        self._files = {f.name: view[at : at + f.nbytes] for f, at in m.files()}
-        self.direct = False
-
-    def file_size(self, directory: str, name: str) -> int:
-        return len(self._files[name])
-
-    def read_object(self, directory: str, name: str) -> bytes:
-        return bytes(self._files[name])
-
-    def open_data(self, directory: str, name: str) -> _Payload:
-        self._open = self._files[name]
-        return self
-
-    def read_into(self, offset: int, out: memoryview) -> int:
-        piece = self._open[offset : offset + len(out)]
-        out[: len(piece)] = piece
-        return len(piece)
-
-    def close(self) -> None:
-        pass
-
-
-def verify_payload(m: Member, view: memoryview) -> bool:
-    """This rank's payload, read into ``view``, passes every checksum of the manifest."""
-    return _verify_rank(_Payload(m, view), m, m.rank)  # type: ignore[arg-type]
-
-
 def verify_own(m: Member) -> bool:
     """This rank's member files are all here, whole, every checksum right."""
     return _verify_rank(m.storage, m, m.rank)
@@ -265,7 +236,7 @@ def verify_copy(m: Member) -> bool:
 
 def verify_parity(m: Member) -> bool:
     """This rank's parity block describes this step (its very manifest) and set and matches
-    its checksum."""
+    its checksum (read through the transfer's bounded buffers)."""
     data_name, meta_name = parity_file_names(m.rank)
     try:
         meta = json.loads(m.storage.read_object(m.directory, meta_name))
@@ -277,13 +248,18 @@ def verify_parity(m: Member) -> bool:
             or m.storage.file_size(m.directory, data_name) != block
         ):  # fmt: skip
             return False
-        arena = Arena(block)
+        digest = get_hasher(str(meta.get("algorithm")))()
+        layout = _parity_layout(m.rank, block)
+        pieces = layout.pieces(piece_bytes(m.storage.io, 0))
+        reader = Reader(m.storage, m.directory, layout)
         try:
-            _read(m.storage, m.directory, data_name, arena.view)
-            digest = get_checksum(str(meta.get("algorithm")))(arena.view[:block])
+            rounds = [
+                Round(piece=k, local=partial(reader.read, e.start)) for k, e in enumerate(pieces)
+            ]
+            transfer(rounds, pieces, check=lambda _, data: digest.update(data), phase="verify")
         finally:
-            arena.close()
-        return bool(digest == meta.get("checksum"))
+            reader.close()
+        return bool(digest.hexdigest() == meta.get("checksum"))
     except (CorruptCheckpointError, ValueError, KeyError, TypeError, OSError):
         return False
 
@@ -291,7 +267,8 @@ def verify_parity(m: Member) -> bool:
 # ---------------------------------------------------------------------- rebuild
 def rebuild(m: Member, lost: set[int]) -> dict[str, int]:
     """Rebuild the member files of the ranks in ``lost`` (each recoverable: the caller
-    checked) into their nodes; every rank takes part. Bytes received, by source."""
+    checked) into their nodes, every byte checked against the manifest as it is written;
+    every rank takes part. Bytes received, by source."""
     if not lost:
         return {}
     if m.placement.scheme == "partner":
@@ -300,67 +277,93 @@ def rebuild(m: Member, lost: set[int]) -> dict[str, int]:
 
 
 def _rebuild_partner(m: Member, lost: set[int]) -> dict[str, int]:
-    sends, recvs, got = [], [], 0
-    keep: list[tuple[Arena, int]] = []
+    """Round t: the holder of a lost rank's partner copy sends piece t of it; the lost rank
+    writes it as its own files."""
+    piece = piece_bytes(m.storage.io, 1)
+    source, holder = m.placement.partner_source(m.rank), m.placement.partner_holder(m.rank)
+    copy = m.reader(source, copy=True) if source in lost else None
+    out = copy.layout.pieces(piece) if copy is not None else []
+    layout = m.layout()
+    pieces = layout.pieces(piece) if m.rank in lost else []
     try:
-        source = m.placement.partner_source(m.rank)
-        if source in lost:  # this node keeps the copy of a lost rank: send it
-            arena, total = read_payload(m, source, copy=True)
-            keep.append((arena, total))
-            sends.append((source, _u8(arena.view[:total])))
-        if m.rank in lost:
-            total = m.payload_bytes()
-            inbox = Arena(max(total, ALIGN_BYTES))
-            keep.append((inbox, total))
-            recvs.append((m.placement.partner_holder(m.rank), _u8(inbox.view[:total])))
-        m.link.exchange(sends, recvs, "restore")
-        if m.rank in lost:
-            write_payload(m, m.rank, keep[-1][0].view, copy=False)
-            got = keep[-1][1]
+        rounds = []
+        for t in range(max(len(out), len(pieces))):
+            e = out[t] if t < len(out) else None
+            sends = ((source, e.nbytes, partial(copy.read, e.start)),) if e and copy else ()
+            rounds.append(Round(sends, (holder,), t) if t < len(pieces) else Round(sends))
+        got = _receive(m, layout, pieces, _padded(rounds, m.rounds(piece, sorted(lost))))
     finally:
-        for arena, _ in keep:
-            arena.close()
+        if copy is not None:
+            copy.close()
     return {"partner": got}
 
 
+def _receive(m: Member, layout: Layout, pieces: list[Extent], rounds: list[Round]) -> int:
+    """Run ``rounds``; what this rank receives (``pieces`` of its own ``layout``) becomes its
+    files, checked against the manifest. The bytes received."""
+    if not pieces:
+        return transfer(rounds, pieces, link=m.link, phase="restore")
+    checker = Checker(m.manifest, m.files())
+    got = transfer(
+        rounds, pieces, target=Target(m.storage, m.directory, layout), link=m.link,
+        check=checker.feed, phase="restore",
+    )  # fmt: skip
+    checker.finish()
+    return got
+
+
 def _rebuild_xor(m: Member, lost: set[int]) -> dict[str, int]:
+    """Round t: every survivor of a lost rank x's set sends piece t of what it holds of x's
+    blocks (its parity for its own, its own block for each other member: x's order); x
+    XORs them into piece t of its payload."""
     members = m.placement.xor_set(m.rank)
     gone = [x for x in members if x in lost]
-    if not gone:
+    piece = piece_bytes(m.storage.io, _xor_buffers(m))
+    count = m.rounds(piece, sorted(lost))
+    if not gone:  # this set lost nothing: its rounds are empty (the other sets' go on)
+        transfer(_padded([], count), [], link=m.link, phase="restore")
         return {}
     (x,) = gone  # the caller checked: one per set
-    block = m.block_bytes()
-    others = [k for k in members if k != x]
-    span = block * len(others)
-    if m.rank != x:  # what this survivor holds of each k != x, in x's block order
-        out = Arena(span)
-        own, total = read_payload(m)
-        padded = _padded(own.view, total, block, len(members))
-        own.close()
-        try:
-            mine = _blocks(m, padded.view, block, m.rank)
-            for i, k in enumerate(others):
-                dst = out.view[i * block : (i + 1) * block]
-                if k == m.rank:
-                    _read(m.storage, m.directory, parity_file_names(m.rank)[0], dst)
-                else:
-                    dst[:] = mine[k]
-            m.link.exchange([(x, _u8(out.view[:span]))], [], "restore")
-        finally:
-            padded.close()
-            out.close()
-        return {}
-    inbox = Arena(span * len(others))
-    result = Arena(span)
+    pieces = m.layout(x).pieces(piece)
+    if m.rank == x:
+        others = tuple(k for k in members if k != x)
+        rounds = [Round(recvs=others, piece=t) for t in range(len(pieces))]
+        return {"parity": _receive(m, m.layout(), pieces, _padded(rounds, count))}
+    span = _Span(m, x)
     try:
-        recvs = [(j, _u8(inbox.view[i * span : (i + 1) * span])) for i, j in enumerate(others)]
-        m.link.exchange([], recvs, "restore")
-        acc = _u8(result.view[:span])
-        acc.zero_()
-        for _, t in recvs:
-            acc.bitwise_xor_(t)
-        write_payload(m, m.rank, result.view, copy=False)
-        return {"parity": span * len(others)}
+        rounds = [Round(sends=((x, e.nbytes, partial(span.read, e.start)),)) for e in pieces]
+        transfer(_padded(rounds, count), [], link=m.link, phase="restore")
     finally:
-        inbox.close()
-        result.close()
+        span.close()
+    return {}
+
+
+class _Span:
+    """What a survivor holds of a lost member x's blocks, in x's block order: its parity
+    block for its own place, the block it cut for each other member."""
+
+    def __init__(self, m: Member, x: int) -> None:
+        members = m.placement.xor_set(m.rank)
+        self.block = m.block_bytes()
+        self.order = [k for k in members if k != x]  # x's blocks
+        self.mine = [k for k in members if k != m.rank]  # this rank's blocks
+        self.rank = m.rank
+        self.own = m.reader()
+        self.parity = Reader(m.storage, m.directory, _parity_layout(m.rank, self.block))
+
+    def read(self, start: int, out: memoryview) -> None:
+        at, end = start, start + len(out)
+        while at < end:
+            i, within = divmod(at, self.block)
+            stop = min(end, (i + 1) * self.block)
+            part = out[at - start : stop - start]
+            k = self.order[i]
+            if k == self.rank:
+                self.parity.read(within, part)
+            else:
+                self.own.read(self.mine.index(k) * self.block + within, part)
+            at = stop
+
+    def close(self) -> None:
+        self.own.close()
+        self.parity.close()

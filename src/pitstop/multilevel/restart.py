@@ -34,6 +34,7 @@ from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.engine.recovery import RestoreResult, recover
+from pitstop.engine.transfer import copy_files
 from pitstop.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -48,12 +49,10 @@ from pitstop.multilevel.levels import Placement
 from pitstop.multilevel.redundancy import (
     Member,
     protect,
-    read_payload,
     rebuild,
     verify_copy,
     verify_own,
     verify_parity,
-    write_payload,
 )
 from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage
@@ -415,13 +414,9 @@ class Restarts:
         room, error = self._rooms(name, fix)
         errors = [error] if error is not None else []
 
-        def copy_here() -> None:
+        def copy_here() -> None:  # streamed through bounded buffers, checked on the way
             if not verify_own(m):
-                arena, _ = read_payload(source)
-                try:
-                    write_payload(m, self.group.rank, arena.view, copy=False)
-                finally:
-                    arena.close()
+                copy_files(source.storage, m.storage, name, manifest, self.group.rank, "restore")
 
         if not errors:
             copied = _attempt(copy_here)
