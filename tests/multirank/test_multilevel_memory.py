@@ -303,3 +303,39 @@ def test_redundancy_and_rebuilt_files_are_the_bytes_of_the_format(
             "block_bytes": len(parity), "algorithm": manifest.checksum_algorithm,
             "checksum": get_checksum(manifest.checksum_algorithm)(parity),
         }  # fmt: skip
+
+
+# --------------------------------------------------------------------------- failures
+def _partner_that_cannot_read(rank: int, world: int, base: str) -> str:
+    """Rank 1 cannot read its own files when it sends its partner copy: rank 0 is told by
+    the transfer's last exchange (its link would time out after 5 s otherwise)."""
+    from pitstop.multilevel.levels import Placement
+    from pitstop.multilevel.redundancy import Member, protect
+    from pitstop.ranks.group import make_group
+    from pitstop.ranks.peers import make_link
+    from pitstop.storage.local import LocalStorage
+    from pitstop.testing import FaultyStorage
+
+    nodes = ["n0", "n1"]
+    with _manager(base, [_local(base, "partner")], nodes) as ckpt:
+        ckpt.save(1, _small_state(rank))
+    storage: Any = LocalStorage(os.path.join(base, "local", nodes[rank]))
+    if rank == 1:
+        storage = FaultyStorage(storage, fail={"read_into": [1]})
+    with open(os.path.join(base, "local", "n0", STEP, "manifest.json"), "rb") as f:
+        manifest = Manifest.loads(f.read(), path=STEP)
+    link = make_link(make_group(5.0))
+    try:
+        protect(Member(storage, STEP, manifest, Placement(nodes, "partner"), link, rank))
+        return "ok"
+    except pitstop.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        link.close()
+
+
+def test_a_rank_that_cannot_read_what_it_sends_fails_its_peer_at_once(tmp_path: Any) -> None:
+    out = run_ranks(_partner_that_cannot_read, 2, str(tmp_path), timeout_secs=TIMEOUT)
+    assert out[1].startswith("CheckpointIOError") and "injected EIO in read_into" in out[1]
+    assert out[0].startswith("DistributedCheckpointError"), out[0]
+    assert "rank(s) [1] could not read what they sent here" in out[0], out[0]

@@ -253,6 +253,7 @@ class FileSink:
         self._released: set[int] = set()
         self._lock = threading.Lock()
         self.error: BaseException | None = None
+        self._request_error: BaseException | None = None  # a write request's, as it failed
         self._pool = ThreadPoolExecutor(storage.io.threads, thread_name_prefix="pitstop-copy")
         self._thread = threading.Thread(target=self._write_all, name="pitstop-copy", daemon=True)
         self._thread.start()
@@ -269,6 +270,8 @@ class FileSink:
         try:
             self.ring.stage(k, lambda _: fill(self.ring[e.start : e.end]))
         except BaseException as err:
+            if err is self._request_error:  # the storage's own error (CheckpointIOError,
+                self._thread.join()  # named by file) once the writer thread has it
             raise self.error or err from None
 
     def fail(self, error: BaseException) -> None:
@@ -276,6 +279,12 @@ class FileSink:
         with self._lock:
             if self.error is None:
                 self.error = error
+        self.ring.fail(error)
+
+    def _request_failed(self, error: BaseException) -> None:
+        """A writer thread's request failed: nothing waits for the ring any more (the piece
+        it wrote is never released); the writer thread raises the storage's error."""
+        self._request_error = error
         self.ring.fail(error)
 
     def close(self) -> BaseException | None:
@@ -320,7 +329,8 @@ class FileSink:
 
         self.storage.write_data(
             self.directory, name, cast(memoryview, _Shifted(self.ring, at)), extents,
-            pool=_FailFast(self._pool, self.fail), before_extent=before, on_extent=after,
+            pool=_FailFast(self._pool, self._request_failed), before_extent=before,
+            on_extent=after,
         )  # fmt: skip
 
     def _gather(self, name: str, nbytes: int, at: int, ks: range) -> None:

@@ -42,7 +42,7 @@ from functools import partial
 import torch
 
 from pitstop.engine.payload import Checker, FileSink, Fill, Layout, Reader, align
-from pitstop.errors import DistributedCheckpointError
+from pitstop.errors import CorruptCheckpointError, DistributedCheckpointError
 from pitstop.format.manifest import FileEntry, Manifest
 from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent
@@ -245,9 +245,12 @@ class _Run:
         flags = [(p, torch.zeros(1, dtype=torch.uint8)) for p in got_from]
         self.exchange([(p, torch.full((1,), ok, dtype=torch.uint8)) for p in sent_to], flags)
         bad = [p for p, t in flags if int(t.item()) != 1]
-        if bad:
+        if bad:  # the cause of any checksum that then failed here
             why = f"{self.phase}: rank(s) {bad} could not read what they sent here"
-            self.fail(DistributedCheckpointError(why, ranks=bad, phase=self.phase))
+            error = DistributedCheckpointError(why, ranks=bad, phase=self.phase)
+            if isinstance(self.error, CorruptCheckpointError):
+                self.error = error
+            self.fail(error)
 
     def close(self) -> None:
         """Wait for the target's writes (told to stop after a failure), free the buffers,
