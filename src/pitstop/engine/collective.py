@@ -4,13 +4,16 @@ on an outcome, and the two-round commit through the store.
 Call sequence (every rank, the same saves in the same order)::
 
     items = local_items(flat)                          # training thread, in async_save
-    agree(group.all_gather(word, "plan"), ...)         # training thread: all ok, or all fail
+    agree(gather(group, outcome, "plan"), ...)         # training thread: all ok, or all fail
     result = commit_together(group, storage, d, seq, write, manifest)   # persist thread
 
 ``commit_together``: rank 0 creates the step directory and posts ``prepared``; every
-rank writes its files and posts its result (or its error); rank 0 gathers them, commits
-one manifest if all succeeded (aborts the directory otherwise) and posts the outcome,
-which every other rank waits for.
+rank writes its files and posts its outcome (a :class:`~pitstop.ranks.outcome.Outcome`:
+its result, or its error); rank 0 gathers them, commits one manifest if all succeeded
+(aborts the directory otherwise) and posts the outcome (ok, or every failed rank's), which
+every other rank waits for: one whose own part failed too, which then raises its own error
+with the others' failures added. Every word in the store is outcomes in their bytes
+(``pitstop.ranks.outcome.dumps``).
 
 With ``nodes`` (a :class:`NodeCommit`: the ranks write to one storage per node, the
 node-local level of :mod:`pitstop.multilevel`) the leader of each node (its lowest rank)
@@ -28,24 +31,20 @@ committed unless every rank's files are durable.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pitstop.engine.persist import PersistResult, result_from_json, result_to_json
-from pitstop.errors import CheckpointError, DistributedCheckpointError
 from pitstop.format.codec import dtype_name
 from pitstop.ranks.group import Group
+from pitstop.ranks.outcome import Outcome, agree, dumps, loads, outcomes_of
 from pitstop.ranks.sharding import LocalItem
 from pitstop.state.dtensor import local_box
 from pitstop.state.tree import Flat
 from pitstop.storage.base import Storage
 
-__all__ = ["NodeCommit", "agree", "commit_together", "local_items"]
-
-
-_MANIFEST = b"manifest:"  # rank 0's word that carries the manifest (an error word is JSON)
+__all__ = ["NodeCommit", "commit_together", "local_items"]
 
 
 @dataclass(frozen=True)
@@ -82,40 +81,53 @@ def local_items(flat: Flat, *, overlap: bool) -> list[LocalItem]:
     return out
 
 
-def agree(words: list[tuple[str, str]], mine: BaseException | None, phase: str, rank: int) -> None:
-    """After an all-gather of ``("ok", ...)`` / ``("error", text)``: raise this rank's own
-    error, or a DistributedCheckpointError naming the ranks that failed."""
-    failed = [r for r, w in enumerate(words) if w[0] != "ok"]
-    if not failed:
-        return
-    if mine is not None:
-        raise mine
-    raise DistributedCheckpointError(
-        f"{phase} failed on rank(s) {failed}: {words[failed[0]][1]}",
-        ranks=failed, rank=rank, phase=phase,
-    )  # fmt: skip
-
-
-def _error_word(e: BaseException, default_phase: str, ranks: list[int] | None = None) -> bytes:
-    """What a rank posts instead of its result: the error, its phase, and (the coordinator's
-    word) the ranks that failed."""
-    phase = e.phase if isinstance(e, CheckpointError) and e.phase else default_phase
-    word: dict[str, Any] = {"error": f"{type(e).__name__}: {e}"[:2000], "phase": phase}
-    if ranks is not None:
-        word["ranks"] = ranks
-    return json.dumps(word).encode()
-
-
-def _failure(word: bytes, source: str, step_dir: str, rank: int) -> DistributedCheckpointError:
+def _heard(
+    group: Group, key: str, phase: str, source: int, what: str, mine: Outcome | None = None
+) -> Outcome:
+    """Rank ``source``'s word at ``key``: its ok outcome, or raise. A rank whose own part
+    failed (``mine``) raises its own error, with the failures the word names added (and if the
+    word never comes, its own error as it is); the others raise one naming every failed
+    rank."""
     try:
-        raw = json.loads(word)
-        text, phase = str(raw.get("error")), str(raw.get("phase") or "commit")
-        ranks = [int(r) for r in raw.get("ranks", [])]
-    except (ValueError, TypeError, AttributeError):
-        text, phase, ranks = repr(word[:200]), "commit", []
-    return DistributedCheckpointError(
-        f"save of {step_dir} failed ({source}): {text}", ranks=ranks, rank=rank, phase=phase
-    )
+        word = group.read(key, phase)
+    except BaseException:
+        if mine is not None and mine.error is not None:
+            raise mine.error from None
+        raise
+    outcomes = loads(word, source, phase)
+    if mine is not None and mine.failed:  # in the word too, without its exception
+        outcomes = [o for o in outcomes if o.rank != mine.rank] + [mine]
+    agree(outcomes, group.rank, what)
+    return outcomes[0]
+
+
+def _gathered(group: Group, key: str, phase: str, mine: Outcome) -> list[Outcome]:
+    """Coordinator: every rank's word under ``key`` (rank order), its own (``mine``, with its
+    exception) in its place."""
+    words = group.collect(key, phase)
+    out = [loads(w, r, phase)[0] for r, w in enumerate(words)]
+    out[group.rank] = mine
+    return out
+
+
+def _decide(
+    group: Group, key: str, phase: str, outcomes: list[Outcome], what: str, ok: Callable[[], Any]
+) -> Any:
+    """Coordinator: post the failed outcomes at ``key`` and raise (its own error, or one
+    naming every failed rank), or post ``ok()``'s value as its ok outcome and return it; an
+    error of ``ok()`` is posted as the coordinator's (or, for a rank that did not report,
+    that rank's) outcome and raised."""
+    failed = [o for o in outcomes if o.failed]
+    if failed:
+        group.post(key, dumps(failed))
+        agree(outcomes, group.rank, what)
+    try:
+        value = ok()
+    except BaseException as e:
+        group.post(key, dumps(outcomes_of(e, group.rank, phase)))
+        raise
+    group.post(key, dumps([Outcome.ok(group.rank, phase, value)]))
+    return value
 
 
 def commit_together(
@@ -127,26 +139,14 @@ def commit_together(
     manifest: Callable[[list[PersistResult], list[str]], bytes],
     nodes: NodeCommit | None = None,
 ) -> PersistResult:
-    """Write this rank's part and commit the checkpoint with every other rank (see above)."""
-    key = f"save/{seq}"
+    """Write this rank's part and commit the checkpoint with every other rank (see above).
+    A rank whose part failed raises its own error once rank 0 has heard every rank (the
+    others' failures added to it); the others raise a DistributedCheckpointError naming
+    every failed rank with its message."""
+    key, what = f"save/{seq}", f"save of {directory}"
     leader = nodes.leaders[group.rank] if nodes is not None else 0
-    prepared = f"{key}/prepared" if leader == 0 else f"{key}/prepared/{leader}"
-    if group.rank == leader:
-        try:
-            token = storage.prepare(directory)
-        except BaseException as e:
-            group.post(prepared, _error_word(e, "plan", [group.rank]))
-            raise
-        group.post(prepared, json.dumps({"ok": token}).encode())
-    else:
-        word = group.read(prepared, "plan")
-        try:
-            token = json.loads(word)["ok"]
-        except (ValueError, KeyError, TypeError):
-            why = f"rank {leader} could not create it"
-            raise _failure(word, why, directory, group.rank) from None
+    token = _prepare(group, storage, directory, key, leader)
     result: PersistResult | None = None
-    mine: BaseException | None = None  # this rank's own failure: it raises that, not the round's
     try:
         if group.rank != leader:  # into the very directory the leader created, or not at all
             storage.join(directory, str(token))
@@ -155,29 +155,42 @@ def commit_together(
         finally:
             if group.rank != leader:
                 storage.leave(directory)
-        report = json.dumps({"ok": result_to_json(result)}).encode()
+        mine = Outcome.ok(group.rank, "persist", result_to_json(result))
     except BaseException as e:
-        mine, report = e, _error_word(e, "persist")
-        if not group.coordinator:
-            group.post(f"{key}/result/{group.rank}", report)
+        mine = Outcome.of(e, group.rank, "persist")
+        if not isinstance(e, Exception) and not group.coordinator:  # interrupted: at once
+            group.post(f"{key}/result/{group.rank}", dumps([mine]))
             raise
+    told = f"{key}/commit" if nodes is None else f"{key}/manifest"
     if group.coordinator:
         try:
-            data = _coordinate(group, storage, directory, key, report, manifest, nodes is None)
+            data = _coordinate(group, storage, directory, key, mine, manifest, nodes is None)
         except BaseException:
-            if mine is not None:  # the others were told; this rank (one process: the only
-                raise mine from None  # one) raises what it met, as every failing rank does
+            if mine.error is not None:  # the others were told; this rank (one process: the
+                raise mine.error from None  # only one) raises what it met, as all that failed
             raise
     else:
-        group.post(f"{key}/result/{group.rank}", report)
-        word = group.read(f"{key}/commit" if nodes is None else f"{key}/manifest", "commit")
-        if word != b"ok" and not (nodes is not None and word.startswith(_MANIFEST)):
-            raise _failure(word, "reported by rank 0", directory, group.rank)
-        data = word[len(_MANIFEST) :] if nodes is not None else b""  # the manifest rank 0 sent
+        group.post(f"{key}/result/{group.rank}", dumps([mine]))
+        heard = _heard(group, told, "commit", 0, what, mine)
+        data = str(heard.value).encode("latin-1") if nodes is not None else b""
     assert result is not None
     if nodes is not None:
         _commit_nodes(group, storage, directory, key, data, nodes, leader)
     return result
+
+
+def _prepare(group: Group, storage: Storage, directory: str, key: str, leader: int) -> str:
+    """The leader creates the step directory and posts its token; the others read it."""
+    prepared = f"{key}/prepared" if leader == 0 else f"{key}/prepared/{leader}"
+    if group.rank != leader:
+        return str(_heard(group, prepared, "plan", leader, f"save of {directory}").value)
+    try:
+        token = storage.prepare(directory)
+    except BaseException as e:
+        group.post(prepared, dumps([Outcome.of(e, group.rank, "plan")]))
+        raise
+    group.post(prepared, dumps([Outcome.ok(group.rank, "plan", token)]))
+    return token
 
 
 def _commit_nodes(
@@ -185,34 +198,23 @@ def _commit_nodes(
     nodes: NodeCommit, leader: int,
 ) -> None:  # fmt: skip
     """Every rank: replicate; rank 0: decide once all did; leaders: commit their node's copy."""
-    failure: BaseException | None = None
+    what = f"save of {directory}"
     try:
         nodes.replicate(directory, manifest)
-        mine = b"ok"
+        mine = Outcome.ok(group.rank, "replicate")
     except BaseException as e:
-        failure, mine = e, _error_word(e, "replicate", [group.rank])
-    group.post(f"{key}/replicated/{group.rank}", mine)
+        mine = Outcome.of(e, group.rank, "replicate")
+    group.post(f"{key}/replicated/{group.rank}", dumps([mine]))
     if group.coordinator:
         try:
-            if failure is not None:
-                raise failure
-            words = group.collect(f"{key}/replicated", "replicate")
-            failed = [r for r, w in enumerate(words) if w != b"ok"]
-            if failed:
-                raise _failure(words[failed[0]], f"rank(s) {failed}", directory, 0)
-            group.post(f"{key}/decided", json.dumps({"ok": nodes.decide()}).encode())
+            if mine.error is not None:  # at once: the others learn it from the decision
+                raise mine.error
+            outcomes = _gathered(group, f"{key}/replicated", "replicate", mine)
         except BaseException as e:
-            ranks = e.ranks if isinstance(e, DistributedCheckpointError) else [0]
-            group.post(f"{key}/decided", _error_word(e, "replicate", ranks))
+            group.post(f"{key}/decided", dumps(outcomes_of(e, 0, "replicate")))
             raise
-    elif failure is not None:
-        raise failure
-    word = group.read(f"{key}/decided", "replicate")
-    try:
-        decision = json.loads(word)["ok"]
-    except (ValueError, KeyError, TypeError):
-        raise _failure(word, "reported by rank 0", directory, group.rank) from None
-    nodes.decided(decision)
+        _decide(group, f"{key}/decided", "replicate", outcomes, what, nodes.decide)
+    nodes.decided(_heard(group, f"{key}/decided", "replicate", 0, what, mine).value)
     done = f"{key}/committed/{leader}"  # the node's word: a rank returns once its node holds it
     waiting = any(lead == leader and r != leader for r, lead in enumerate(nodes.leaders))
     if group.rank == leader:
@@ -220,14 +222,12 @@ def _commit_nodes(
             storage.commit(directory, manifest)
         except BaseException as e:
             if waiting:
-                group.post(done, _error_word(e, "commit", [group.rank]))
+                group.post(done, dumps([Outcome.of(e, group.rank, "commit")]))
             raise
         if waiting:
-            group.post(done, b"ok")
+            group.post(done, dumps([Outcome.ok(group.rank, "commit")]))
     else:
-        word = group.read(done, "commit")
-        if word != b"ok":
-            raise _failure(word, f"its node's leader, rank {leader}", directory, group.rank)
+        _heard(group, done, "commit", leader, f"{what} (its node's leader, rank {leader})")
 
 
 def _coordinate(
@@ -235,35 +235,29 @@ def _coordinate(
     storage: Storage,
     directory: str,
     key: str,
-    own: bytes,
+    mine: Outcome,
     manifest: Callable[[list[PersistResult], list[str]], bytes],
     commit: bool,
 ) -> bytes:
     """Rank 0: gather every rank's result, commit (or, for ``NodeCommit``, post the manifest)
     or abort, and tell everyone. Returns the manifest."""
-    group.post(f"{key}/result/0", own)
+    group.post(f"{key}/result/0", dumps([mine]))
+    told = f"{key}/commit" if commit else f"{key}/manifest"
     try:
-        reports: list[dict[str, Any]] = [
-            json.loads(r) for r in group.collect(f"{key}/result", "persist")
-        ]
-        failed = [r for r, rep in enumerate(reports) if "ok" not in rep]
-        if failed:
-            first = reports[failed[0]]
-            raise DistributedCheckpointError(
-                f"rank(s) {failed} failed in phase {first.get('phase')}: {first.get('error')}",
-                ranks=failed, rank=0, phase=str(first.get("phase") or "persist"),
-            )  # fmt: skip
-        results = [result_from_json(rep["ok"]) for rep in reports]
-        hosts = sorted({str(rep["ok"].get("host")) for rep in reports})
-        data = manifest(results, hosts)
-        if commit:
-            storage.commit(directory, data)
-    except BaseException as e:
-        ranks = e.ranks if isinstance(e, DistributedCheckpointError) else [0]
-        word = _error_word(e, "commit", ranks)
-        group.post(f"{key}/commit" if commit else f"{key}/manifest", word)
+        outcomes = _gathered(group, f"{key}/result", "persist", mine)
+    except BaseException as e:  # a rank that did not report: named by the group
+        group.post(told, dumps(outcomes_of(e, 0, "persist")))
         raise
-    group.post(
-        f"{key}/commit" if commit else f"{key}/manifest", b"ok" if commit else _MANIFEST + data
-    )
-    return data
+    out: list[bytes] = []
+
+    def build() -> str | None:
+        results = [result_from_json(o.value) for o in outcomes]
+        hosts = sorted({str(o.value.get("host")) for o in outcomes})
+        out.append(manifest(results, hosts))
+        if commit:
+            storage.commit(directory, out[0])
+            return None
+        return out[0].decode("latin-1")  # the manifest's bytes, as they are, in JSON
+
+    _decide(group, told, "commit", outcomes, f"save of {directory}", build)
+    return out[0]

@@ -38,11 +38,13 @@ from pitstop.errors import (
 from pitstop.format.manifest import Manifest
 from pitstop.log import get_logger
 from pitstop.ranks.group import Group
+from pitstop.ranks.outcome import Outcome, agree, gather
 
 __all__ = ["RestoreResult", "recover"]
 
 _log = get_logger("pitstop.recovery")
 _RESCANS = 5
+_RAISED = frozenset({"refused", "io", "error"})  # outcomes no older checkpoint answers
 
 
 @dataclass
@@ -138,20 +140,15 @@ def recover(
             if entry.status == "damaged":
                 result.skipped.append((entry.name, f"damaged: {entry.error}"))
                 continue
-            outcome, value, loaded, error = _try(catalog, entry, load)
+            outcome, value, loaded = _try(catalog, entry, load, group.rank)
+            error = outcome.error
             partial = partial or bool(getattr(error, "live_overwritten", False))
-            outcomes = group.all_gather(outcome, "restore")
-            kinds = {o[0] for o in outcomes}
-            if "raise" in kinds:
-                if error is not None:
-                    if partial and isinstance(error, CheckpointError):
-                        _say_overwritten(error)
-                    raise error
-                bad = [r for r, o in enumerate(outcomes) if o[0] == "raise"]
-                raise DistributedCheckpointError(
-                    f"restore of {entry.name} failed on rank(s) {bad}: {outcomes[bad[0]][1]}",
-                    ranks=bad, rank=group.rank, phase="restore",
-                )  # fmt: skip
+            outcomes = gather(group, outcome, "restore")
+            kinds = {o.kind for o in outcomes}
+            if kinds & _RAISED:  # every rank raises: its own error, or one naming the others
+                if partial and isinstance(error, CheckpointError):
+                    _say_overwritten(error)
+                agree(outcomes, group.rank, f"restore of {entry.name}", phase="restore")
             if "vanished" in kinds:
                 vanished = True  # removed, moved or replaced since the scan: look again
                 break
@@ -222,36 +219,32 @@ def _say_overwritten(error: CheckpointError) -> None:
         error.args = (error.message,)
 
 
-def _first(outcomes: list[tuple[Any, ...]], kind: str) -> str:
+def _first(outcomes: list[Outcome], kind: str) -> str:
     """The first message of ``kind``; another rank's is prefixed with its rank."""
-    for r, o in enumerate(outcomes):
-        if o[0] == kind:
-            return str(o[1]) if r == 0 or len(outcomes) == 1 else f"rank {r}: {o[1]}"
+    for o in outcomes:
+        if o.kind == kind:
+            return o.message if o.rank == 0 or len(outcomes) == 1 else f"rank {o.rank}: {o.message}"
     return ""
 
 
 def _try(
-    catalog: Catalog, entry: Entry, load: Callable[[Entry], Any]
-) -> tuple[tuple[str, str], Any, Entry | None, BaseException | None]:
-    """Pin ``entry``, look at it as it is now and load it: (outcome, value, entry, error).
-    The outcome is what the other ranks learn: ``("ok", "")``, ``("vanished", "")``,
-    ``("damaged", why)`` (found now: to be marked), ``("marked", why)`` (marked before),
-    ``("partial", why)`` or ``("raise", why)``."""
+    catalog: Catalog, entry: Entry, load: Callable[[Entry], Any], rank: int
+) -> tuple[Outcome, Any, Entry | None]:
+    """Pin ``entry``, look at it as it is now and load it: (outcome, value, entry). The
+    outcome is what the other ranks learn: ``ok``, ``vanished``, ``marked`` (marked damaged
+    before), or the load's error as the classifier names it (``damaged``: found now, to be
+    marked; ``partial``; ``refused``, ``io`` or ``error``: raised)."""
     with catalog.pin(entry.name) as alive:
         fresh = catalog.refresh(entry.name) if alive else None
         if fresh is None or fresh.status not in ("committed", "damaged"):
-            return ("vanished", ""), None, None, None
+            return Outcome("vanished", rank, "restore"), None, None
         if fresh.status == "damaged":
-            return ("marked", fresh.error or "marked damaged"), None, fresh, None
+            return Outcome("marked", rank, "restore", fresh.error or "marked damaged"), None, fresh
         try:
             value = load(fresh)
-        except PartialRestoreError as e:
-            return ("partial", e.message), None, fresh, e
-        except CorruptCheckpointError as e:
-            return ("damaged", e.message), None, fresh, e
         except Exception as e:
-            return ("raise", f"{type(e).__name__}: {e}"[:1000]), None, fresh, e
-        return ("ok", ""), value, fresh, None
+            return Outcome.of(e, rank, "restore"), None, fresh
+        return Outcome.ok(rank, "restore"), value, fresh
 
 
 def _reasons(skipped: list[tuple[str, str]]) -> str:

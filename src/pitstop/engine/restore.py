@@ -74,6 +74,7 @@ from pitstop.format.codec import dtype_from_name
 from pitstop.format.manifest import FileEntry, Manifest, TensorEntry
 from pitstop.format.names import objects_file_name
 from pitstop.io.arena import Arena
+from pitstop.ranks.outcome import Outcome, agree, gather
 
 if TYPE_CHECKING:
     from pitstop.engine.catalog import Entry
@@ -528,8 +529,12 @@ def _apply(
 
 
 class _Agreement:
-    """The points where the ranks of a restore agree to go on (each rank's error, if any,
-    is gathered; all stop at the first point where any rank failed). One process: nothing."""
+    """The points where the ranks of a restore agree to go on: each rank's outcome is
+    gathered (one process: a gather of one); all stop at the first point where any rank
+    failed: the others with an error naming every failed rank (a CorruptCheckpointError when
+    any found damage: the next older checkpoint is tried together); a rank that failed
+    returns, and the caller raises its own error (the others' failures added to it).
+    Training thread, every rank."""
 
     POINTS = 2  # every rank can read; every rank verified what it read
 
@@ -541,34 +546,14 @@ class _Agreement:
     def __call__(self, error: BaseException | None) -> None:
         self.reached += 1
         self.ended = True  # if the gather raises, the others expect no later point either
-        if self.group.size > 1:
-            words = self.group.all_gather(_word(error), "restore")
-            _agree_loaded(words, error, self.group.rank)
+        rank = self.group.rank
+        mine = Outcome.ok(rank, "restore") if error is None else Outcome.of(error, rank, "restore")
+        outcomes = gather(self.group, mine, "restore")
+        try:
+            agree(outcomes, rank, "restore", phase="restore", damage=True)
+        except BaseException as raised:
+            if raised is not error:
+                raise
+            # this rank's own error, the others' failures added to it: the caller raises it
         # after the last point, an error reaches the others through recover's outcome gather
         self.ended = error is not None or self.reached >= self.POINTS
-
-
-def _word(error: BaseException | None) -> tuple[str, str]:
-    if error is None:
-        return ("ok", "")
-    kind = "corrupt" if isinstance(error, CorruptCheckpointError) else "error"
-    return (kind, f"{type(error).__name__}: {error}"[:1000])
-
-
-def _agree_loaded(words: list[tuple[str, str]], mine: BaseException | None, rank: int) -> None:
-    """Every rank read and verified its part, or all stop (damage found by any rank is damage
-    for all: the next older checkpoint is tried together)."""
-    from pitstop.errors import DistributedCheckpointError
-
-    bad = [r for r, w in enumerate(words) if w[0] != "ok"]
-    if not bad or mine is not None:
-        return  # a rank that failed raises its own error after this
-    corrupt = [r for r in bad if words[r][0] == "corrupt"]
-    if corrupt:
-        raise CorruptCheckpointError(
-            f"rank {corrupt[0]}: {words[corrupt[0]][1]}", phase="verify", rank=rank
-        )
-    raise DistributedCheckpointError(
-        f"restore failed on rank(s) {bad}: {words[bad[0]][1]}", ranks=bad, rank=rank,
-        phase="restore",
-    )  # fmt: skip

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pitstop.engine.collective import NodeCommit, agree, commit_together, local_items
+from pitstop.engine.collective import NodeCommit, commit_together, local_items
 from pitstop.engine.handle import SaveHandle
 from pitstop.engine.persist import PersistResult, encode_objects, manifest_for, persist
 from pitstop.engine.plan import PlanCache, SavePlan, plan_from_layout
@@ -59,6 +59,7 @@ from pitstop.io.parallel import Extent
 from pitstop.log import get_logger
 from pitstop.options import ALIGN_BYTES, SaveOptions
 from pitstop.ranks.group import Group
+from pitstop.ranks.outcome import Outcome, agree, gather
 from pitstop.ranks.sharding import assign
 from pitstop.state.tree import Flat, flatten
 from pitstop.storage.base import Storage
@@ -288,38 +289,39 @@ class Saver:
         """Flatten ``state`` and get its (cached) layout: collective (every rank's description
         is gathered, one process's by the null group; a failure on any rank fails it on
         all)."""
-        chunk = self.options.io.chunk_bytes
-        error: BaseException | None = None
+        chunk, rank = self.options.io.chunk_bytes, self.group.rank
+        settings = [self.options.replicated, chunk, self.algorithm]
+        context = {"step": step, "settings": settings}  # compared on every rank, failed or not
+        flat: Flat | None = None
+        items: list[Any] = []
         try:
             if check is not None:
                 check()
             flat = flatten(state, allow_pickle=self.options.allow_pickle)
             items = local_items(flat, overlap=self.options.overlap)
-            digest = hashlib.sha256(
-                repr((chunk, self.options.replicated, items)).encode()
-            ).hexdigest()
-            word: tuple[str, str] = ("ok", digest)
+            digest = hashlib.sha256(repr((chunk, self.options.replicated, items)).encode())
+            mine = Outcome.ok(rank, "plan", {**context, "digest": digest.hexdigest()})
         except Exception as e:
-            error, word = e, ("error", f"{type(e).__name__}: {e}")
-        settings = (self.options.replicated, chunk, self.algorithm)
-        words = self.group.all_gather((*word, step, settings), "plan")
-        if len({w[3] for w in words}) > 1:
+            mine = Outcome.of(e, rank, "plan", context)
+        outcomes = gather(self.group, mine, "plan")
+        seen = [tuple(o.value["settings"]) for o in outcomes]
+        if len(set(seen)) > 1:
             raise DistributedCheckpointError(
                 "ranks save with different settings (replicated, chunk_bytes, checksum): "
-                f"{[w[3] for w in words]} (rank order); give every rank the same options "
+                f"{seen} (rank order); give every rank the same options "
                 "and PITSTOP_* environment",
-                ranks=[r for r, w in enumerate(words) if w[3] != words[0][3]],
-                rank=self.group.rank, phase="plan",
+                ranks=[r for r, w in enumerate(seen) if w != seen[0]], rank=rank, phase="plan",
             )  # fmt: skip
-        if len({w[2] for w in words}) > 1:
+        steps = [o.value["step"] for o in outcomes]
+        if len(set(steps)) > 1:
             raise DistributedCheckpointError(
-                f"ranks disagree on the step to save: {[w[2] for w in words]} (rank order); "
+                f"ranks disagree on the step to save: {steps} (rank order); "
                 "saves are collective: every rank saves the same step",
-                ranks=[r for r, w in enumerate(words) if w[2] != words[0][2]],
-                rank=self.group.rank, phase="plan",
+                ranks=[r for r, w in enumerate(steps) if w != steps[0]], rank=rank, phase="plan",
             )  # fmt: skip
-        agree([w[:2] for w in words], error, "plan", self.group.rank)
-        signature = tuple(w[1] for w in words)
+        agree(outcomes, rank, "plan", phase="plan")
+        assert flat is not None
+        signature = tuple(o.value["digest"] for o in outcomes)
         plan = self._plans.cached(signature)
         if plan is None:
             everyone = self.group.all_gather(items, "plan")

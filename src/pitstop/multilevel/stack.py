@@ -28,6 +28,7 @@ from pitstop.engine.catalog import Catalog, RunIdentity
 from pitstop.engine.collective import NodeCommit
 from pitstop.errors import (
     CheckpointError,
+    CheckpointIOError,
     UnsupportedSetupError,
 )
 from pitstop.faults import killpoint
@@ -44,6 +45,7 @@ from pitstop.multilevel.restart import Restarts
 from pitstop.options import IOOptions
 from pitstop.policy import KeepLast, RetentionPolicy
 from pitstop.ranks.group import Group
+from pitstop.ranks.outcome import describe, gather
 from pitstop.ranks.peers import make_link
 from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage, open_root
@@ -108,22 +110,26 @@ class LevelStack(Restarts):
     def _check_node_dirs(self, root: str, nodes: list[str]) -> None:
         """Collective: every node's directory can be created, and no two nodes share one (a
         symlink, or a path without ``{node}``): two leaders would claim every step."""
-        word: Any = None
-        if self.leader:
+
+        def probe() -> list[Any] | None:
+            """Leader: the node's directory, created, as (host, device, inode)."""
+            if not self.leader:
+                return None
             try:
                 os.makedirs(root, exist_ok=True)
                 st = os.stat(root)
-                word = [socket.gethostname(), st.st_dev, st.st_ino]
             except OSError as e:
-                word = f"node {self.node}: {root}: {e.strerror or e}"
-        words = self.group.all_gather(word, "plan")
-        errors = [w for w in words if isinstance(w, str)]
-        if errors:
-            raise UnsupportedSetupError(
-                f"the local level cannot be used: {'; '.join(errors)}", phase="plan"
-            )
+                raise CheckpointIOError(
+                    f"node {self.node}: {root}: {e.strerror or e}", path=root, phase="plan"
+                ) from e
+            return [socket.gethostname(), st.st_dev, st.st_ino]
+
+        outcomes = gather(self.group, probe, "plan")
+        error = describe(outcomes, "creating the node directories")
+        if error is not None:
+            raise UnsupportedSetupError(f"the local level cannot be used: {error}", phase="plan")
         seen: dict[tuple[Any, ...], str] = {}
-        for r, w in enumerate(words):
+        for r, w in enumerate(o.value for o in outcomes):
             if w is None:
                 continue
             other = seen.setdefault(tuple(w), nodes[r])
