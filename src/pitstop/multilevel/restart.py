@@ -15,8 +15,8 @@ is whole (``xor``); ``single`` needs nothing lost. Then each node whose manifest
 missing, different, unreadable or marked gets room (a spare's directory is created), the
 lost files are rebuilt and verified, the redundancy is rewritten if any piece of it was
 missing or bad, and those nodes get the agreed manifest. Each of these steps ends in an
-all-gather of every rank's word (its result or its error): a rank never fails alone; any
-error means "try older".
+gather of every rank's outcome (``pitstop.ranks.outcome``: its result or its error): a rank
+never fails alone; any error means "try older", and says every failed rank's message.
 
 The shared level is tried with ``recover`` over a window: from the step at hand down to
 (not including) the next local candidate, so it never serves an older step than the local
@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
@@ -55,6 +56,7 @@ from pitstop.multilevel.redundancy import (
     verify_parity,
 )
 from pitstop.ranks.group import Group
+from pitstop.ranks.outcome import attempt, describe, gather
 from pitstop.storage.base import Storage
 
 __all__ = ["LocalChoice", "Restarts"]
@@ -276,16 +278,19 @@ class Restarts:
         was repaired."""
         s, scheme = m.manifest.step, self.placement.scheme
         fix = self.group.rank in stale
-        word = _attempt(
-            lambda: (
+        verified = gather(
+            self.group,
+            lambda: [
                 verify_own(m),
                 verify_copy(m) if scheme == "partner" else True,
                 verify_parity(m) if scheme == "xor" else True,
-            )
+            ],
+            "restore",
         )
-        words = self.group.all_gather(word, "restore")
-        if any(isinstance(w, str) for w in words):
-            return _first_error(words, "verify")
+        failed = describe(verified, "verify")
+        if failed is not None:
+            return failed
+        words = [o.value for o in verified]
         lost = {r for r, w in enumerate(words) if not w[0]}
         if not self.placement.recoverable(lost, [w[1] for w in words], [w[2] for w in words]):
             return f"cannot be rebuilt (ranks {sorted(lost)} lost their files; redundancy {scheme})"
@@ -305,12 +310,13 @@ class Restarts:
                 )  # fmt: skip
             return got
 
-        got = _attempt(rebuild_here)
-        gots = self.group.all_gather(got, "restore")
-        if any(isinstance(g, str) for g in gots):
+        rebuilt = gather(self.group, rebuild_here, "restore")
+        failed = describe(rebuilt, "rebuild")
+        if failed is not None:
             if room is True:
                 self.local_storage.abort(m.directory)
-            return _first_error(gots, "rebuild")
+            return failed
+        gots = [o.value for o in rebuilt]
         failed = self._protect_again(m) if repaired else None
         if failed is not None:  # the step is whole; its redundancy is not (said, reported)
             repaired = [r if r.startswith("rank") else f"{r} (not rewritten)" for r in repaired]
@@ -326,28 +332,30 @@ class Restarts:
                 sources[k] = sources.get(k, 0) + v
         return LocalChoice(s, sources, repaired)
 
-    def _rooms(self, directory: str, fix: bool) -> tuple[Any, str | None]:
-        """Collective: ``_make_room`` where this node's copy needs fixing; this rank's
-        outcome (True: created here) and the first error of any rank (a directory this
-        rank created is aborted again)."""
-        room = _attempt(lambda: self._make_room(directory) if fix else False)
-        rooms = self.group.all_gather(room, "restore")  # every node's directory is there
-        if not any(isinstance(r, str) for r in rooms):
-            return room, None
-        if room is True:
+    def _rooms(self, directory: str, fix: bool) -> tuple[bool, str | None]:
+        """Collective: ``_make_room`` where this node's copy needs fixing; whether this rank
+        created the directory, and every failed rank's error (a directory this rank created
+        is aborted again)."""
+        rooms = gather(self.group, lambda: self._make_room(directory) if fix else False, "restore")
+        room = rooms[self.group.rank].value is True  # every node's directory is there
+        error = describe(rooms, "make room")
+        if error is not None and room:
             self.local_storage.abort(directory)
-        return room, _first_error(rooms, "make room")
+        return room, error
 
     def _take_manifest(self, m: Member, fix: bool) -> None:
         """Collective: the agreed manifest into this node's directory where it was fixed (a
         failure is said: that node lacks the step until the next restart mends it); returns
         once every node holds the step."""
-        if fix:
-            error = _attempt(lambda: self.local_storage.commit(m.directory, m.manifest.dumps()))
-            if isinstance(error, str):
-                _log.warning("node %s could not take the manifest of %s: %s", self.node,
-                             m.directory, error, phase="restore")  # fmt: skip
-        self.group.all_gather(None, "restore")
+
+        def take() -> None:
+            if fix:
+                self.local_storage.commit(m.directory, m.manifest.dumps())
+
+        mine = gather(self.group, take, "restore")[self.group.rank]
+        if mine.failed:
+            _log.warning("node %s could not take the manifest of %s: %s", self.node,
+                         m.directory, mine.text, phase="restore")  # fmt: skip
 
     def _make_room(self, directory: str) -> bool:
         """Leader: ``directory`` exists on this node without a manifest or a marker, ready
@@ -371,12 +379,11 @@ class Restarts:
         """Write the redundancy again (a spare node gets its copies, a bad copy or parity is
         rewritten). A failure leaves the step restorable, less protected: said and returned
         (every rank alike), not raised."""
-        error = _attempt(lambda: protect(m))
-        errors = [e for e in self.group.all_gather(error, "restore") if isinstance(e, str)]
-        if errors and self.group.coordinator:
-            _log.warning("%s: redundancy not re-established: %s", m.directory, errors[0],
+        error = describe(gather(self.group, lambda: protect(m), "restore"), "protect")
+        if error is not None and self.group.coordinator:
+            _log.warning("%s: redundancy not re-established: %s", m.directory, error,
                          phase="restore")  # fmt: skip
-        return errors[0] if errors else None
+        return error
 
     def _roll_back(self, s: int) -> list[str]:
         """Set aside the steps newer than ``s`` on both levels: the next saves' step names are
@@ -388,12 +395,12 @@ class Restarts:
             parts.append((self.shared_catalog, "shared"))
         out: list[str] = []
         for catalog, where in parts:
-            moved = _attempt(lambda c=catalog: _roll_back(c, s))  # type: ignore[misc]
-            if isinstance(moved, str):
-                _log.warning("the steps after %d stay on %s: %s", s, where, moved,
+            moved = attempt(partial(_roll_back, catalog, s), self.group.rank, "restore")
+            if moved.failed:
+                _log.warning("the steps after %d stay on %s: %s", s, where, moved.text,
                              phase="restore")  # fmt: skip
             else:
-                out += [f"{where}:{name}" for name in moved]
+                out += [f"{where}:{name}" for name in moved.value]
         names = sorted({n for part in self.group.all_gather(out, "restore") for n in part})
         if names and self.group.coordinator:
             _log.warning("a new timeline starts at step %d; set aside: %s", s,
@@ -419,8 +426,8 @@ class Restarts:
                 copy_files(source.storage, m.storage, name, manifest, self.group.rank, "restore")
 
         if not errors:
-            copied = _attempt(copy_here)
-            errors = [e for e in self.group.all_gather(copied, "restore") if isinstance(e, str)]
+            copied = describe(gather(self.group, copy_here, "restore"), "copy")
+            errors = [copied] if copied is not None else []
         if errors:
             if room is True:
                 self.local_storage.abort(name)
@@ -448,20 +455,6 @@ def _brief(entries: list[Entry]) -> list[tuple[Any, ...]]:
 
 _CANDIDATE = ("committed", "damaged")  # a node's step that may serve (damaged: verified anew)
 _HELD = (*_CANDIDATE, "abandoned")  # a step directory with a manifest
-
-
-def _attempt(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or the text of its error: a rank's part of a collective step never raises
-    alone (the others would wait for it); the ranks compare words and decide together."""
-    try:
-        return fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-
-
-def _first_error(words: list[Any], what: str) -> str:
-    bad = [r for r, w in enumerate(words) if isinstance(w, str)]
-    return f"{what} failed on rank(s) {bad}: {words[bad[0]]}"
 
 
 def _unusable(raw: bytes | None, s: int, digest: str, world_size: int) -> Manifest | str:
