@@ -12,12 +12,12 @@ the :class:`CheckpointManager` of each run:
   by itself (``save``/``async_save`` and ``reached``) resumes from its first save ``>= k``.
 * ``PITSTOP_CRASHTEST_LOG=path``: one JSON line per event is appended: the start (when the
   manager is built), each save, restore and training step, the kill, the end (a clean
-  exit). All but the kill carry a digest of every global random generator at that moment;
-  steps also the epoch of the data loader in the state (and whether it began with the
-  step) once a save has shown which loader that is; saves also whether the
-  state holds an ``RNGState``, the loaders in the state that draw from the global
-  generator, the settings that make kernels non-deterministic, the epoch, and where in
-  the script the save was made. crashtest reads these lines to choose resume points and to
+  exit). All but the kill carry a digest of every global random generator at that moment
+  (steps: torch's and CUDA's, which are cheap); steps also the epoch of the data loader in
+  the state (and whether it began with the step) once a save has shown which loader that
+  is; saves also whether the state holds an ``RNGState``, the loaders in the state that
+  draw from the global generator, the settings that make kernels non-deterministic, the
+  epoch, and where in the script the save was made. crashtest reads these lines to choose resume points and to
   name the cause when the runs end differently (the generators' states at the same step of
   two runs agree exactly when nothing outside the state drew from them).
 
@@ -63,13 +63,14 @@ def _digest(data: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def generator_digests() -> dict[str, str]:
-    """A digest of the state of each global random generator of this process."""
-    out = {
-        "torch": _digest(torch.get_rng_state().numpy().tobytes()),
-        "python": _digest(repr(random.getstate()).encode()),
-    }
-    numpy = numpy_module()
+def generator_digests(*, host: bool = True) -> dict[str, str]:
+    """A digest of the state of each global random generator of this process (``host=False``:
+    torch's and CUDA's only, cheap enough for every step; Python's and NumPy's cost about a
+    tenth of a millisecond each)."""
+    out = {"torch": _digest(torch.get_rng_state().numpy().tobytes())}
+    numpy = numpy_module() if host else None
+    if host:
+        out["python"] = _digest(repr(random.getstate()).encode())
     if numpy is not None:
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
         out["numpy"] = _digest(
@@ -228,7 +229,8 @@ class CrashProbe:
         to the step, and crashtest learns where the epochs begin."""
         if self.log_path is None:
             return
-        record: dict[str, Any] = {"event": "step", "step": step, "generators": generator_digests()}
+        digests = generator_digests(host=False)
+        record: dict[str, Any] = {"event": "step", "step": step, "generators": digests}
         epoch = _epoch(self._loader) if self._loader is not None else None
         if epoch is not None:
             record.update(epoch=epoch, epoch_start=self._epoch is not None and epoch != self._epoch)

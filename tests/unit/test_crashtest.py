@@ -301,7 +301,7 @@ def test_a_script_that_never_reaches_the_kill_step_is_reported(tmp_path: Any, ca
     )
     code, out = _crashtest(tmp_path, capsys, cmd=[sys.executable, str(script), "{dir}"])
     assert code == 2, out
-    assert "without being killed" in out and "ckpt.reached(step)" in out
+    assert "without being killed" in out and "reached(step)" in out
 
 
 def test_the_kill_waits_for_a_committed_checkpoint(tmp_path: Any) -> None:

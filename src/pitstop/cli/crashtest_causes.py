@@ -59,19 +59,22 @@ def read_log(path: str, run: str) -> list[Record]:
 
 def unseeded(ref: list[Record], fresh: list[Record]) -> set[str]:
     """Generators that two fresh processes start differently (the script does not seed them):
-    their digests differ at the first step (or save) both logged before any restore."""
+    each one's digests differ at the first step (or save) both logged before any restore."""
     restored = {r.pid for r in fresh if r.event == "restore"}
-    mine: dict[tuple[int, int], dict[str, Any]] = {}
+    mine: dict[tuple[int, int, str], dict[str, Any]] = {}
     for r in fresh:
         if r.event in _MARKS and r.pid not in restored:
-            mine.setdefault((r.step, r.rank), r.data)
+            mine.setdefault((r.step, r.rank, r.event), r.data.get("generators") or {})
+    decided: set[str] = set()
+    out: set[str] = set()
     for r in ref:
-        other = mine.get((r.step, r.rank))
-        if r.event not in _MARKS or other is None:
-            continue
-        a, b = r.data.get("generators") or {}, other.get("generators") or {}
-        return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-    return set()
+        b = mine.get((r.step, r.rank, r.event), {}) if r.event in _MARKS else {}
+        a = r.data.get("generators") or {}
+        for k in (set(a) & set(b)) - decided:
+            decided.add(k)
+            if a[k] != b[k]:
+                out.add(k)
+    return out
 
 
 _SEED = {"python": "random.seed", "numpy": "numpy.random.seed"}
@@ -86,10 +89,10 @@ def drawn(records: list[Record]) -> set[str]:
         gens = r.data.get("generators")
         if not gens:
             continue
-        before = last.get((r.run, r.pid, r.rank))
-        if before is not None and r.event != "restore":
+        before = last.setdefault((r.run, r.pid, r.rank), {})
+        if r.event != "restore":
             used |= {k for k, v in gens.items() if k in before and before[k] != v}
-        last[(r.run, r.pid, r.rank)] = gens
+        before.update(gens)
     return used
 
 
@@ -155,7 +158,7 @@ def diagnose(
             f"loaders in the state without their own generator: {', '.join(loaders)} "
             "(DataLoader(..., generator=torch.Generator().manual_seed(seed)))"
         )
-    marks = {(r.step, r.rank): _seeded(r.data, skip) for r in ref if r.event in _MARKS}
+    marks = {(r.step, r.rank, r.event): _seeded(r.data, skip) for r in ref if r.event in _MARKS}
     starts = {r.step for r in ref if r.event == "step" and r.data.get("epoch_start")}
     drift = _generator_drift(marks, crashed, skip, starts)
     for found in (drift, _settings(ref_saves, crashed)):
@@ -218,7 +221,7 @@ _MARKS = ("save", "step")  # records whose generators are compared with the refe
 
 
 def _generator_drift(
-    marks: dict[tuple[int, int], dict[str, Any]],
+    marks: dict[tuple[int, int, str], dict[str, Any]],
     crashed: list[Record],
     skip: set[str],
     starts: set[int],
@@ -239,22 +242,23 @@ def _generator_drift(
         if r.event == "restore":
             restored[proc] = r
             want = written.get((r.step, r.rank))
-            if want is not None and got != want:
+            off = _differing(got, want) if want is not None else ""
+            if off:
                 return (
                     f"after the restore of step {r.step} the global generators "
-                    f"({_differing(got, want)}) are not where they were when it was saved: the "
+                    f"({off}) are not where they were when it was saved: the "
                     "state does not restore them (add pitstop.RNGState() to the state)"
                 )
             continue
         if r.event == "save":
             written[(r.step, r.rank)] = got
-        ref, back = marks.get((r.step, r.rank)), restored.get(proc)
+        ref, back = marks.get((r.step, r.rank, r.event)), restored.get(proc)
         if ref is None or back is None:
             continue
-        if got == ref["generators"]:
+        differing = _differing(got, ref["generators"])
+        if not differing:
             agreed[proc] = r.step
             continue
-        differing = _differing(got, ref["generators"])
         return _drawn_outside(back.step, r, agreed.get(proc), differing, r.step in starts)
     return None
 
@@ -288,7 +292,8 @@ def _drawn_outside(
 
 
 def _differing(a: dict[str, Any], b: dict[str, Any]) -> str:
-    return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))) or "?"
+    """The generators both dicts hold that differ, or ""."""
+    return ", ".join(sorted(k for k in set(a) & set(b) if a[k] != b[k]))
 
 
 def _settings(
