@@ -107,7 +107,6 @@ class LoopDriver:
         if not decide:
             self._say_unprotected(ctx)
         if decide:
-            self._quiet = (_QUIET_STEPS, _QUIET_SECS)
             t0 = time.perf_counter()
             metrics = {"loss": float(loss)} if loss is not None else None
             self.profiler.save_started()
@@ -121,8 +120,6 @@ class LoopDriver:
                 self._refused(step, e)
                 result = StepResult.REFUSED
             self.profiler.stall(max(time.perf_counter() - t0 - alloc, 0.0))
-            if result is StepResult.SAVED:
-                self.ckpt_step, self.ckpt_time = step, time.perf_counter()
         self.persisting = bool(self.pending)
         self.last = time.perf_counter()
         return result
@@ -157,6 +154,13 @@ class LoopDriver:
             checkpoints=self.profiler.checkpoints + len(self.pending),
             **extra,
         )
+
+    def saved(self, step: int) -> None:
+        """A save of ``step`` started (from ``step()`` or the loop's own ``save``/``async_save``/
+        ``save_final``): the policy and ``stats()`` count from it."""
+        if self.ckpt_step is None or step >= self.ckpt_step:
+            self.ckpt_step, self.ckpt_time = step, time.perf_counter()
+            self._quiet = (_QUIET_STEPS, _QUIET_SECS)
 
     def _say_unprotected(self, ctx: PolicyContext) -> None:
         """Warn once the work a failure would lose passes a stretch (both steps and seconds),
@@ -206,7 +210,7 @@ class LoopDriver:
             self.policy, "interval_secs", None
         )
         now = time.perf_counter()
-        ctx = self._context(self.step_seen, now)
+        ctx = self._context(max(self.step_seen, self.ckpt_step or 0), now)  # a rerun: none yet
         return dataclasses.replace(
             self.profiler.snapshot(interval=interval),
             steps_since_checkpoint=ctx.steps_since_checkpoint,

@@ -104,6 +104,11 @@ class CheckpointManager:
             raise ValueError("give keep_last= or retention=, not both")
         self.retention = KeepLast(keep_last) if keep_last is not None else retention
         root, knobs, flags = _legacy_arguments(root, levels, legacy)
+        if options is not None and legacy:
+            raise ValueError(
+                f"give {', '.join(f'{k}=' for k in legacy)} inside options=SaveOptions(...) "
+                "(IOOptions for the I/O knobs), not beside it"
+            )
         if isinstance(root, (list, tuple)):
             local, shared = _split_levels(root)
             io = options.io if options else IOOptions.from_env(**knobs)
@@ -196,7 +201,9 @@ class CheckpointManager:
         lineage = self._identity.lineage_for(step)
         if self._probe is not None:
             self._probe.saved(step, state)
-        return self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
+        handle = self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
+        self._loop.saved(step)
+        return handle
 
     def save(
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None

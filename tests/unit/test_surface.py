@@ -63,3 +63,23 @@ def test_internals_are_private_and_reached_through_hooks(root: str) -> None:
             ckpt.reached(1)
         with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
             ckpt.nonsense  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_options_and_a_deprecated_copy_of_one_of_its_fields_is_an_error(root: str) -> None:
+    with pytest.raises(ValueError, match="inside options="), pytest.warns(DeprecationWarning):
+        pitstop.CheckpointManager(root, options=pitstop.SaveOptions(), allow_pickle=True)
+
+
+def test_stats_count_from_every_save_and_a_rerun_of_a_finished_run(root: str) -> None:
+    state = _state()
+    with pitstop.CheckpointManager(root, policy=pitstop.EveryN(10)) as ckpt:
+        for step in range(1, 31):
+            ckpt.step(step, state)
+            if step == 25:
+                ckpt.save(25, state)  # outside the policy: still a checkpoint
+        assert ckpt.stats().steps_since_checkpoint == 5  # main: 10 (from the policy's 20)
+        ckpt.save_final(30, state)
+        assert ckpt.stats().steps_since_checkpoint == 0  # main: 10
+    with pitstop.CheckpointManager(root, policy=pitstop.EveryN(10)) as ckpt:
+        assert ckpt.restore(state) == 30
+        assert ckpt.stats().steps_since_checkpoint == 0  # main: -30

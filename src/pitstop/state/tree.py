@@ -381,7 +381,9 @@ class _Flattener:
     def _pickle(self, obj: Any, key: str, reason: str) -> Node:
         if not self.allow_pickle:
             raise UnsupportedValueError(
-                f"value at {_shown(key)} {reason}; pass allow_pickle=True to store it as a pickle"
+                f"value at {_shown(key)} {reason}; to store it as a pickle, pass "
+                "options=pitstop.SaveOptions(allow_pickle=True) (pitstop.save(..., "
+                "allow_pickle=True))"
             )
         return {
             "pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode(),
