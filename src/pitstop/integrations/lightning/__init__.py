@@ -17,9 +17,10 @@ written by a background thread once its step committed, so ``ckpt_path="last"`` 
 ``.pitstop-lightning.json`` lists the pointer directories (retention sees every pointer) and
 the ``last`` path, which the constructor points at the newest committed step if a kill came
 after a commit and before ``last`` followed it (unless that step was saved after ``fit``:
-its pointer says ``after_fit``). A step is kept while a pointer names it, while it is the
-newest or in use, or while ``keep_last=``/``retention=`` keep it. docs/integrations/lightning.md
-says more.
+its pointer says ``after_fit``). Only a pointer of the root, or nothing, is replaced there; a
+registry entry that does not validate is ignored with a warning. A step is kept while a
+pointer names it, while it is the newest or in use, or while ``keep_last=``/``retention=``
+keep it. docs/integrations/lightning.md says more.
 
 Call sequence (the training thread of global rank 0 unless said otherwise)::
 

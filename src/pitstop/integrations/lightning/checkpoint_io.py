@@ -21,22 +21,26 @@ from pitstop.errors import (
     CheckpointIOError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    NotACheckpointError,
     UnsupportedSetupError,
 )
 from pitstop.faults import killpoint
 from pitstop.integrations.lightning.pointers import (
     POINTER,
-    REGISTRY,
     ROOT_MARK,
     STATE_KEY,
     ReferencedSteps,
     as_last_file,
+    check_last_file,
     from_mark,
     is_last,
+    is_own_tmp,
     map_strings,
-    read_json,
     read_pointer,
+    read_registry,
+    special_file,
     write_json,
+    write_registry,
 )
 from pitstop.io.files import fsync_dir, write_bytes_durable
 from pitstop.log import get_logger
@@ -81,7 +85,7 @@ class PitstopCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pitstop-lightning")
         self._closed = False
-        self._registry_dirs, self._registry_last = self._read_registry()
+        self._registry_dirs, self._registry_last = read_registry(self.root)
         self._repair()
 
     def __repr__(self) -> str:
@@ -134,6 +138,12 @@ class PitstopCheckpointIO(CheckpointIO):
         plain Lightning file is loaded as Lightning would. Pitstop never unpickles (safe
         whatever ``weights_only``); ``map_location`` may be a device."""
         path = os.path.abspath(os.fspath(path))
+        kind = special_file(path)
+        if kind is not None:  # torch.load would block on a FIFO
+            raise NotACheckpointError(
+                f"{path} is not a regular file ({kind}): not a checkpoint", path=path,
+                phase="restore",
+            )  # fmt: skip
         if os.path.isdir(path):
             root, named = path, None
         else:
@@ -285,12 +295,13 @@ class PitstopCheckpointIO(CheckpointIO):
         for name in names:
             path = os.path.join(directory, name)
             if name.endswith(".pitstop-tmp"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                if is_own_tmp(path):  # a killed pointer write's, nobody else's
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
                 continue
             try:
                 pointer = read_pointer(path) if os.path.isfile(path) else None
-            except CheckpointError:
+            except (CheckpointError, OSError):
                 continue
             if pointer is not None and self._ours(pointer.root):
                 with self._lock:
@@ -325,19 +336,8 @@ class PitstopCheckpointIO(CheckpointIO):
         if changed:
             self._write_registry()
 
-    def _read_registry(self) -> tuple[set[str], str | None]:
-        obj = read_json(os.path.join(self.root, REGISTRY), "lightning-registry") or {}
-        dirs = {os.path.normpath(os.path.join(self.root, d)) for d in obj.get("dirs", [])}
-        last = obj.get("last")
-        return dirs, os.path.normpath(os.path.join(self.root, last)) if last else None
-
     def _write_registry(self) -> None:
-        os.makedirs(self.root, exist_ok=True)
-        rel = sorted(os.path.relpath(d, self.root) for d in self._registry_dirs)
-        last = os.path.relpath(self._registry_last, self.root) if self._registry_last else None
-        body = {"pitstop": "lightning-registry", "version": 1, "dirs": rel, "last": last}
-        write_json(os.path.join(self.root, REGISTRY), body)
-        killpoint("lightning.registry")
+        write_registry(self.root, self._registry_dirs, self._registry_last)
 
     def _repair(self) -> None:
         """Constructor, before Lightning resolves "last": read the registered pointer
@@ -346,21 +346,25 @@ class PitstopCheckpointIO(CheckpointIO):
         "final.ckpt")``: ``last`` stays what Lightning made it). Any other such state is a kill
         before ``last`` followed the commit: before any pointer of the step, or after its
         top-k pointer (ModelCheckpoint saves the top-k file, then ``last``); a rerun from the
-        older step would collide with the newest at its next save."""
+        older step would collide with the newest at its next save.
+
+        Only a pointer of this root, or nothing, is replaced there: a file that is no pointer
+        (or no regular file) is left as it is, with a warning (``check_last_file``); the path
+        itself was validated when the registry was read (``read_registry``)."""
         for directory in sorted(self._registry_dirs):
             self._know_dir(directory)
         newest, last = self.manager.latest_step(), self._registry_last
         if newest is None or last is None:
             return
-        try:
-            pointer = read_pointer(last)
-        except CheckpointError:
+        pointer, why = check_last_file(last)
+        if why:
+            _log.warning("%s, the registered last path, %s: left as it is (the newest committed "
+                         "step is %d)", last, why, newest, phase="restore")  # fmt: skip
             return
         if pointer is not None and (not self._ours(pointer.root) or pointer.step == newest):
             return
         if self._saved_after_fit(newest):
             return
-        os.makedirs(os.path.dirname(last), exist_ok=True)
         write_json(last, self._pointer_body(last, newest))
         with self._lock:
             self._pointers[last] = newest
