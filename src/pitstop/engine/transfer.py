@@ -24,7 +24,7 @@ replicates, the training thread at restart; every rank of an exchange the same r
     pieces = layout.pieces(piece)             # the target's pieces (every rank cuts alike)
     received = transfer(rounds, pieces, target=Target(storage, directory, layout),
                         link=link, check=checker.feed, phase="replicate")
-    copy_files(source, target, directory, manifest, rank)   # the copy without peers
+    copy_files(source, target, directory, manifest, rank, phase)   # the copy without peers
 
 A failure on one rank (a read, a checksum, a write) never leaves its peers waiting: it
 takes part in the remaining rounds without doing their work, and a last exchange of one
