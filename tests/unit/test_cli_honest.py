@@ -142,3 +142,50 @@ def test_work_directories_inside_a_checkpoint_root_are_refused(
     code, _, err = _run(capsys, command, "--dir", root, *extra)
     assert code == 2 and f"{root} is the checkpoint root" in err
     assert sorted(os.listdir(root)) == [S1, S2]
+
+
+def test_export_fallback_when_no_step_verifies_does_not_suggest_fallback(
+    root: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _two_steps(root)
+    _damage(root, S1)
+    _damage(root, S2)
+    out = os.path.join(str(tmp_path), "out.pt")
+    code, stdout, err = _run(capsys, "export", root, out, "--to", "torch", "--fallback")
+    assert code == 1 and not os.path.exists(out), (stdout, err)
+    assert "--fallback exports" not in err and "no step verifies" in err, err
+    assert "step 1" in err and "step 2" in err  # each one said, with why
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
+def test_export_onto_the_wrong_kind_of_path_is_bad_usage(
+    root: str, tmp_path: object, to: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _two_steps(root)
+    if to == "dcp":
+        out = os.path.join(str(tmp_path), "a-file")
+        with open(out, "w") as f:
+            f.write("x")
+    else:
+        out = str(tmp_path)  # a directory, where a file is written
+    code, _, err = _run(capsys, "export", root, out, "--to", to)
+    assert code == 2 and out in err, err
+    if to != "dcp":  # a DCP directory is made with its parents
+        missing = os.path.join(out + "-none", "x")
+        code, _, err = _run(capsys, "export", root, missing, "--to", to)
+        assert code == 2 and "does not exist" in err, err
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_a_dataloader_iterator_in_the_state_points_to_the_loader(
+    root: str, allow_pickle: bool
+) -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    with pytest.raises(UnsupportedValueError) as info:
+        pitstop.save(
+            root, {"w": torch.ones(2), "it": iter(loader)}, step=1, allow_pickle=allow_pickle
+        )
+    text = str(info.value)
+    assert "'it'" in text and "iterator" in text and "pitstop.ResumableLoader" in text
+    assert "allow_pickle" not in text

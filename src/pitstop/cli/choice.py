@@ -31,7 +31,7 @@ from pitstop.errors import CheckpointError, CorruptCheckpointError, FormatVersio
 from pitstop.format.names import LEVELS_FILE, MANIFEST, OWNER_FILE, parse_aside_dir, parse_step_dir
 
 __all__ = [
-    "Choice", "choose", "damage_of_newest", "explain_damage", "fallback_note",
+    "Choice", "choose", "damage_of_newest", "explain_damage", "fallback_note", "none_verifies",
     "refuse_inside_checkpoint",
 ]  # fmt: skip
 
@@ -125,6 +125,23 @@ def explain_damage(choice: Choice, error: CorruptCheckpointError, retry: str) ->
         return error
     path = f"{choice.root}/{now.name}"
     return damage_of_newest(now, now.error or "marked damaged", "" if choice.asked else retry, path)
+
+
+def none_verifies(choice: Choice, error: CorruptCheckpointError) -> Exception:
+    """After a load with a fallback (``export --fallback``) found no step that verifies: each
+    step tried and why, newest first (as the load marked them), else ``error`` as it is."""
+    try:
+        _, _, entries = _steps(choice.root, None)
+    except (CheckpointError, _UsageError):
+        return error
+    damaged = [e for e in reversed(entries) if e.status == "damaged"]
+    if not damaged:
+        return error
+    said = "; ".join(f"step {e.step} ({e.error or 'marked damaged'})" for e in damaged)
+    return CorruptCheckpointError(
+        f"no step verifies, so there is none to fall back to: {said}; nothing written",
+        step=choice.entry.step, path=choice.root,
+    )  # fmt: skip
 
 
 def fallback_note(choice: Choice, loaded: int | None, skipped: list[tuple[str, str]]) -> str | None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import os
 import stat
@@ -81,22 +80,19 @@ def _select(tree: Any, only: str | None) -> Any:
 
 
 def _check_out(out: str, to: str) -> None:
-    """Fail before loading anything big when the output cannot be written where it is asked."""
+    """Refuse, as bad usage, an output path that cannot take what ``to`` writes, before
+    anything big is loaded."""
+    from pitstop.cli.main import _UsageError
+
     if to == "dcp":
         if os.path.exists(out) and not os.path.isdir(out):
-            raise CheckpointIOError(
-                "dcp writes a directory, and this exists as a file", errno=errno.ENOTDIR, path=out
-            )
+            raise _UsageError(f"{out}: dcp writes a directory, and this exists as a file")
         return
     if os.path.isdir(out):
-        raise CheckpointIOError(
-            f"{to} writes a file, and this is a directory", errno=errno.EISDIR, path=out
-        )
+        raise _UsageError(f"{out}: {to} writes a file, and this is a directory")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
-        raise CheckpointIOError(
-            f"cannot write: directory {parent} does not exist", errno=errno.ENOENT, path=out
-        )
+        raise _UsageError(f"{out}: cannot write: directory {parent} does not exist")
 
 
 @contextlib.contextmanager
@@ -149,7 +145,13 @@ def run_export(args: argparse.Namespace) -> int:
     """``pitstop export``: 0 written from the step asked for or the newest; 3 (``--fallback``)
     written from an older step, the newest being damaged (said on stdout); damage without
     ``--fallback`` writes nothing (CorruptCheckpointError: exit 1)."""
-    from pitstop.cli.choice import choose, explain_damage, fallback_note, refuse_inside_checkpoint
+    from pitstop.cli.choice import (
+        choose,
+        explain_damage,
+        fallback_note,
+        none_verifies,
+        refuse_inside_checkpoint,
+    )
     from pitstop.cli.export_formats import EXPORTERS
     from pitstop.cli.export_names import find_names, name_optimizers, strip_wrappers_in
     from pitstop.cli.main import EXIT_FALLBACK, EXIT_OK
@@ -160,6 +162,8 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         value, tree, loaded = _load_with_tree(choice.root, choice.step, args.allow_pickle)
     except CorruptCheckpointError as e:
+        if args.fallback and not choice.asked:  # it fell back as far as it could
+            raise none_verifies(choice, e) from None
         raise explain_damage(choice, e, _RETRY) from None
     value = _select(value, args.only)
     found = find_names(tree)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
-from pitstop.engine.verify import verify_checkpoint
+from pitstop.engine.verify import VerifyReport, verify_checkpoint
 from pitstop.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -264,25 +264,34 @@ def verify_root(catalog: Catalog, only: str | None, args: argparse.Namespace) ->
                 bad += 1
                 continue
         progress.done()
-        rate = report.nbytes / report.secs / 1e9 if report.secs > 0 else 0.0
-        if report.ok and e.status == "damaged":
-            print(f"{e.name}: ok now, but marked damaged earlier: {e.error}")
-            bad += 1
-        elif report.ok:
-            print(
-                f"{e.name}: ok ({_human(report.nbytes)} checked in {report.secs:.2f} s, {rate:.2f} GB/s)"
-            )
-        else:
-            bad += 1
-            print(f"{e.name}: CORRUPT")
-            for p in report.problems:
-                print(f"  - {p}")
-            if e.status == "committed":  # evidence of damage: restore and ls will know
-                catalog.mark_damaged(e.name, "; ".join(report.problems))
-        for line in e.ignored:  # damaged or inconsistent marker: found, said, never acted on
-            print(f"{e.name}: {line}; not acted on (remove the file once you have looked)")
-            bad += 1
+        bad += _say_verified(catalog, e, report)
     return 1 if bad else 0
+
+
+def _say_verified(catalog: Catalog, e: Entry, report: VerifyReport) -> int:
+    """Print what verifying ``e`` found (marking it damaged if it is, and was not marked) and
+    the markers that are no evidence; how many problems that is."""
+    bad, ignored = 0, list(e.ignored)
+    rate = report.nbytes / report.secs / 1e9 if report.secs > 0 else 0.0
+    if report.ok and e.status == "damaged":
+        print(f"{e.name}: ok now, but marked damaged earlier: {e.error}")
+        bad += 1
+    elif report.ok:
+        print(
+            f"{e.name}: ok ({_human(report.nbytes)} checked in {report.secs:.2f} s, {rate:.2f} GB/s)"
+        )
+    else:
+        bad += 1
+        print(f"{e.name}: CORRUPT")
+        for p in report.problems:
+            print(f"  - {p}")
+        if e.status == "committed":  # evidence of damage: restore and ls will know
+            catalog.mark_damaged(e.name, "; ".join(report.problems))  # replaces any DAMAGED
+            ignored = [x for x in ignored if not x.startswith("DAMAGED ")]
+    for line in ignored:  # damaged or inconsistent marker: found, said, never acted on
+        print(f"{e.name}: {line}; not acted on (remove the file once you have looked)")
+        bad += 1
+    return bad
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -418,8 +427,9 @@ inside the copy); the paths used instead are said."""
 _VERIFY_MORE = """
 
 Exit 0: every checkpoint checked is whole. Exit 1: a checksum or size is wrong, a
-checkpoint is damaged, or a marker (DAMAGED, ABANDONED, ROLLBACK) is no evidence (empty,
-damaged or inconsistent with its step: shown, never acted on); under levels=, a shared
+checkpoint is damaged, or a marker (DAMAGED, ABANDONED, ROLLBACK) is no evidence (empty, not
+a file, damaged, inconsistent with its step, copied from another checkpoint, or an abandonment
+whose rollback is nowhere: shown, never acted on); under levels=, a shared
 checkpoint is bad or a local step cannot be rebuilt from its redundancy. A local step that lost pieces its redundancy can rebuild
 (a rank's files, a partner copy, parity, a node's manifest) still exits 0 and is
 reported "recoverable, degraded: will be repaired at the next restart that restores it".
@@ -433,10 +443,11 @@ agrees); this never marks or writes into node directories."""
 _EXPORT_MORE = """
 
 Exports the step asked for (--step N, or a step directory given) or the newest step, never
-another in its place. Exit 0: written. Exit 1: that step is damaged (nothing written), or
-another problem. Exit 2: bad usage (no such step; OUT inside a checkpoint root: only a save
-writes there). Exit 3: --fallback was given, the newest step is damaged, and the newest one
-that verifies was written instead (stdout names it and why)."""
+another in its place. Exit 0: written. Exit 1: that step is damaged (nothing written; with
+--fallback: no step verifies), or another problem. Exit 2: bad usage (no such step; OUT inside
+a checkpoint root: only a save writes there; OUT a directory for a file format, a file for
+dcp, or in a directory that does not exist). Exit 3: --fallback was given, the newest step is
+damaged, and the newest one that verifies was written instead (stdout names it and why)."""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -16,9 +16,11 @@ foreign     a ``step-N`` that is a symlink or a file: never followed or removed
 other       anything else (not pitstop's)
 ==========  ==================================================================
 
-Only markers that are evidence count (sealed or of the previous format, consistent with their
-step: :mod:`pitstop.format.markers`); the others are listed in ``Entry.ignored``, and gc
-deletes a step marked damaged only if it fails verification again.
+Only markers that are evidence count (:mod:`pitstop.format.markers`: whole, naming the
+checkpoint they lie beside, an abandonment only where its rollback is found among the other
+steps); the others are listed in ``Entry.ignored``. gc deletes a step marked damaged, or a
+``.damaged-*`` directory, only if it fails verification again, and an abandoned step only if
+the evidence still holds.
 
 Pins: a checkpoint being restored, loaded, exported or verified is pinned (a shared
 lock, :meth:`Catalog.pin`); retention, gc and set-aside take it exclusively without
@@ -50,8 +52,14 @@ from pitstop.errors import (
     FormatVersionError,
 )
 from pitstop.faults import killpoint
-from pitstop.format.manifest import Lineage, Manifest
-from pitstop.format.markers import marker_text, usable_markers
+from pitstop.format.manifest import Lineage, Manifest, manifest_digest
+from pitstop.format.markers import (
+    Beside,
+    abandonment_problem,
+    ignored_line,
+    marker_text,
+    usable_markers,
+)
 from pitstop.format.names import MANIFEST, aside_dir_name, parse_aside_dir, parse_step_dir
 from pitstop.io.locks import DirLock
 from pitstop.log import get_logger
@@ -87,6 +95,7 @@ class Entry:
     error: str | None = None
     rollback: Any = field(default=None, repr=False)  # a ROLLBACK marker: newer steps abandoned
     ignored: tuple[str, ...] = ()  # markers that are no evidence (format.markers), and why
+    claim: Any = field(default=None, repr=False)  # an ABANDONED marker, its rollback unchecked
 
     @property
     def is_step_dir(self) -> bool:
@@ -156,13 +165,51 @@ def _apply_rollbacks(entries: list[Entry]) -> list[Entry]:
     return out
 
 
+def _settle_claims(entries: list[Entry]) -> list[Entry]:
+    """A committed checkpoint with an ABANDONED marker is abandoned if the rollback the marker
+    claims is found among the other step directories (format.markers.abandonment_problem);
+    else the marker is no evidence, and said."""
+    if not any(e.claim is not None for e in entries):
+        return entries
+    witnesses = [_beside(e) for e in entries if e.is_step_dir and e.manifest is not None]
+    out = []
+    for e in entries:
+        if e.claim is None or e.status != "committed":
+            out.append(e)
+            continue
+        problem = abandonment_problem(e.claim, _beside(e), witnesses)
+        if problem is None:
+            why = f"a rollback to step {e.claim['after']} left it (in use then)"
+            out.append(dataclasses.replace(e, status="abandoned", error=why))
+        else:
+            ignored = (*e.ignored, ignored_line("abandoned", problem))
+            out.append(dataclasses.replace(e, ignored=ignored))
+    return out
+
+
+def _abandoned_text(e: Entry, after: int, now: float) -> str:
+    """The ABANDONED marker of ``e``, left by a rollback to ``after``: naming its checkpoint."""
+    assert e.step is not None and e.manifest is not None
+    run, timeline = _run_of(e)
+    return marker_text(
+        "abandoned", e.step, after=after, run=run, timeline=timeline,
+        manifest_digest=manifest_digest(e.manifest), time=now,
+    )  # fmt: skip
+
+
+def _beside(e: Entry) -> Beside:
+    assert e.step is not None
+    return Beside(e.step, e.manifest, e.rollback if isinstance(e.rollback, dict) else None)
+
+
 def read_manifest(storage: Storage, directory: str) -> Manifest:
-    """Parse the manifest of ``directory``; raises CheckpointNotFoundError, ManifestError,
-    FormatVersionError or CheckpointIOError."""
+    """Parse the manifest of ``directory`` (a step directory, or one set aside); raises
+    CheckpointNotFoundError, ManifestError, FormatVersionError or CheckpointIOError."""
     data = storage.read_manifest(directory)
     path = f"{storage.url}/{directory}/{MANIFEST}"
     manifest = Manifest.loads(data, path=path)
-    expected = parse_step_dir(directory)
+    aside = parse_aside_dir(directory)
+    expected = parse_step_dir(directory) if aside is None else aside[1]
     if expected is not None and manifest.step != expected:
         raise CorruptCheckpointError(
             f"manifest says step {manifest.step} but lies in {directory}", path=path
@@ -189,7 +236,7 @@ class Catalog:
     def scan(self) -> list[Entry]:
         """Every entry under the root, sorted by step. I/O errors are raised, not hidden."""
         out = [e for e in (self._entry(n) for n in self.storage.entries()) if e is not None]
-        out = _apply_rollbacks(out)
+        out = _settle_claims(_apply_rollbacks(out))
         return sorted(out, key=lambda e: (e.step is None, e.step or 0, e.name))
 
     def refresh(self, name: str) -> Entry | None:
@@ -197,6 +244,8 @@ class Catalog:
         return self._entry(name)
 
     def _entry(self, name: str) -> Entry | None:
+        """``name`` as it is, its markers checked as far as its own directory tells (an
+        ABANDONED marker's rollback is checked by ``scan``, against the other steps)."""
         step = parse_step_dir(name)
         if step is None:
             aside = parse_aside_dir(name)
@@ -223,19 +272,19 @@ class Catalog:
             return Entry(name, step, "newer", error=e.message)
         except CorruptCheckpointError as e:
             return Entry(name, step, "damaged", error=e.message)
-        lineage = manifest.lineage
-        markers, ignored = usable_markers(
-            self.storage.read_markers(name), step,
-            (lineage.run, lineage.timeline) if lineage is not None else (None, None),
+        return self._marked(name, step, manifest)
+
+    def _marked(self, name: str, step: int, manifest: Manifest) -> Entry:
+        """The committed checkpoint ``name`` as its markers that are evidence say."""
+        markers, ignored = usable_markers(self.storage.read_markers(name), Beside(step, manifest))
+        entry = Entry(
+            name, step, "committed", manifest, rollback=markers.get("rollback"),
+            ignored=tuple(ignored), claim=markers.get("abandoned"),
         )  # fmt: skip
         if "damaged" in markers:
             why = markers["damaged"]["reason"] or "marked damaged"
-            return Entry(name, step, "damaged", manifest, error=why, ignored=tuple(ignored))
-        if "abandoned" in markers:
-            why = "a rollback left it (in use then)"
-            return Entry(name, step, "abandoned", manifest, error=why, ignored=tuple(ignored))
-        rollback = markers.get("rollback")
-        return Entry(name, step, "committed", manifest, rollback=rollback, ignored=tuple(ignored))
+            return dataclasses.replace(entry, status="damaged", error=why, claim=None)
+        return entry
 
     def committed(self) -> list[Entry]:
         """Committed checkpoints, oldest first."""
@@ -270,10 +319,13 @@ class Catalog:
         step = parse_step_dir(name)
         if step is None:
             return
-        text = marker_text("damaged", step, reason=reason[:4000], time=time.time())
-        try:
+        try:  # the marker names this checkpoint: a copy of it elsewhere is no evidence
+            digest = manifest_digest(read_manifest(self.storage, name))
+            text = marker_text(
+                "damaged", step, reason=reason[:4000], manifest_digest=digest, time=time.time()
+            )
             self.storage.mark(name, "damaged", text)
-        except CheckpointError as e:
+        except CheckpointError as e:  # a manifest that does not parse says it by itself
             _log.warning("could not mark %s damaged: %s", name, e, phase="verify")
 
     def start_timeline(self, restored: Entry, entries: list[Entry], damaged: set[str]) -> list[str]:
@@ -298,9 +350,8 @@ class Catalog:
         for e in newer:
             kind = "damaged" if e.status == "damaged" or e.name in damaged else "abandoned"
             try:
-                if kind == "abandoned" and e.step is not None:
-                    mark = marker_text("abandoned", e.step, after=k, time=now)
-                    self.storage.mark(e.name, "abandoned", mark)
+                if kind == "abandoned" and e.step is not None and e.manifest is not None:
+                    self.storage.mark(e.name, "abandoned", _abandoned_text(e, k, now))
                 target = self.set_aside(e, kind)
             except CheckpointNotFoundError:
                 continue  # another process set it aside first
@@ -437,7 +488,7 @@ class Catalog:
             age = now - self.storage.mtime(e.name)
             if age < min_age:
                 return f"kept: written to {age:.0f} s ago (a save may be running)"
-        if e.is_step_dir and e.status in ("damaged", "abandoned"):
+        if e.status == "damaged" or (e.is_step_dir and e.status == "abandoned"):
             return self._collect_step(e, dry_run)
         if dry_run:
             return "would remove"
@@ -446,7 +497,8 @@ class Catalog:
         return "kept: in use by a running save or reader, or committed meanwhile"
 
     def _collect_step(self, e: Entry, dry_run: bool) -> str:
-        """A step gc was asked to delete as damaged or abandoned: only if the evidence holds."""
+        """A step gc was asked to delete as damaged or abandoned, or a checkpoint set aside as
+        damaged: only if the evidence holds."""
         lock = None if dry_run else self._hold(e.name, "pinned or being written; left for later")
         if lock is None and not dry_run:
             return "kept: in use by a running save or reader"
@@ -462,6 +514,8 @@ class Catalog:
     def _doubt(self, e: Entry) -> str | None:
         """Why the evidence that ``e`` is damaged or abandoned does not hold now (None: it does):
         markers and rollbacks checked again, a step marked damaged verified again."""
+        if not e.is_step_dir:
+            return self._aside_doubt(e)
         now = next((x for x in self.scan() if x.name == e.name), None)
         if now is None:
             raise CheckpointNotFoundError(f"{e.name} is gone", path=f"{self.storage.url}/{e.name}")
@@ -470,6 +524,21 @@ class Catalog:
         marked = now.manifest if now.status == "damaged" else None
         if marked is not None and verify_checkpoint(self.storage, now.name, marked).ok:
             return f"marked damaged ({now.error}), but it verifies now"
+        return None
+
+    def _aside_doubt(self, e: Entry) -> str | None:
+        """Why a checkpoint set aside as damaged may not be (None: it may): it verifies now
+        (set aside on a DAMAGED marker that was wrong, or copied), or is of a newer format."""
+        try:
+            manifest = read_manifest(self.storage, e.name)
+        except CheckpointNotFoundError:
+            return None  # no manifest: no checkpoint
+        except FormatVersionError as err:
+            return f"written in a newer format, not verified ({err.message})"
+        except CorruptCheckpointError:
+            return None  # its manifest is the evidence
+        if verify_checkpoint(self.storage, e.name, manifest).ok:
+            return f"set aside as damaged, but its checkpoint (step {manifest.step}) verifies"
         return None
 
     def collect(

@@ -43,6 +43,7 @@ import base64
 import collections
 import math
 import pickle
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,6 +234,9 @@ class _Flattener:
                 )  # fmt: skip
         if type(obj) is bytes:
             return {"bytes": base64.b64encode(obj).decode()}
+        iterating = _iterator_advice(obj)  # cannot be pickled either: allow_pickle is no way out
+        if iterating is not None:
+            raise UnsupportedValueError(f"value at {_shown(key)} {iterating}")
         if isinstance(obj, torch.utils.data.DataLoader) and not self.allow_pickle:
             raise UnsupportedValueError(
                 f"value at {_shown(key)} is a plain torch.utils.data.DataLoader, which keeps no "
@@ -389,6 +393,25 @@ class _Flattener:
             "pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode(),
             "type": _qualname(obj),
         }
+
+
+def _iterator_advice(obj: Any) -> str | None:
+    """What to say of an iterator no checkpoint can hold (``iter(loader)``, a generator: not even
+    pickle saves them); None for anything else."""
+    loader_iter = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)
+    if isinstance(loader_iter, type) and isinstance(obj, loader_iter):
+        return (
+            f"is an iterator of a DataLoader ({_qualname(obj)}), which cannot be saved, not "
+            "even as a pickle: put the loader itself in the state, as "
+            "pitstop.ResumableLoader(loader) (it resumes at the next batch), and iterate over "
+            "it in the training loop"
+        )
+    if isinstance(obj, types.GeneratorType):
+        return (
+            "is a generator, which cannot be saved, not even as a pickle: save what it "
+            "iterates over (batches: pitstop.ResumableLoader(loader) in the state)"
+        )
+    return None
 
 
 def hookable_optimizer(opt: torch.optim.Optimizer, key: str) -> torch.optim.Optimizer:

@@ -34,11 +34,20 @@ from pitstop.errors import (
     CheckpointIOError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    FormatVersionError,
     UnsafePathError,
 )
 from pitstop.faults import killpoint
 from pitstop.format.jsonsafe import load_json
-from pitstop.format.markers import usable_markers
+from pitstop.format.manifest import Manifest
+from pitstop.format.markers import (
+    MAX_MARKER_BYTES,
+    Beside,
+    Unreadable,
+    abandonment_problem,
+    not_a_marker,
+    usable_markers,
+)
 from pitstop.format.names import (
     MANIFEST,
     MANIFEST_TMP,
@@ -222,8 +231,7 @@ class LocalStorage:
                 path=final, phase="plan",
             )  # fmt: skip
         if self.has_manifest(directory):  # markers that are no evidence move nothing
-            markers, _ = usable_markers(self.read_markers(directory), parse_step_dir(directory))
-            aside = next((k for k in ("damaged", "abandoned") if k in markers), None)
+            aside = self._aside_kind(directory)
             if aside is not None and self._move_aside(directory, aside):
                 return  # a damaged or abandoned checkpoint left in use then: out of the way now
             raise CheckpointExistsError(
@@ -239,6 +247,45 @@ class LocalStorage:
         with lock:
             if not self.has_manifest(directory):
                 shutil.rmtree(final)
+
+    def _aside_kind(self, directory: str) -> str | None:
+        """``damaged`` or ``abandoned`` when the evidence says committed ``directory`` is (a
+        manifest that does not parse; a DAMAGED marker of this checkpoint; an ABANDONED marker
+        of it whose rollback is found), else None (see :mod:`pitstop.format.markers`)."""
+        step = parse_step_dir(directory)
+        try:
+            manifest = Manifest.loads(self.read_manifest(directory))
+        except (FormatVersionError, CheckpointNotFoundError):
+            return None  # newer: never touched; gone: nothing to move
+        except CorruptCheckpointError:
+            return "damaged"  # its own evidence, found now
+        if step is None or manifest.step != step:
+            return "damaged"
+        beside = Beside(step, manifest)
+        markers, _ = usable_markers(self.read_markers(directory), beside)
+        if "damaged" in markers:
+            return "damaged"
+        claim = markers.get("abandoned")
+        if claim is not None and abandonment_problem(claim, beside, self._witnesses()) is None:
+            return "abandoned"
+        return None
+
+    def _witnesses(self) -> list[Beside]:
+        """Every step directory of the root with a manifest that parses, and its ROLLBACK
+        marker if that is evidence: where an ABANDONED marker's rollback is looked for."""
+        out = []
+        for name in self.entries():
+            step = parse_step_dir(name)
+            if step is None or self.entry_kind(name) != "dir" or not self.has_manifest(name):
+                continue
+            try:
+                here = Beside(step, Manifest.loads(self.read_manifest(name)))
+            except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
+                continue
+            raw = {k: v for k, v in self.read_markers(name).items() if k == "rollback"}
+            marks, _ = usable_markers(raw, here)
+            out.append(dataclasses.replace(here, rollback=marks.get("rollback")))
+        return out
 
     def _move_aside(self, directory: str, kind: str) -> bool:
         step = parse_step_dir(directory)
@@ -486,22 +533,27 @@ class LocalStorage:
             raise _io_error(e, f"mark {directory} {kind}", final, "verify") from e
 
     def read_markers(self, directory: str) -> dict[str, Any]:
-        """The markers of ``directory`` by kind, as they are: one that does not parse (or is
-        not a regular file) reads as ``{}``; whether one is evidence is for
+        """The markers of ``directory`` by kind, as they are: one that cannot be read as JSON
+        reads as a :class:`pitstop.format.markers.Unreadable` saying what it is (a FIFO, a
+        directory, too large, not JSON); whether one is evidence is for
         :func:`pitstop.format.markers.usable_markers` to say. An I/O error is raised."""
         out: dict[str, Any] = {}
         for kind, name in MARKERS.items():
             path = self._path(directory, name)
-            if not self._exists(path, "restore"):
-                continue
             try:
-                out[kind] = load_json(read_regular(path, 65536), what=name, path=path)
+                st = os.lstat(path)
+                what = not_a_marker(st.st_mode, st.st_size)
+                if what is None:
+                    data = read_regular(path, MAX_MARKER_BYTES)
+                    out[kind] = load_json(data, what=name, path=path)
+                else:
+                    out[kind] = Unreadable(what)
             except FileNotFoundError:
-                continue  # removed since we looked
+                continue  # none, or removed since we looked
             except OSError as e:
                 raise _io_error(e, f"read {name}", path, "restore") from e
-            except CheckpointError:
-                out[kind] = {}
+            except CheckpointError as e:  # not JSON, or replaced since the lstat
+                out[kind] = Unreadable(f"not JSON ({e.message})")
         return out
 
     def unmark(self, directory: str, kind: str) -> None:
