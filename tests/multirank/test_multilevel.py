@@ -268,6 +268,23 @@ def _write(node: str, name: str, data: bytes) -> Any:
     return damage
 
 
+def _mark_damaged(node: str, reason: str) -> Any:
+    """Step 4 of ``node`` marked DAMAGED as pitstop marks it (naming its checkpoint)."""
+
+    def damage(base: str) -> None:
+        from pitstop.format.manifest import Manifest, manifest_digest
+        from pitstop.format.markers import marker_text
+
+        d = _node(base, node, 4)
+        with open(os.path.join(d, "manifest.json"), "rb") as f:
+            m = Manifest.loads(f.read())
+        text = marker_text("damaged", 4, reason=reason, manifest_digest=manifest_digest(m))
+        with open(os.path.join(d, "DAMAGED"), "w") as f:
+            f.write(text)
+
+    return damage
+
+
 def _parity_of_step_3(base: str) -> None:
     """Rank 1's parity of step 3, relabelled as step 4's: whole, consistent, wrong."""
     old, new = _node(base, "n1", 3), _node(base, "n1", 4)
@@ -340,7 +357,7 @@ CASES: dict[str, tuple[Any, ...]] = {
          "xor": (4, "local", ["manifest on node n2"])},
     ),
     "step marked damaged on one node": (
-        _write("n3", "DAMAGED", b'{"reason": "a tool said so"}'), NODES4,
+        _mark_damaged("n3", "a tool said so"), NODES4,
         {"partner": (4, "local", ["manifest on node n3"])},
     ),
     "parity of another step": (

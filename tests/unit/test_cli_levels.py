@@ -230,6 +230,16 @@ def _step_dir(base: Path, node: str, step: int = 2) -> Path:
     return base / "local" / node / f"step-{step:010d}"
 
 
+def _mark_damaged(step_dir: Path, reason: str) -> None:
+    """A DAMAGED marker as pitstop writes it: naming the checkpoint of ``step_dir``."""
+    from pitstop.format.manifest import Manifest, manifest_digest
+    from pitstop.format.markers import marker_text
+
+    m = Manifest.loads((step_dir / "manifest.json").read_bytes())
+    text = marker_text("damaged", m.step, reason=reason, manifest_digest=manifest_digest(m))
+    (step_dir / "DAMAGED").write_text(text)
+
+
 @pytest.mark.dist
 def test_verify_of_a_node_dir_or_its_step_dir_is_level_aware_and_marks_nothing(
     four: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -286,7 +296,7 @@ def test_verify_agrees_on_the_manifest_most_nodes_hold(
         t["checksum"] = ["0" * len(t["checksum"][0])]
 
     _rewrite_manifest(_step_dir(base, "n0") / "manifest.json", other_checksum)  # lowest rank
-    (_step_dir(base, "n2") / "DAMAGED").write_text(json.dumps({"reason": "an old verify"}))
+    _mark_damaged(_step_dir(base, "n2"), "an old verify")
     (_step_dir(base, "n3") / "manifest.json").write_text("{ not json")
     code, out = _run(capsys, "verify", str(base / "shared"), "--level", "local", "--step", "2")
     assert code == 0, out  # n1 and n2 hold the same manifest: the agreed one, rank 2 is whole
@@ -367,7 +377,7 @@ def test_ls_shows_partial_and_damaged_nodes_of_every_step(
 ) -> None:
     base = _copy(four, tmp_path / "t")
     for node in NODES4:  # step 1 marked on every node (a restart still considers it)
-        (_step_dir(base, node, 1) / "DAMAGED").write_text(json.dumps({"reason": "x"}))
+        _mark_damaged(_step_dir(base, node, 1), "x")
     for node in ("n0", "n1"):  # step 5: an interrupted save
         _step_dir(base, node, 5).mkdir()
     code, out = _run(capsys, "ls", str(base / "shared"), "--json")

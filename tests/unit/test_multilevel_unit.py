@@ -184,12 +184,26 @@ def test_a_step_a_rollback_left_is_never_resumed(tmp_path: Any) -> None:
     with pitstop.CheckpointManager(_job(tmp_path, every=10), topology=["n0"]) as ckpt:
         _save_to(ckpt, model, range(1, 5))
         ckpt.close(flush=False)
-    # a rollback that found step 4 in use marks it instead of moving it
-    (tmp_path / "local" / "n0" / "step-0000000004" / "ABANDONED").write_text('{"after": 3}')
+    # a rollback to step 3 that found step 4 in use: ROLLBACK in step 3, step 4 marked in place
+    for step, kind in ((3, "rollback"), (4, "abandoned")):
+        _mark(tmp_path / "local" / "n0" / f"step-{step:010d}", kind, after=3)
     with pitstop.CheckpointManager(_job(tmp_path, every=10), topology=["n0"]) as ckpt:
         assert ckpt.restore({"model": model}) == 3
         assert ckpt.last_restore is not None and ckpt.last_restore.repaired == []
         _save_to(ckpt, model, range(4, 5))  # the marked step 4 moves out of the way
+
+
+def _mark(step_dir: Any, kind: str, **fields: Any) -> None:
+    """Marker ``kind`` as pitstop writes it, naming the checkpoint of ``step_dir``."""
+    from pitstop.format.manifest import Manifest, manifest_digest
+    from pitstop.format.markers import marker_text
+
+    m = Manifest.loads((step_dir / "manifest.json").read_bytes())
+    assert m.lineage is not None
+    fields.update(run=m.lineage.run, timeline=m.lineage.timeline, time=0.0)
+    if kind != "rollback":
+        fields["manifest_digest"] = manifest_digest(m)
+    (step_dir / kind.upper()).write_text(marker_text(kind, m.step, **fields))
 
 
 def test_node_ids_are_the_hostname_unless_one_host_runs_several_nodes(
