@@ -300,3 +300,133 @@ def test_the_scan_counts_depth_and_values_outside_strings(seed: int) -> None:
             assert nesting_depth(text) == shape.depth
     assert json_shape(b'"' + b'\\"' * 200_000).depth == 0  # unterminated: linear, no brackets
     assert json_shape(b'["a\\\\", "\\\\\\"[", {"b": "]"}]').depth == 2
+
+
+# ---------------------------------------------------------------- files of many small nodes
+
+
+def _small_nodes(node: bytes, n: int) -> bytes:
+    """An objects file whose state is one list of ``n`` copies of ``node`` (JSON text)."""
+    return (
+        b'{"format":"pitstop-objects","format_version":3,"rank":0,"tree":{"dict":[["history",'
+        b'{"list":[' + b",".join([node] * n) + b"]}]]}}"
+    )
+
+
+def _traced_peak(call: Any) -> int:
+    """Peak bytes that tracemalloc sees allocated during ``call()`` (an error is fine)."""
+    tracemalloc.start()
+    try:
+        call()
+    except ManifestError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize(
+    "node",
+    [b"{}", b'{"a":[]}', b'{"list":[]}', b'{"dict":[[0,0]]}'],
+    ids=["empty", "keyed-list", "list-node", "dict-node"],
+)
+def test_validating_many_small_nodes_adds_no_memory_per_node(node: bytes) -> None:
+    """The checks hold memory in the depth of the tree, not per node: a file of 200,000 small
+    nodes (the first two invalid: they fail at their first node, after the parse) takes no
+    more than its parse, which makes a Python object per container."""
+    data = _small_nodes(node, 200_000)
+    depth = 3 * 512 + 8
+
+    def parse() -> None:
+        load_json(data, what=OBJECTS, max_depth=depth, max_int_digits=4300)
+
+    def validate() -> None:
+        parse_objects(data, name=OBJECTS, tensor_keys=())
+
+    parsed, validated = _traced_peak(parse), _traced_peak(validate)
+    assert validated <= parsed * 1.05 + MIB, (
+        f"validating took {validated / MIB:.0f} MiB, the parse alone {parsed / MIB:.0f} MiB"
+    )
+    assert validated <= 32 * len(data), f"{validated / len(data):.0f}x the file"
+
+
+def test_a_small_nodes_error_names_the_first_bad_node() -> None:
+    data = _small_nodes(b'{"list":[]}', 1000).replace(b'{"list":[]}]', b'{"a":[]}]')
+    with pytest.raises(ManifestError, match=r"node at 'history/999' names no node kind"):
+        parse_objects(data, name=OBJECTS, tensor_keys=())
+    data = _small_nodes(b"{}", 1000)
+    with pytest.raises(ManifestError, match=r"node at 'history/0' names no node kind"):
+        parse_objects(data, name=OBJECTS, tensor_keys=())
+
+
+def test_building_a_dict_of_many_nodes_keeps_nothing_per_node_but_the_values() -> None:
+    """A dict node's children that are nodes are built one at a time, with no list of them
+    kept meanwhile: the build peaks at about what it returns."""
+    entries = b",".join(b'["%d",{"list":[]}]' % i for i in range(200_000))
+    data = _small_nodes(b"0", 1).replace(b'{"list":[0]}', b'{"dict":[' + entries + b"]}")
+    tree = parse_objects(data, name=OBJECTS, tensor_keys=())
+    tracemalloc.start()
+    try:
+        built = materialize(tree, _no_tensor, allow_pickle=False)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(built["history"]) == 200_000 and built["history"]["7"] == []
+    assert peak <= kept * 1.1 + MIB, f"peak {peak / MIB:.0f} MiB for {kept / MIB:.0f} MiB built"
+
+
+def _no_memory(*args: Any, **kwargs: Any) -> Any:
+    raise MemoryError
+
+
+@pytest.mark.parametrize("where", ["parse", "validate"])
+def test_running_out_of_memory_parsing_or_validating_is_a_manifest_error(
+    monkeypatch: Any, where: str
+) -> None:
+    import pitstop.format.jsonsafe as jsonsafe
+    import pitstop.format.objects as objects
+
+    data = _small_nodes(b'{"list":[]}', 10)
+    if where == "parse":
+        monkeypatch.setattr(jsonsafe.json, "loads", _no_memory)
+    else:
+        monkeypatch.setattr(objects._Validator, "run", _no_memory)
+    with pytest.raises(ManifestError) as info:
+        parse_objects(data, name=OBJECTS, tensor_keys=(), path="/ckpts/step-1")
+    assert str(info.value).startswith(f"{OBJECTS} ({len(data)} bytes) cannot be parsed")
+    assert "memory" in str(info.value) and info.value.path == "/ckpts/step-1"
+    assert info.value.__context__ is None  # the parse's frames (and the tree) are let go
+    if where == "parse":
+        with pytest.raises(ManifestError, match=r"manifest.json \(2 bytes\) cannot be parsed"):
+            load_json(b"{}", what="manifest.json")
+
+
+_VERIFY_SHORT_OF_MEMORY = _PEAK + textwrap.dedent(
+    """
+    import resource, sys
+    from pitstop.cli.main import main
+    with open("/proc/self/status") as f:
+        size = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+    limit = size + (384 << 20)  # the parse of this file needs about 550 MiB
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    print("code", main(["verify", sys.argv[1], "--step", "2"]))
+    """
+)
+
+
+@pytest.mark.fault
+def test_verify_short_of_memory_reports_the_file_not_an_internal_error(root: str) -> None:
+    pitstop.save(root, {"history": [0]}, step=1)
+    pitstop.save(root, {"history": [0]}, step=2)
+    data = _small_nodes(b'{"list":[]}', 2_000_000)  # 23 MiB of valid small nodes
+    _replace_objects(root, 2, data)
+    done = subprocess.run(
+        [sys.executable, "-c", _VERIFY_SHORT_OF_MEMORY, root],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report[-3000:]
+    assert "internal error" not in report and "MemoryError" in report, report[-3000:]
+    assert f"{OBJECTS} ({len(data)} bytes) cannot be parsed and checked in the memory" in report
+    assert done.stdout.strip().splitlines()[-1] == "code 1", report[-3000:]

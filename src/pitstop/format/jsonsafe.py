@@ -10,11 +10,14 @@ twice, integers longer than ``max_int_digits``, and anything ``json`` refuses.
 
 Cost: :func:`json_shape` works with bytes operations that run in C (replace,
 translate, count; at worst a C iterator over the brackets), never a Python step per
-byte or per value, in about a copy of the file; the parse makes one Python object per value (numbers, strings, one
-list or dict per container). A file of plain values thus costs a few times its
-size (2x for small ints, 5-7x for floats), one made mostly of small containers 20-25x,
-one of nothing but nested empty containers about 45x, and never more than
-:data:`MAX_VALUES` objects, whatever its size (docs/format.md lists measurements).
+byte or per value, in about a copy of the file; the parse makes one Python object per
+value (numbers, strings, one list or dict per container: 56-184 bytes for as little as 2
+bytes of JSON). A file of plain values thus costs a few times its size (2x for small ints,
+5-7x for floats), one of small nodes about 25x, one of nothing but tiny or nested
+containers 35-50x (the worst, 50x: nested one-item arrays), and never more than
+:data:`MAX_VALUES` objects, whatever its size: at most about 200 bytes a value, 6.6 GB
+(docs/format.md lists measurements). A parse that runs out of memory raises ManifestError
+naming the file.
 
 Call sequence: any thread; pure functions (:func:`recursion_room` serializes the
 interpreter's recursion limit around a deep parse or encode).
@@ -40,6 +43,7 @@ __all__ = [
     "json_shape",
     "load_json",
     "nesting_depth",
+    "out_of_memory",
     "recursion_room",
 ]
 
@@ -50,6 +54,10 @@ MAX_VALUES = 1 << 25
 
 A plain list of that many numbers takes 64 MiB or more of JSON; longer sequences belong in a
 tensor. pitstop writes no file beyond it (``encode_objects`` refuses the state)."""
+
+_WORST_RATIO = 50
+"""About the most memory, in multiples of its size, that parsing and checking a file takes
+(one of nothing but small containers: a Python object each; docs/format.md)."""
 
 _ROOM_DEPTH = 200  # deeper than this, the parser may need more than Python's 1000 frames
 _MARKS = b'"[]{},:'
@@ -160,7 +168,28 @@ def load_json(
     max_int_digits: int = 40,
     max_values: int = MAX_VALUES,
 ) -> Any:
-    """Parse ``data`` (the contents of ``what``, e.g. ``manifest.json``) or raise ManifestError."""
+    """Parse ``data`` (the contents of ``what``, e.g. ``manifest.json``) or raise ManifestError
+    (also for a file that does not fit in memory: never MemoryError)."""
+    try:
+        return _load_json(data, what, path, max_depth, max_int_digits, max_values)
+    except MemoryError:
+        pass  # what the parse made goes with the error's frames: the message below has room
+    raise out_of_memory(what, len(data), path)
+
+
+def out_of_memory(what: str, nbytes: int, path: str | None) -> ManifestError:
+    """The error for file ``what`` (``nbytes`` long) when parsing or checking it ran out of
+    memory (a MemoryError, e.g. under an address-space limit)."""
+    return ManifestError(
+        f"{what} ({nbytes} bytes) cannot be parsed and checked in the memory available "
+        f"(MemoryError; parsing takes up to {_WORST_RATIO}x the size of a file)", path=path,
+    )  # fmt: skip
+
+
+def _load_json(
+    data: bytes | str, what: str, path: str | None, max_depth: int, max_int_digits: int,
+    max_values: int,
+) -> Any:  # fmt: skip
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     marks = _outside_strings(raw)
     brackets = marks.translate(_BRACKETS, b",:")

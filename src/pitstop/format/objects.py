@@ -27,11 +27,14 @@ versions 1 and 2 still parse.
 :func:`parse_objects` checks every node against this grammar in one iterative
 pass, linear in the file's size, and raises :class:`~pitstop.errors.ManifestError`
 naming the file and the key path of the first bad node. The pass visits nodes that
-are JSON objects one by one; the plain values of a list or dict (a loss history of a
-million floats) are checked together, with no key path, stack entry or Python call
-of their own, so a file of plain values costs little more than its parse. A file
+are JSON objects one by one, in pre-order, holding one lazy iterator per open container
+(memory in the depth of the tree, none per node; a key path is made only for an error
+message); the plain values of a list or dict (a loss history of a million floats) are
+checked together, with no Python call of their own. So a file costs little more than its
+parse (docs/format.md: 2x its size for small ints, about 25x for small nodes). A file
 of more than :data:`~pitstop.format.jsonsafe.MAX_VALUES` values is refused before it
-is parsed, and :func:`encode_objects` writes none. Code that restores a
+is parsed, and :func:`encode_objects` writes none; one that does not fit in memory is a
+ManifestError, not a MemoryError. Code that restores a
 parsed tree may rely on it: no node can make it raise ``TypeError``,
 ``ValueError``, ``KeyError`` or ``IndexError``.
 
@@ -43,15 +46,22 @@ thread, ``pitstop verify``). Both are pure functions, safe in any thread.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 from pitstop.errors import FormatVersionError, ManifestError, UnsupportedValueError
-from pitstop.format.jsonsafe import MAX_VALUES, json_shape, load_json, recursion_room
+from pitstop.format.jsonsafe import (
+    MAX_VALUES,
+    json_shape,
+    load_json,
+    out_of_memory,
+    recursion_room,
+)
 
 __all__ = [
     "MAX_INT_DIGITS",
@@ -91,7 +101,6 @@ _DECIMAL = re.compile(r"-?[0-9]+")
 _JSON_LEVELS_PER_NODE = 3  # {"dict": [[key, node]]} nests three JSON levels per tree level
 _PLAIN = frozenset({type(None), bool, int, str})  # nodes that need no check (ints: the parser's)
 _KEY_TYPES = _PLAIN | {float}
-_FEW = 16  # a list this short is checked item by item
 
 # node kind -> (keys it must have, keys it may have)
 _SHAPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -111,7 +120,9 @@ _SHAPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 _ALONE = frozenset(kind for kind, (required, _) in _SHAPES.items() if required == {kind})
 """Kinds whose node may hold its own key alone: ``{"list": [...]}``."""
 
-_Path = tuple[Any, Any] | None  # (parent path, key part), built lazily: linear time
+_Children = Iterator[tuple[Any, Any]]
+"""(key or index, child) of a node's children that the pass visits one by one."""
+_SAME: Any = object()  # the part of a stateful's state: its key path is the stateful's
 
 
 def encode_objects(tree: object, rank: int, *, max_values: int = MAX_VALUES) -> bytes:
@@ -151,13 +162,25 @@ def parse_objects(
     another key is an error (keys the tree never uses are fine). ``max_depth``
     bounds the containers around any node, ``max_values`` the values of the file
     (checked before it is parsed). A newer format version raises FormatVersionError.
+    A file that does not fit in memory raises ManifestError, not MemoryError.
     """
+    keys = tensor_keys if isinstance(tensor_keys, AbstractSet) else frozenset(tensor_keys)
+    try:
+        return _parse_and_check(data, name, path, keys, max_depth, max_values)
+    except MemoryError:
+        pass  # the tree goes with the error's frames: the message below has room
+    raise out_of_memory(name, len(data), path)
+
+
+def _parse_and_check(
+    data: bytes, name: str, path: str | None, keys: AbstractSet[str], max_depth: int,
+    max_values: int,
+) -> Any:  # fmt: skip
     doc = load_json(
         data, what=name, path=path, max_depth=_JSON_LEVELS_PER_NODE * max_depth + 8,
         max_int_digits=_V1_INT_DIGITS, max_values=max_values,
     )  # fmt: skip
     tree = _check_wrapper(doc, name, path)
-    keys = tensor_keys if isinstance(tensor_keys, AbstractSet) else frozenset(tensor_keys)
     _Validator(name, path, keys, max_depth).run(tree)
     return tree
 
@@ -217,25 +240,25 @@ def _escape(part: object) -> str:
     return str(part).replace("%", "%25").replace("/", "%2F")
 
 
-def _path_str(path: _Path) -> str:
-    parts: list[str] = []
-    while path is not None:
-        path, part = path
-        parts.append(_escape(part))
-    return "/".join(reversed(parts))
-
-
 class _Validator:
-    """One iterative pass over the nodes that are JSON objects; each check function checks the
-    plain values among the node's children as it meets them and pushes the others."""
+    """One iterative pass over the nodes that are JSON objects, in pre-order.
+
+    Each open container holds one lazy iterator of its children that are JSON objects (and
+    its ``meta`` or ``state``), so the pass holds memory in the depth of the tree, not in the
+    number of children: nothing is made per child. A check function checks a node and the
+    plain values among its children at once and returns that iterator (None if there is
+    none). ``parts`` is the key path of the node being checked, one part per open container
+    (:data:`_SAME` for a stateful's state, which has no part of its own); a path string is
+    made only for an error message.
+    """
 
     def __init__(
         self, name: str, path: str | None, tensor_keys: AbstractSet[str], max_depth: int
     ) -> None:
         self.name, self.file_path, self.tensor_keys = name, path, tensor_keys
         self.max_depth = max_depth
-        self.stack: list[tuple[Any, _Path, int]] = []
-        self.checks: dict[str, Callable[[dict[str, Any], _Path, int], None]] = {
+        self.parts: list[Any] = []
+        self.checks: dict[str, Callable[[dict[str, Any], int], _Children | None]] = {
             "dict": self._dict,
             "list": self._sequence,
             "tuple": self._sequence,
@@ -249,24 +272,41 @@ class _Validator:
             "pickle": self._pickle,
         }
 
-    def fail(self, path: _Path, what: str) -> ManifestError:
-        shown = _path_str(path) or "<state>"
+    def fail(self, what: str, *child: Any) -> ManifestError:
+        """The error for the node being checked (or its ``child``, a key or index) and ``what``."""
+        parts = [_escape(part) for part in (*self.parts, *child) if part is not _SAME]
+        shown = "/".join(parts) or "<state>"
         if len(shown) > 200:
             shown = f"{shown[:120]}...{shown[-60:]}"
         return ManifestError(f"{self.name}: node at {shown!r} {what}", path=self.file_path)
 
-    def run(self, tree: Any) -> None:
-        self.stack.append((tree, None, 0))
-        while self.stack:
-            node, path, depth = self.stack.pop()
-            if type(node) is dict:
-                self.checks[self._kind(node, path)](node, path, depth)
-            elif type(node) is float and not math.isfinite(node):
-                raise self.fail(path, f"is the non-finite number {node!r}")
-            elif type(node) not in _PLAIN and type(node) is not float:
-                raise self.fail(path, f"is a bare JSON {type(node).__name__}, not a node")
+    def too_deep(self, child: Any) -> ManifestError:
+        return self.fail(f"lies more than {self.max_depth} containers deep", child)
 
-    def _kind(self, node: dict[str, Any], path: _Path) -> str:
+    def run(self, tree: Any) -> None:
+        parts, checks, kind_of = self.parts, self.checks, self._kind
+        stack: list[_Children] = [iter(((_SAME, tree),))]
+        parts.append(_SAME)
+        while stack:
+            item = next(stack[-1], None)
+            if item is None:
+                stack.pop()
+                parts.pop()
+                continue
+            parts[-1], node = item
+            kind = type(node)
+            if kind is dict:
+                inner = checks[kind_of(node)](node, len(stack) - 1)
+                if inner is not None:
+                    stack.append(inner)
+                    parts.append(_SAME)
+            elif kind is float:
+                if not math.isfinite(node):
+                    raise self.fail(f"is the non-finite number {node!r}")
+            elif kind not in _PLAIN:
+                raise self.fail(f"is a bare JSON {kind.__name__}, not a node")
+
+    def _kind(self, node: dict[str, Any]) -> str:
         if len(node) == 1:  # most nodes: {"list": [...]}, {"tensor": "..."}, ...
             (kind,) = node
             if kind in _ALONE:
@@ -274,147 +314,150 @@ class _Validator:
         kinds = [k for k in node if k in _SHAPES]
         if len(kinds) != 1:
             what = "names no node kind" if not kinds else f"names several node kinds {kinds}"
-            raise self.fail(path, f"{what} (keys {sorted(node)[:8]})")
+            raise self.fail(f"{what} (keys {sorted(node)[:8]})")
         kind = kinds[0]
         required, optional = _SHAPES[kind]
         keys = set(node)
         if not required <= keys or not keys <= required | optional:
             raise self.fail(
-                path, f"is a {kind} node with keys {sorted(keys)[:8]}, expected {sorted(required)}"
+                f"is a {kind} node with keys {sorted(keys)[:8]}, expected {sorted(required)}"
             )
         return kind
 
-    def push(self, node: Any, path: _Path, depth: int) -> None:
-        if depth > self.max_depth:
-            raise self.fail(path, f"lies more than {self.max_depth} containers deep")
-        self.stack.append((node, path, depth))
-
-    def child(self, node: Any, path: _Path, part: Any, depth: int) -> None:
-        """Check child ``part`` of the node at ``path`` (at ``depth``): a plain value now (no
-        key path is made for it), a node (a dict) is pushed."""
+    def _items(self, items: list[Any], depth: int) -> _Children | None:
+        """A list node's items: plain values are checked together (a type at a time, in C),
+        so a list of a million numbers takes no Python step per number; the items that are
+        nodes are returned, lazily."""
+        if not items:
+            return None
         if depth >= self.max_depth:
-            raise self.fail((path, part), f"lies more than {self.max_depth} containers deep")
-        kind = type(node)
-        if kind is dict:
-            self.stack.append((node, (path, part), depth + 1))
-        elif kind is float and not math.isfinite(node):
-            raise self.fail((path, part), f"is the non-finite number {node!r}")
-        elif kind is list:
-            raise self.fail((path, part), "is a bare JSON list, not a node")
-
-    def items(self, items: list[Any], path: _Path, depth: int) -> None:
-        """A list node's items: a long one's plain values are checked together (a type at a
-        time, in C), so a list of a million numbers takes no Python step per number."""
-        if len(items) <= _FEW:
-            for i, item in enumerate(items):
-                self.child(item, path, i, depth)
-            return
-        if depth >= self.max_depth:
-            self.child(items[0], path, 0, depth)  # raises: too deep
+            raise self.too_deep(0)
         types = set(map(type, items))
         if float in types:
             floats = items if len(types) == 1 else [v for v in items if type(v) is float]
             if not all(map(math.isfinite, floats)):
-                types.add(dict)  # found below, item by item
-        if not types <= _PLAIN | {float}:
-            for i, item in enumerate(items):
-                if type(item) not in _PLAIN:
-                    self.child(item, path, i, depth)
+                i, bad = next(
+                    (i, v) for i, v in enumerate(items)
+                    if type(v) is float and not math.isfinite(v)
+                )  # fmt: skip
+                raise self.fail(f"is the non-finite number {bad!r}", i)
+        if list in types:
+            i = next(i for i, v in enumerate(items) if type(v) is list)
+            raise self.fail("is a bare JSON list, not a node", i)
+        if dict not in types:
+            return None
+        if len(types) == 1:
+            return enumerate(items)
+        return ((i, v) for i, v in enumerate(items) if type(v) is dict)
 
-    def _dict(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _dict(self, node: dict[str, Any], depth: int) -> _Children | None:
         items = node["dict"]
         if not isinstance(items, list):
-            raise self.fail(path, "is a dict node whose entries are not a list")
+            raise self.fail("is a dict node whose entries are not a list")
         if not isinstance(node.get("ordered", False), bool):
-            raise self.fail(path, "is a dict node whose 'ordered' is not a bool")
-        if "meta" in node:
-            self.push(node["meta"], (path, "_metadata"), depth + 1)
+            raise self.fail("is a dict node whose 'ordered' is not a bool")
+        has_meta = "meta" in node
+        if has_meta and depth >= self.max_depth:
+            raise self.too_deep("_metadata")
         seen: set[Any] = set()
+        nodes = False
         for i, entry in enumerate(items):
             if type(entry) is not list or len(entry) != 2:
-                raise self.fail(path, f"is a dict node whose entry {i} is not a [key, node] pair")
+                raise self.fail(f"is a dict node whose entry {i} is not a [key, node] pair")
             key, child = entry
             if type(key) not in _KEY_TYPES:
-                raise self.fail(
-                    path, f"is a dict node with a key of JSON type {type(key).__name__}"
-                )
+                raise self.fail(f"is a dict node with a key of JSON type {type(key).__name__}")
             if type(key) is float and not math.isfinite(key):
-                raise self.fail(path, f"is a dict node with the non-finite key {key!r}")
+                raise self.fail(f"is a dict node with the non-finite key {key!r}")
             if key in seen:
-                raise self.fail(path, f"is a dict node that names the key {key!r} twice")
+                raise self.fail(f"is a dict node that names the key {key!r} twice")
             seen.add(key)
-            if type(child) not in _PLAIN or depth >= self.max_depth:
-                self.child(child, path, key, depth)
+            kind = type(child)
+            if kind is dict:
+                nodes = True
+            elif kind is float:
+                if not math.isfinite(child):
+                    raise self.fail(f"is the non-finite number {child!r}", key)
+            elif kind not in _PLAIN:
+                raise self.fail(f"is a bare JSON {kind.__name__}, not a node", key)
+        del seen
+        if items and depth >= self.max_depth:
+            raise self.too_deep(items[0][0])
+        inner = ((k, v) for k, v in items if type(v) is dict) if nodes else None
+        if not has_meta:
+            return inner
+        meta = (("_metadata", node["meta"]),)
+        return iter(meta) if inner is None else itertools.chain(inner, meta)
 
-    def _sequence(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _sequence(self, node: dict[str, Any], depth: int) -> _Children | None:
         kind = "list" if "list" in node else "tuple"
         items = node[kind]
         if not isinstance(items, list):
-            raise self.fail(path, f"is a {kind} node whose items are not a list")
-        self.items(items, path, depth)
+            raise self.fail(f"is a {kind} node whose items are not a list")
+        return self._items(items, depth)
 
-    def _tensor(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _tensor(self, node: dict[str, Any], depth: int) -> None:
         kind = "tensor" if "tensor" in node else "ndarray"
         key = node[kind]
         if not isinstance(key, str):
-            raise self.fail(path, f"is a {kind} node whose key is not a str")
+            raise self.fail(f"is a {kind} node whose key is not a str")
         if key not in self.tensor_keys:
-            raise self.fail(path, f"refers to tensor {key[:200]!r}, which the manifest lacks")
+            raise self.fail(f"refers to tensor {key[:200]!r}, which the manifest lacks")
 
-    def _stateful(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _stateful(self, node: dict[str, Any], depth: int) -> _Children:
         if not isinstance(node["stateful"], str):
-            raise self.fail(path, "is a stateful node whose type name is not a str")
+            raise self.fail("is a stateful node whose type name is not a str")
         if "params" in node:
-            self._params(node["params"], path)
-        self.push(node["state"], path, depth + 1)
+            self._params(node["params"])
+        if depth >= self.max_depth:
+            raise self.too_deep(_SAME)
+        return iter(((_SAME, node["state"]),))
 
-    def _params(self, params: Any, path: _Path) -> None:
+    def _params(self, params: Any) -> None:
         if not isinstance(params, list) or len(params) > MAX_OPTIMIZER_PARAMS:
             raise self.fail(
-                path, f"is a stateful node whose 'params' is not a list of at most "
+                f"is a stateful node whose 'params' is not a list of at most "
                 f"{MAX_OPTIMIZER_PARAMS} keys",
             )  # fmt: skip
         for i, key in enumerate(params):
             if key is not None and not isinstance(key, str):
-                raise self.fail(
-                    path, f"is a stateful node whose 'params' entry {i} is not a key or null"
-                )
+                raise self.fail(f"is a stateful node whose 'params' entry {i} is not a key or null")
             if key is not None and key not in self.tensor_keys:
                 raise self.fail(
-                    path, f"is a stateful node whose 'params' entry {i} names tensor "
+                    f"is a stateful node whose 'params' entry {i} names tensor "
                     f"{key[:200]!r}, which the manifest lacks",
                 )  # fmt: skip
 
-    def _float(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _float(self, node: dict[str, Any], depth: int) -> None:
         if not _float_word(node["float"]):
-            raise self.fail(path, f"is a float node of {_short(node['float'])}, not nan/inf/-inf")
+            raise self.fail(f"is a float node of {_short(node['float'])}, not nan/inf/-inf")
 
-    def _bytes(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _bytes(self, node: dict[str, Any], depth: int) -> None:
         if not _is_base64(node["bytes"]):
-            raise self.fail(path, "is a bytes node that is not valid base64")
+            raise self.fail("is a bytes node that is not valid base64")
 
-    def _int(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _int(self, node: dict[str, Any], depth: int) -> None:
         if not _is_decimal(node["int"]):
             raise self.fail(
-                path, f"is an int node that is not a decimal of at most {MAX_INT_DIGITS} digits"
+                f"is an int node that is not a decimal of at most {MAX_INT_DIGITS} digits"
             )
 
-    def _pickle(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _pickle(self, node: dict[str, Any], depth: int) -> None:
         if not isinstance(node["type"], str):
-            raise self.fail(path, "is a pickle node whose type name is not a str")
+            raise self.fail("is a pickle node whose type name is not a str")
         if not _is_base64(node["pickle"]):
-            raise self.fail(path, "is a pickle node that is not valid base64")
+            raise self.fail("is a pickle node that is not valid base64")
 
-    def _npscalar(self, node: dict[str, Any], path: _Path, depth: int) -> None:
+    def _npscalar(self, node: dict[str, Any], depth: int) -> None:
         value = node["npscalar"]
         if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
-            raise self.fail(path, "is an npscalar node that is not a [dtype, value] pair")
+            raise self.fail("is an npscalar node that is not a [dtype, value] pair")
         dtype, scalar = value
         if dtype not in NPSCALAR_DTYPES:
-            raise self.fail(path, f"is an npscalar of dtype {dtype[:40]!r}, which is not allowed")
+            raise self.fail(f"is an npscalar of dtype {dtype[:40]!r}, which is not allowed")
         kind, bits = NPSCALAR_DTYPES[dtype]
         if not _scalar_fits(kind, bits, scalar):
-            raise self.fail(path, f"is an npscalar whose value does not fit dtype {dtype}")
+            raise self.fail(f"is an npscalar whose value does not fit dtype {dtype}")
 
 
 def _is_base64(value: object) -> bool:

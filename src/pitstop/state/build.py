@@ -103,6 +103,7 @@ class _Meta:
         self.target._metadata = value
 
 
+_NO_KEYS: dict[str, Any] = {}  # no live dict to match a renamed key against: it is unescaped
 _TUPLE = object()  # a stack marker: the tuple's items are built
 _LAZY = object()  # a stack marker: an iterator of the tasks of a container's nodes
 
@@ -160,22 +161,29 @@ class Builder:
         if "meta" in node:
             meta = join_key(key, "_metadata")
             stack.append((node["meta"], meta, join_key(skey, "_metadata"), _Meta(out), None))
-        nodes = []
-        escaped: dict[str, Any] = {}
+        nodes = False
         for k, child in node["dict"]:
             target = self.keys.target(skey, k)
             if target is None:
                 continue
-            live_key = self.keys.live_key(target, k, escaped)
-            out[live_key] = child  # a plain value stands for itself; a node's place, in order
-            if type(child) is dict:
-                nodes.append((k, live_key, child))
+            out[self.keys.live_key(target, k, _NO_KEYS)] = child  # a node's place, in order
+            nodes = nodes or type(child) is dict  # a plain value stands for itself
         if nodes:
-            stack.append((_LAZY, (
-                (child, join_key(key, live_key), join_key(skey, k), out, live_key)
-                for k, live_key, child in nodes
-            )))  # fmt: skip
+            stack.append((_LAZY, self._dict_tasks(node["dict"], key, skey, out)))
         return out
+
+    def _dict_tasks(
+        self, entries: list[Any], key: str, skey: str, out: dict[Any, Any]
+    ) -> Iterator[tuple[Any, ...]]:
+        """The tasks of a dict node's children that are nodes, made one at a time (their live
+        keys again, as ``_dict`` found them: nothing is kept per child meanwhile)."""
+        for k, child in entries:
+            if type(child) is not dict:
+                continue
+            target = self.keys.target(skey, k)
+            if target is not None:
+                live_key = self.keys.live_key(target, k, _NO_KEYS)
+                yield child, join_key(key, live_key), join_key(skey, k), out, live_key
 
     def _sequence(
         self, saved: list[Any], is_tuple: bool, task: tuple[str, str, Any, Any],
