@@ -143,7 +143,7 @@ def test_a_script_that_resumes_exactly_is_identical(tmp_path: Any, capsys: Any) 
 def test_drawing_from_the_global_generator_after_a_restore_is_named(
     tmp_path: Any, capsys: Any
 ) -> None:
-    code, out = _crashtest(tmp_path, capsys, "eval-draws")
+    code, out = _crashtest(tmp_path, capsys, "eval-draws", "--kills", "1")
     assert code == 1, out
     assert "identical: no" in out and "model/0.weight" in out and "max |a-b| = " in out
     assert "(torch) were drawn outside the saved state" in out
@@ -151,7 +151,7 @@ def test_drawing_from_the_global_generator_after_a_restore_is_named(
 
 
 def test_a_state_without_rng_state_is_named(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "no-rng")
+    code, out = _crashtest(tmp_path, capsys, "no-rng", "--kills", "1")
     assert code == 1, out
     assert "the state holds no pitstop.RNGState" in out
     assert "the state does not restore them" in out
@@ -254,7 +254,7 @@ def test_the_last_step_is_left_to_save_final(tmp_path: Any, caplog: Any) -> None
 
 
 def test_an_unseeded_script_is_named(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "unseeded")
+    code, out = _crashtest(tmp_path, capsys, "unseeded", "--kills", "1")
     assert code == 1, out
     assert "does not seed torch" in out
 
@@ -333,7 +333,7 @@ def test_torchdata_stateful_loader_with_its_own_generator_resumes_exactly(
 
 def test_torchdata_stateful_loader_without_a_generator_is_named(tmp_path: Any, capsys: Any) -> None:
     pytest.importorskip("torchdata.stateful_dataloader")
-    code, out = _crashtest(tmp_path, capsys, "torchdata-nogen")
+    code, out = _crashtest(tmp_path, capsys, "torchdata-nogen", "--kills", "1")
     assert code == 1, out
     assert "loaders in the state without their own generator: data" in out
     assert "(torch) were drawn outside the saved state" in out

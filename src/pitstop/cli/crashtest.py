@@ -17,13 +17,16 @@ value by value. It prints the resume points it tested and ``identical: yes`` (ex
 first differences with their largest absolute difference and the causes it can see in the
 runs' logs (exit 1). A run that fails on its own, or a first kill that never comes, is exit 2.
 
-Causes are found from ``PITSTOP_CRASHTEST_LOG`` (see :mod:`pitstop.probe`): at each save
-every process logs a digest of each global random generator. The generators at a step of
-the resumed run must equal those of the reference at the same step; if they were restored
-(the restore logs them too) and differ at a later save, something outside the saved state
-drew from them between the two (a DataLoader without ``generator=``, evaluation,
-augmentation in the main process). Equal generators and different tensors point to the
-computation itself (non-deterministic kernels, a different thread count).
+Causes are found from ``PITSTOP_CRASHTEST_LOG`` (see :mod:`pitstop.probe`): at every step and
+save each process logs a digest of the global random generators. The generators at a step of
+a resumed run must equal those of the reference at the same step; if they were restored
+(the restore logs them too) and differ at a later step, something outside the saved state
+drew from them in between (a DataLoader without ``generator=``, evaluation, augmentation in
+the main process): the first such step is named. Equal generators and different tensors
+point to the computation itself (non-deterministic kernels, a different thread count). A
+compared checkpoint taken at different places of the script in the two runs (the policy's
+save in the loop, the final save after it) is named as such, not as the differences it
+explains; unseeded generators are named only when something draws from them.
 
 Call sequence (the CLI's thread): ``run_crashtest(args)``: ``_Runner.run`` (the reference)
 -> ``choose`` -> ``_Runner.run`` x (points + up to ``--restarts`` reruns) -> ``_load`` x 2 ->
