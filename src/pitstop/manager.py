@@ -548,9 +548,9 @@ class ManagerHooks:
     * ``resumed(step)``: training goes on from ``step`` with its state back in place, random
       streams included (``restore`` calls it; an integration that loads with ``load`` and
       puts the state back later calls it once it has).
-    * ``storage``, ``catalog``, ``identity``, ``levels``: the root's storage, its catalog
-      (statuses, pins, marks), the run's identity (run id, timeline) and the level stack
-      (None for one root).
+    * ``storage``, ``catalog``, ``identity``, ``levels``, ``group``: the root's storage, its
+      catalog (statuses, pins, marks), the run's identity (run id, timeline), the level stack
+      (None for one root) and pitstop's side group of the ranks (a null one in one process).
     """
 
     def __init__(self, manager: CheckpointManager) -> None:
