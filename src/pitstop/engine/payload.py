@@ -270,9 +270,10 @@ class FileSink:
         try:
             self.ring.stage(k, lambda _: fill(self.ring[e.start : e.end]))
         except BaseException as err:
-            if err is self._request_error:  # the storage's own error (CheckpointIOError,
-                self._thread.join()  # named by file) once the writer thread has it
-            raise self.error or err from None
+            if self._request_error is not None:  # a write request failed (several may, each
+                self._thread.join()  # with its own error): the storage's own error
+            raise self.error or err from None  # (CheckpointIOError, named by file) once the
+            # writer thread has it
 
     def fail(self, error: BaseException) -> None:
         """No more pieces will come: the writers stop (the files stay as they are)."""
@@ -284,7 +285,9 @@ class FileSink:
     def _request_failed(self, error: BaseException) -> None:
         """A writer thread's request failed: nothing waits for the ring any more (the piece
         it wrote is never released); the writer thread raises the storage's error."""
-        self._request_error = error
+        with self._lock:
+            if self._request_error is None:
+                self._request_error = error
         self.ring.fail(error)
 
     def close(self) -> BaseException | None:
