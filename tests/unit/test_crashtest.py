@@ -108,11 +108,43 @@ SCRIPT = textwrap.dedent(
 )
 
 
+EPOCHS = textwrap.dedent(
+    """
+    import argparse, torch, pitstop  # torch only: numpy's and python's generators untouched
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir"); p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--every", type=int, default=8)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=g), torch.randn(48, 1, generator=g))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = pitstop.ResumableLoader(data, batch_size=8, shuffle=True, seed=2)  # 6 batches
+    progress = {"step": 0}
+    state = {"model": model, "optimizer": opt, "data": loader, "rng": pitstop.RNGState(),
+             "progress": progress}
+    with pitstop.CheckpointManager(a.dir, keep_last=2, policy=pitstop.policy.EveryN(a.every)) as ckpt:
+        ckpt.restore(state)
+        while loader.epoch < a.epochs:
+            epoch = loader.epoch
+            for i, (x, y) in enumerate(loader, start=loader.position):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                progress["step"] += 1
+                ckpt.step(progress["step"], state, last=epoch == a.epochs - 1 and i == len(loader) - 1)
+        ckpt.save_final(progress["step"], state)
+    """
+)
+
+
 def _crashtest(
     tmp_path: Any, capsys: Any, variant: str = "good", *extra: str, cmd: list[str] | None = None
 ) -> tuple[int, str]:
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(EPOCHS if variant == "epochs" else SCRIPT)
+    if cmd is None and variant == "epochs":
+        cmd = [sys.executable, str(script), "--dir", "{dir}"]
     cmd = cmd or [sys.executable, str(script), "--dir", "{dir}", "--variant", variant]
     code = main(
         ["crashtest", "--seed", "1", "--workdir", str(tmp_path / "runs"), *extra, "--", *cmd]
@@ -224,6 +256,22 @@ def test_generators_are_named_only_when_the_script_draws_from_them(
     assert code == 1, out
     assert "the script does not seed python and draws from it" in out
     assert "numpy" not in out.split("identical: no")[1]  # numpy is unseeded but unused
+
+
+@pytest.mark.parametrize("kill_at", [["5"], ["2", "11"]])
+def test_generators_nothing_draws_from_do_not_make_runs_differ(
+    tmp_path: Any, capsys: Any, kill_at: list[str]
+) -> None:
+    # the reference saves at steps 8 and 16 only: the first crashed run saves at step 5 (or 2)
+    # and no save of the two fresh runs is at the same step. numpy's and python's generators
+    # are unseeded (the script never touches them): they start apart in every process, and
+    # nothing draws from them, so they must not count
+    options = [o for k in kill_at for o in ("--kill-at", k)]
+    code, out = _crashtest(tmp_path, capsys, "epochs", *options)
+    assert code == 0, out
+    assert "identical: yes" in out
+    assert "not compared: rng/numpy, rng/python (unseeded, and nothing in the runs draws" in out
+    assert "drawn outside" not in out
 
 
 def test_the_last_step_is_left_to_save_final(tmp_path: Any, caplog: Any) -> None:

@@ -352,8 +352,8 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     _say("resume points: " + ", ".join(f"step {p.step} ({p.kind})" for p in points))
     chain = _crash_runs(runner, args, crash_dir, points, final)
     crash_records = [r for i, log in enumerate(chain.logs) for r in read_log(log, f"run{i}")]
-    skip = unseeded(ref_records, read_log(chain.logs[0], "run0"))
     used = drawn(ref_records + crash_records)
+    skip = unseeded(ref_records, read_log(chain.logs[0], "run0"), used)
     ignore = list(args.ignore or ()) + _unseeded_note(ref_records, skip, used)
     from pitstop.cli.compare import compare  # torch: only once the runs are done
 

@@ -12,7 +12,7 @@ the script draws from, or (when the generators agree) the computation itself.
 :func:`state_causes` reads the differences.
 
 Call sequence (the CLI's thread, after the runs): ``read_log`` per log file ->
-``unseeded(reference, first crashed run)``, ``drawn(all records)`` -> ``final_sites`` ->
+``drawn(all records)`` -> ``unseeded(reference, first crashed run, drawn)`` -> ``final_sites`` ->
 ``state_causes(diffs)`` + ``diagnose(...)``.
 """
 
@@ -57,19 +57,25 @@ def read_log(path: str, run: str) -> list[Record]:
     return out
 
 
-def unseeded(ref: list[Record], fresh: list[Record]) -> set[str]:
+def unseeded(ref: list[Record], fresh: list[Record], used: set[str] | None = None) -> set[str]:
     """Generators that two fresh processes start differently (the script does not seed them):
-    each one's digests differ at the first step (or save) both logged before any restore."""
+    each one's digests differ at the first step (or save) both logged before any restore.
+    A generator no such record decides (the runs saved at different steps before the first
+    kill) is decided by the processes' start records if nothing in the runs draws from it
+    (not in ``used``, see :func:`drawn`): then its state is the one it started with, wherever
+    it was saved. One that is drawn from stays undecided (it may be seeded after the start)."""
     restored = {r.pid for r in fresh if r.event == "restore"}
     mine: dict[tuple[int, int, str], dict[str, Any]] = {}
     for r in fresh:
-        if r.event in _MARKS and r.pid not in restored:
+        if r.event in (*_MARKS, "start") and r.pid not in restored:
             mine.setdefault((r.step, r.rank, r.event), r.data.get("generators") or {})
     decided: set[str] = set()
     out: set[str] = set()
-    for r in ref:
-        b = mine.get((r.step, r.rank, r.event), {}) if r.event in _MARKS else {}
+    for r in (*(r for r in ref if r.event in _MARKS), *(r for r in ref if r.event == "start")):
+        b = mine.get((r.step, r.rank, r.event), {})
         a = r.data.get("generators") or {}
+        if r.event == "start":
+            b = {k: v for k, v in b.items() if k not in (used or set())}
         for k in (set(a) & set(b)) - decided:
             decided.add(k)
             if a[k] != b[k]:
@@ -233,7 +239,8 @@ def _generator_drift(
     ``starts``: the steps that begin an epoch, where the work between epochs is the suspect)."""
     written: dict[tuple[int, int], dict[str, Any]] = {}  # what each checkpoint was saved with
     restored: dict[tuple[int, int], Record] = {}  # (pid, rank) -> its restore
-    agreed: dict[tuple[int, int], int] = {}  # (pid, rank) -> the last step that agreed
+    agreed: dict[tuple[int, int], dict[str, int]] = {}  # (pid, rank) -> generator -> the
+    # last step at which it agreed (steps log torch's only: python's agrees at saves)
     for r in crashed:
         if r.event != "restore" and r.event not in _MARKS:
             continue
@@ -257,9 +264,13 @@ def _generator_drift(
             continue
         differing = _differing(got, ref["generators"])
         if not differing:
-            agreed[proc] = r.step
+            common = set(got) & set(ref["generators"])
+            agreed.setdefault(proc, {}).update(dict.fromkeys(common, r.step))
             continue
-        return _drawn_outside(back.step, r, agreed.get(proc), differing, r.step in starts)
+        last = [agreed.get(proc, {}).get(k) for k in differing.split(", ")]
+        known = [s for s in last if s is not None]
+        since = min(known) if known and len(known) == len(last) else None
+        return _drawn_outside(back.step, r, since, differing, r.step in starts)
     return None
 
 
