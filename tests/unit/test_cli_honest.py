@@ -5,7 +5,12 @@ an export never writes inside a checkpoint root, and hints point to the right to
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,3 +194,118 @@ def test_a_dataloader_iterator_in_the_state_points_to_the_loader(
     text = str(info.value)
     assert "'it'" in text and "iterator" in text and "pitstop.ResumableLoader" in text
     assert "allow_pickle" not in text
+
+
+# ---------------------------------------------------------------- diff counts what it compared
+def _diff_counts(out: str) -> tuple[int, int, int]:
+    """``pitstop diff``'s last line: tensors compared, tensors that differ, other values."""
+    found = re.search(
+        r"^(\d+) tensors .*compared: (\d+) tensors and (\d+) other values differ$", out, re.M
+    )
+    assert found is not None, out
+    compared, differ, others = (int(g) for g in found.groups())
+    assert differ <= compared, out  # never more differ than were compared
+    return compared, differ, others
+
+
+def test_diff_counts_tensors_in_one_checkpoint_only(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = os.path.join(str(tmp_path), "a"), os.path.join(str(tmp_path), "b")
+    pitstop.save(a, {"w": torch.ones(3), "x": torch.ones(2)}, step=1)
+    state_b = {"w": torch.zeros(3), "x": torch.ones(2), "y": torch.ones(2), "z": torch.ones(1)}
+    pitstop.save(b, state_b, step=1)
+    code, out, err = _run(capsys, "diff", a, b)
+    assert code == 1, (out, err)
+    assert _diff_counts(out) == (4, 3, 0)  # w, x, y, z compared; w differs, y and z only in B
+    code, out, _ = _run(capsys, "diff", b, a)
+    assert code == 1 and _diff_counts(out) == (4, 3, 0)  # the same, either way round
+
+
+def test_diff_counts_every_kind_of_difference_consistently(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = os.path.join(str(tmp_path), "a"), os.path.join(str(tmp_path), "b")
+    same = torch.arange(4)
+    pitstop.save(a, {
+        "same": same, "dtype": torch.ones(2), "shape": torch.ones(2), "ignored": torch.ones(1),
+        "tree": {"p": torch.ones(1), "q": torch.ones(1)}, "np": np.arange(3), "lr": 0.1,
+        "only_a": {"t": torch.ones(1), "n": 3},
+    }, step=1)  # fmt: skip
+    pitstop.save(b, {
+        "same": same, "dtype": torch.ones(2, dtype=torch.float64), "shape": torch.ones(3),
+        "ignored": torch.zeros(1), "tree": [torch.ones(1), torch.ones(1), torch.ones(1)],
+        "np": np.arange(3) + 1, "lr": 0.2, "only_b": 7,
+    }, step=1)  # fmt: skip
+    code, out, err = _run(capsys, "diff", a, b, "--ignore", "ignored")
+    assert code == 1, (out, err)
+    # compared: same, dtype, shape, np, tree/p, tree/q, tree/0, tree/1, tree/2, only_a/t (10);
+    # differ: all but same (9); other values: lr, only_b (only_a holds a tensor: counted there)
+    assert _diff_counts(out) == (10, 9, 2), out
+    code, out, _ = _run(capsys, "diff", a, a, "--ignore", "ignored")
+    assert code == 0 and _diff_counts(out) == (7, 0, 0)  # A's tensors but the ignored one
+
+
+# ---------------------------------------------------------------- a reader that stops early
+def _into_closed_pipe(*argv: str) -> tuple[int, str]:
+    """Run the ``pitstop`` console script with stdout a pipe nobody reads (its read end is
+    closed before the command starts: every write fails, as ``| head`` makes later ones fail);
+    its exit status and stderr."""
+    exe = shutil.which("pitstop", path=os.path.dirname(sys.executable))
+    assert exe is not None, "the pitstop console script is not installed"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [exe, *argv], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300
+        )
+    finally:
+        os.close(write_end)
+    return done.returncode, done.stderr
+
+
+def _many_tensors(root: str, n: int) -> str:
+    """Two steps of ``n`` tensors each: ``inspect`` prints far more than a pipe's buffer."""
+    with pitstop.CheckpointManager(root) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {f"layer{i}": torch.full((2,), float(step)) for i in range(n)})
+    return root
+
+
+@pytest.mark.parametrize("tensors", [1, 400])  # output within stdout's buffer, or far beyond
+def test_inspect_of_a_damaged_step_exits_1_when_the_reader_stops_early(
+    root: str, tensors: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _damage(_many_tensors(root, tensors))
+    assert main(["verify", root]) == 1  # marks step 2 damaged
+    capsys.readouterr()
+    code, err = _into_closed_pipe("inspect", root)
+    assert code == 1, err  # damage, said by the status though nobody reads stdout
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    code, err = _into_closed_pipe("inspect", root, "--step", "1")  # a good step: quiet, 0
+    assert (code, err) == (0, ""), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["ls", "{root}"], 0),
+        (["verify", "{root}"], 1),  # step 3 is damaged: printed last, to nobody
+        (["verify", "{root}", "--step", "1"], 0),
+        (["gc", "{root}", "--dry-run"], 0),
+        (["export", "{root}", "{out}", "--to", "torch", "--fallback"], EXIT_FALLBACK),
+        (["diff", "{root}", "{root}", "--step-a", "1", "--step-b", "2"], 1),
+    ],
+    ids=["ls", "verify-damaged", "verify-clean", "gc", "export-fallback", "diff"],
+)
+def test_every_command_keeps_its_exit_status_when_the_reader_stops_early(
+    root: str, tmp_path: object, argv: list[str], expected: int
+) -> None:
+    with pitstop.CheckpointManager(root) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4,), float(step))})
+    _damage(root, "step-0000000003")
+    out = os.path.join(str(tmp_path), "out.pt")
+    code, err = _into_closed_pipe(*(a.format(root=root, out=out) for a in argv))
+    assert code == expected, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err

@@ -5,8 +5,14 @@ lengths, and the container kinds themselves: a tuple is not a list), every tenso
 same dtype, shape and *bytes* (so NaNs compare equal to themselves and -0.0 differs from
 0.0: a resume must be bit for bit), and every other value is equal and of the same type.
 
+A tensor here is a ``torch.Tensor`` or a numeric NumPy array (both compared bit for bit).
+The tensors compared are those of ``a`` and ``b`` together, by key path, less the ignored
+ones: a tensor in one state only, or under a key whose structure differs, is compared (and
+differs), so the tensors that differ never outnumber the tensors compared.
+
 Call sequence (the CLI's thread): ``compare(a, b, ignore=...)`` -> a list of
 :class:`Difference` in the order a walk of ``a`` meets them (then keys only in ``b``);
+``compare_counted`` -> the same and how many tensors were compared;
 ``format_differences(diffs, limit)`` -> lines to print; ``run_diff(args)`` for ``pitstop diff``.
 """
 
@@ -25,18 +31,30 @@ import torch
 
 from pitstop.state.tree import join_key
 
-__all__ = ["Difference", "compare", "count_tensors", "format_differences", "load_ranks", "run_diff"]
+__all__ = [
+    "Difference",
+    "compare",
+    "compare_counted",
+    "count_tensors",
+    "format_differences",
+    "load_ranks",
+    "run_diff",
+]
 
 
 @dataclass(frozen=True)
 class Difference:
     """One key path at which the two states differ. ``max_abs`` is the largest absolute
-    difference of two tensors (or numbers) of the same shape, where it can be computed."""
+    difference of two tensors (or numbers) of the same shape, where it can be computed;
+    ``tensors`` how many tensors (of ``a`` and ``b`` together, by key path) the difference
+    covers: 1 at a tensor, every tensor beneath a key only in one state or whose structure
+    differs; ``is_tensor``: it covers any."""
 
     key: str
     what: str
     max_abs: float | None = None
     is_tensor: bool = False
+    tensors: int = 0
 
 
 def _array_module(value: Any) -> Any:
@@ -56,16 +74,23 @@ def _max_abs(x: torch.Tensor, y: torch.Tensor) -> float | None:
     return float(finite.max()) if finite.numel() else math.nan
 
 
+def _is_tensor(value: Any) -> bool:
+    """A value compared as a tensor: a ``torch.Tensor`` or a numeric NumPy array."""
+    if isinstance(value, torch.Tensor):
+        return True
+    np = _array_module(value)
+    return np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufc"
+
+
 def _tensor_difference(key: str, x: torch.Tensor, y: torch.Tensor) -> Difference | None:
     if x.dtype != y.dtype or x.shape != y.shape:
-        return Difference(
-            key, f"{x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}", is_tensor=True
-        )
+        what = f"{x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}"
+        return Difference(key, what, is_tensor=True, tensors=1)
     xb = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     yb = y.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     if torch.equal(xb, yb):
         return None
-    return Difference(key, "values differ", _max_abs(x.cpu(), y.cpu()), is_tensor=True)
+    return Difference(key, "values differ", _max_abs(x.cpu(), y.cpu()), is_tensor=True, tensors=1)
 
 
 def _same_value(x: Any, y: Any) -> bool:
@@ -96,10 +121,13 @@ def _parts(v: float | complex) -> tuple[float, float]:
 def _leaf_difference(key: str, x: Any, y: Any) -> Difference | None:
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         return _tensor_difference(key, x, y)
-    if type(x) is not type(y):
-        return Difference(key, f"{type(x).__name__} vs {type(y).__name__}")
-    np = _array_module(x)
-    if np is not None and isinstance(x, np.ndarray) and x.dtype.kind in "biufc":
+    tensor = _is_tensor(x) or _is_tensor(y)  # e.g. a tensor in A, a number in B
+    if type(x) is not type(y) or _is_tensor(x) != _is_tensor(y):
+        kinds = (type(x).__name__, type(y).__name__)
+        if kinds[0] == kinds[1]:  # NumPy arrays, one numeric, one not
+            kinds = (f"{kinds[0]} of {x.dtype}", f"{kinds[1]} of {y.dtype}")
+        return Difference(key, f"{kinds[0]} vs {kinds[1]}", is_tensor=tensor, tensors=int(tensor))
+    if tensor:  # two numeric NumPy arrays
         return _tensor_difference(key, torch.from_numpy(x), torch.from_numpy(y))
     if _same_value(x, y):
         return None
@@ -125,24 +153,43 @@ def _children(node: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
 def compare(a: Any, b: Any, *, ignore: Iterable[str] = ()) -> list[Difference]:
     """Every difference between ``a`` and ``b`` (loaded states); key paths matching a glob
     of ``ignore`` (``progress/wall_secs``, ``*/timestamp``) are skipped with their subtrees."""
+    return compare_counted(a, b, ignore=ignore)[0]
+
+
+def compare_counted(a: Any, b: Any, *, ignore: Iterable[str] = ()) -> tuple[list[Difference], int]:
+    """:func:`compare`'s differences and how many tensors were compared: those of ``a`` and
+    ``b`` together, by key path, not ignored (so ``sum(d.tensors for d in diffs)`` is at
+    most that many)."""
     patterns = list(ignore)
     out: list[Difference] = []
+    compared = 0
+
+    def skipped(key: str) -> bool:
+        return bool(key) and any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+    def covering(key: str, what: str, *sides: Any) -> Difference:
+        nonlocal compared
+        n = len(set().union(*(_tensor_paths(key, side, skipped) for side in sides)))
+        compared += n
+        return Difference(key, what, is_tensor=n > 0, tensors=n)
+
     todo: list[tuple[str, Any, Any]] = [("", a, b)]
     while todo:
         key, x, y = todo.pop()
-        if key and any(fnmatch.fnmatchcase(key, p) for p in patterns):
+        if skipped(key):
             continue
         cx, cy = _children(x), _children(y)
         if cx is None or cy is None:
             if cx is not None or cy is not None:
-                out.append(Difference(key, f"{type(x).__name__} vs {type(y).__name__}"))
+                out.append(covering(key, f"{type(x).__name__} vs {type(y).__name__}", x, y))
             else:
+                compared += _is_tensor(x) or _is_tensor(y)
                 diff = _leaf_difference(key, x, y)
                 if diff is not None:
                     out.append(diff)
             continue
         if cx[0] != cy[0]:
-            out.append(Difference(key, f"{cx[0]} vs {cy[0]}"))
+            out.append(covering(key, f"{cx[0]} vs {cy[0]}", x, y))
             continue
         xs, ys = dict(cx[1]), dict(cy[1])
         pending = []
@@ -150,14 +197,31 @@ def compare(a: Any, b: Any, *, ignore: Iterable[str] = ()) -> list[Difference]:
             sub = join_key(key, k)
             if k in ys:
                 pending.append((sub, v, ys[k]))
-            elif not any(fnmatch.fnmatchcase(sub, p) for p in patterns):
-                out.append(Difference(sub, "only in A", is_tensor=isinstance(v, torch.Tensor)))
+            elif not skipped(sub):
+                out.append(covering(sub, "only in A", v))
         for k, v in cy[1]:
             sub = join_key(key, k)
-            if k not in xs and not any(fnmatch.fnmatchcase(sub, p) for p in patterns):
-                out.append(Difference(sub, "only in B", is_tensor=isinstance(v, torch.Tensor)))
+            if k not in xs and not skipped(sub):
+                out.append(covering(sub, "only in B", v))
         todo.extend(reversed(pending))
-    return out
+    return out, compared
+
+
+def _tensor_paths(key: str, tree: Any, skipped: Any) -> set[str]:
+    """The key paths of the tensors in ``tree`` (at ``key``) that ``skipped`` does not skip."""
+    paths: set[str] = set()
+    todo = [(key, tree)]
+    while todo:
+        path, node = todo.pop()
+        if path != key and skipped(path):
+            continue
+        if _is_tensor(node):
+            paths.add(path)
+            continue
+        kids = _children(node)
+        if kids is not None:
+            todo.extend((join_key(path, k), v) for k, v in kids[1])
+    return paths
 
 
 def format_differences(diffs: list[Difference], limit: int = 20) -> list[str]:
@@ -178,11 +242,11 @@ def format_differences(diffs: list[Difference], limit: int = 20) -> list[str]:
 
 
 def count_tensors(tree: Any) -> int:
-    """Tensors in a loaded state (a tensor reached twice counts twice)."""
+    """Tensors (and numeric NumPy arrays) in a loaded state (one reached twice counts twice)."""
     n, todo = 0, [tree]
     while todo:
         node = todo.pop()
-        if isinstance(node, torch.Tensor):
+        if _is_tensor(node):
             n += 1
         else:
             kids = _children(node)
@@ -201,13 +265,14 @@ def run_diff(args: argparse.Namespace) -> int:
     )
     if ranks_a != ranks_b:
         print(f"saved by {ranks_a} vs {ranks_b} ranks: the ranks' own values differ in number")
-    diffs = compare(a, b, ignore=args.ignore or ())
+    diffs, compared = compare_counted(a, b, ignore=args.ignore or ())
     for line in format_differences(diffs, limit=args.show):
         print(line)
-    differ = sum(d.is_tensor for d in diffs)
+    differ = sum(d.tensors for d in diffs)  # at most `compared`: counted over the same paths
+    others = sum(not d.is_tensor for d in diffs)
     print(
-        f"{count_tensors(a)} tensors and every other value compared: {differ} tensors and "
-        f"{len(diffs) - differ} other values differ"
+        f"{compared} tensors (in A, B or both) and every other value compared: "
+        f"{differ} tensors and {others} other values differ"
     )
     return 1 if diffs else 0
 

@@ -5,8 +5,10 @@ Exit codes follow shell conventions (the README's table): 0 all good; 1 a proble
 marker that is no evidence, ``diff``: the two differ, the demo's weights differ); 2 bad usage
 or a path that is not a checkpoint (no such step: never a damaged one); 3 ``export
 --fallback`` wrote an older step than the newest, which is damaged (named on stdout). Every
-error is one line on stderr; ``--debug`` shows the traceback. ``ls``, ``inspect``,
-``verify`` and ``gc`` do not import torch, so they run on a login node.
+error is one line on stderr; ``--debug`` shows the traceback. A reader that stops early
+(``pitstop inspect ckpts | head``) changes no exit status: the rest of stdout goes to nobody,
+the command runs to its end and exits as it would have (damage is 1, a clean run 0, quietly).
+``ls``, ``inspect``, ``verify`` and ``gc`` do not import torch, so they run on a login node.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO, cast
 
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.engine.verify import VerifyReport, verify_checkpoint
@@ -580,7 +582,60 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stdout:
+    """``sys.stdout`` while a command runs. A reader that stops early (``| head``) stops no
+    command: the first write or flush that finds the pipe closed points stdout at /dev/null,
+    and the command goes on to its exit status (damage is 1 whoever reads its output)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._gone = False  # the reader left, and stdout could not be pointed at /dev/null
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_left()
+
+    def _reader_left(self) -> None:
+        try:
+            fd = self._stream.fileno()
+        except (OSError, ValueError):  # no descriptor: drop what is written from now on
+            self._gone = True
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)  # what the stream still holds is flushed to nobody
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    stdout = sys.stdout
+    if stdout is None:  # pragma: no cover - no stdout at all (pythonw)
+        return _main(argv)
+    guard = _Stdout(stdout)
+    sys.stdout = cast(TextIO, guard)
+    try:
+        return _main(argv)
+    finally:
+        guard.flush()  # here, not at exit, where a closed pipe would change the status
+        sys.stdout = stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -601,9 +656,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, f"{e}", 1)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # `pitstop ls | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as e:  # a bug or an input no check named: one line, not a traceback
         return _fail(args, f"internal error: {type(e).__name__}: {e} (--debug shows where)", 1)
 
