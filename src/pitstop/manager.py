@@ -41,7 +41,7 @@ from pitstop.errors import CheckpointNotFoundError
 from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
 from pitstop.multilevel.flush import FlushRecord
-from pitstop.multilevel.levels import Local, Shared
+from pitstop.multilevel.levels import Local, Shared, check_levels
 from pitstop.multilevel.stack import LevelStack
 from pitstop.options import IOOptions, SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
@@ -71,8 +71,9 @@ class CheckpointManager:
     * ``root``: a directory or a :class:`~pitstop.storage.Storage`; or a list of levels,
       ``[pitstop.Local("/local/{node}", redundancy="partner"), pitstop.Shared(path,
       every=10)]``: every save to node-local storage, protected across nodes, every 10th
-      flushed to the shared level (:mod:`pitstop.multilevel`); ``keep_last``/``retention``
-      then apply to the shared level, ``Local(keep_last=2)`` to the local one, and
+      flushed to the shared level (:mod:`pitstop.multilevel`; more shared levels may follow,
+      fastest first, each on its own schedule); ``keep_last``/``retention`` then apply to
+      the shared levels without a ``keep_last`` of their own, ``Local(keep_last=2)`` to the local one, and
       ``topology=`` (rank -> node id) places ranks on nodes (default: ``PITSTOP_NODE`` or
       the hostname).
     * ``keep_last=n`` keeps the newest n committed checkpoints of this run; ``retention=``
@@ -110,7 +111,7 @@ class CheckpointManager:
                 "(IOOptions for the I/O knobs), not beside it"
             )
         if isinstance(root, (list, tuple)):
-            local, shared = _split_levels(root)
+            local, shared, names = check_levels(root)
             io = options.io if options else IOOptions.from_env(**knobs)
         else:
             if root is None:
@@ -129,8 +130,9 @@ class CheckpointManager:
         self._levels: LevelStack | None = None
         if isinstance(root, (list, tuple)):
             self._levels = LevelStack(
-                local, shared, self._group, io, topology=topology, shared_retention=self.retention
-            )
+                local, shared, self._group, io, topology=topology,
+                shared_retention=self.retention, names=names,
+            )  # fmt: skip
             self._storage = self._levels.local_storage
             self._catalog = self._levels.local_catalog
             # node leaders apply retention: one run id for all ranks
@@ -175,10 +177,9 @@ class CheckpointManager:
 
     @property
     def flush_records(self) -> list[FlushRecord]:
-        """With a shared level: the outcome of each recent flush (``ok``/``error``), oldest
-        first; empty otherwise."""
-        flusher = self._levels.flusher if self._levels is not None else None
-        return list(flusher.records) if flusher is not None else []
+        """With shared levels: the outcome of each recent flush (``ok``/``error``; ``level``
+        names the level), oldest first; empty otherwise."""
+        return self._levels.flush_records() if self._levels is not None else []
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._storage.url!r}, retention={self.retention!r})"
@@ -485,20 +486,6 @@ class CheckpointManager:
             abandoned=abandoned, damaged=damaged, busy=self._saver.busy_directories, dry_run=dry_run
         )
         return [e.name for e, what in done if what in ("removed", "would remove")]
-
-
-def _split_levels(levels: Sequence[Local | Shared]) -> tuple[Local, Shared | None]:
-    """The one Local level and at most one Shared level of ``levels=``."""
-    local = [lv for lv in levels if isinstance(lv, Local)]
-    shared = [lv for lv in levels if isinstance(lv, Shared)]
-    others = [lv for lv in levels if not isinstance(lv, (Local, Shared))]
-    if others or len(local) != 1 or len(shared) > 1:
-        raise ValueError(
-            "a list of levels holds one pitstop.Local(...) and at most one pitstop.Shared(...), "
-            "got "
-            f"{list(levels)!r}"
-        )
-    return local[0], (shared[0] if shared else None)
 
 
 def _deprecated(name: str) -> None:

@@ -431,7 +431,22 @@ def ls_levels(args: argparse.Namespace) -> int:
         print(f"shared level: {lv.shared_url}: not a local directory, not listed\n")
     _print_local(lv, local)
     _print_unusable(scans)
+    _print_more_levels(lv)
     return 0
+
+
+def _print_more_levels(lv: Levels) -> None:
+    """The shared levels after the first (``levels`` in levels.json): named, each to be
+    listed as a root of its own."""
+    more = lv.doc.get("levels")
+    if not isinstance(more, list) or len(more) < 2:
+        return
+    print("\nmore levels (list each with `pitstop ls URL`):")
+    for d in more[1:]:
+        if isinstance(d, dict):
+            every = d.get("every")
+            when = f"every {every}" if isinstance(every, int) else "on its own schedule"
+            print(f"  {d.get('name')}: {d.get('url')} ({when})")
 
 
 def _shared_has(lv: Levels, step: int, *, committed: bool = False) -> bool:

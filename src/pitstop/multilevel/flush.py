@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pitstop.engine.catalog import Catalog
 from pitstop.engine.collective import commit_together
@@ -38,11 +38,13 @@ from pitstop.engine.transfer import copy_files
 from pitstop.errors import CheckpointNotFoundError, CorruptCheckpointError
 from pitstop.faults import killpoint
 from pitstop.log import get_logger
+from pitstop.multilevel.levels import Shared
 from pitstop.multilevel.redundancy import Member
+from pitstop.policy import CheckpointPolicy, PolicyContext, RetentionPolicy
 from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage
 
-__all__ = ["FlushRecord", "Flusher"]
+__all__ = ["FlushRecord", "FlushTarget", "Flusher"]
 
 _log = get_logger("pitstop.multilevel")
 
@@ -52,6 +54,7 @@ class FlushRecord:
     """The outcome of one flush: ``ok``, or the ``error`` that failed it."""
 
     step: int
+    level: str = "shared"
     ok: bool = False
     error: str | None = None
     nbytes: int = 0
@@ -67,9 +70,11 @@ class Flusher:
         shared: Storage,
         group: Group,
         on_done: Callable[[FlushRecord], None] | None = None,
+        *,
+        name: str = "shared",
     ) -> None:
-        self.local, self.shared, self.group = local, shared, group
-        self._on_done = on_done
+        self.local, self.shared, self.group, self.name = local, shared, group, name
+        self.on_done = on_done
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-flush")
         self._lock = threading.Condition()
         self._pending = 0
@@ -110,17 +115,18 @@ class Flusher:
     def _report(self, record: FlushRecord, e: BaseException) -> None:
         record.error = f"{type(e).__name__}: {e}"
         _log.warning(
-            "flush of step %d to %s failed (training goes on; the local checkpoint is "
-            "kept): %s", record.step, self.shared.url, record.error, phase="flush",
+            "flush of step %d to the %s level (%s) failed (training goes on; the local "
+            "checkpoint is kept): %s", record.step, self.name, self.shared.url, record.error,
+            phase="flush",
         )  # fmt: skip
         self.records.append(record)
-        if self._on_done is not None:
-            self._on_done(record)
+        if self.on_done is not None:
+            self.on_done(record)
 
     def _run(
         self, m: Member, pin: contextlib.ExitStack, seq: int, error: BaseException | None
     ) -> None:
-        record = FlushRecord(m.manifest.step)
+        record = FlushRecord(m.manifest.step, self.name)
         t0 = time.perf_counter()
         try:
             with pin:
@@ -129,8 +135,8 @@ class Flusher:
             _log.info("flushed step %d to %s", m.manifest.step, self.shared.url, phase="flush")
             record.secs = time.perf_counter() - t0
             self.records.append(record)
-            if self._on_done is not None:
-                self._on_done(record)
+            if self.on_done is not None:
+                self.on_done(record)
         except BaseException as e:  # reported, never raised into training
             record.secs = time.perf_counter() - t0
             self._report(record, e)
@@ -157,7 +163,7 @@ class Flusher:
 
         try:  # one process: on the null group, in-process
             result = commit_together(
-                self.group, self.shared, m.directory, f"flush-{seq}", write,
+                self.group, self.shared, m.directory, f"flush-{self.name}-{seq}", write,
                 lambda results, hosts: data,
             )  # fmt: skip
         except BaseException:
@@ -167,3 +173,29 @@ class Flusher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+@dataclass
+class FlushTarget:
+    """One level after the local one: its storage and catalog, the flusher that copies to
+    it, its schedule and retention, and what rank 0 counts for its schedule."""
+
+    name: str
+    level: Shared
+    storage: Storage
+    catalog: Catalog
+    flusher: Flusher
+    schedule: CheckpointPolicy
+    retention: RetentionPolicy | None
+    since: int = 0  # rank 0: local commits since this level's last flush
+    last_secs: float = field(default_factory=time.monotonic)  # rank 0: when it last flushed
+    due: bool = False  # rank 0: flush the next commit (a restart from a step it lacks)
+    flushed: int = -1  # the newest step this process submitted to its flusher
+
+    def context(self, step: int) -> PolicyContext:
+        """What the schedule decides on after a local commit of ``step``."""
+        secs = time.monotonic() - self.last_secs
+        return PolicyContext(
+            step=step, elapsed_secs=secs, steps_since_checkpoint=self.since,
+            secs_since_checkpoint=secs, in_flight=self.flusher.pending, max_in_flight=2,
+        )  # fmt: skip

@@ -20,6 +20,7 @@ index on the set's nodes, so a copy or a parity block is never on its own node.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -28,10 +29,13 @@ from typing import Any
 
 from pitstop.errors import UnsupportedSetupError
 from pitstop.options import env_node
+from pitstop.policy.base import CheckpointPolicy
+from pitstop.policy.fixed import EveryN
 
-__all__ = ["SCHEMES", "Local", "Placement", "Shared", "node_ids"]
+__all__ = ["DEFAULT_EVERY", "SCHEMES", "Local", "Placement", "Shared", "check_levels", "node_ids"]
 
 SCHEMES = ("single", "partner", "xor")
+DEFAULT_EVERY = 10  # Shared(): every 10th local commit unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -62,21 +66,88 @@ class Local:
 
 @dataclass(frozen=True)
 class Shared:
-    """The shared (parallel) file system: every ``every``-th committed local checkpoint is
-    copied there in the background, verified on the way, with its own commit. ``path`` is a
-    directory or a :class:`~pitstop.storage.Storage`."""
+    """A level every rank reaches (a shared or parallel file system): committed local
+    checkpoints are copied there in the background, verified on the way, with their own
+    commit, when its ``schedule`` says so. ``path`` is a directory or a
+    :class:`~pitstop.storage.Storage`.
+
+    * ``every=n``: every n-th local commit (the default schedule, n = 10); or ``schedule=``
+      any schedule policy (``EveryN(50) | Every(secs=1800)``), asked after each local commit
+      with the commits and seconds since this level's last flush.
+    * ``keep_last=n``: this level keeps its newest n checkpoints (default: the manager's
+      ``keep_last``/``retention``).
+    * ``name``: in logs, flush records and ``last_restore.level`` (default ``shared``; the
+      second shared level of a list ``shared-2``, and so on).
+
+    Several shared levels may follow the local one, fastest first: each flushed on its own
+    schedule; a restart takes a step from the fastest level that holds it."""
 
     path: Any
-    every: int = 10
+    every: int | None = None
+    schedule: CheckpointPolicy | None = None
+    keep_last: int | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
-        if type(self.every) is not int or self.every < 1:
+        if self.every is not None and self.schedule is not None:
+            raise ValueError("Shared(): give every= or schedule=, not both")
+        if self.every is not None and (type(self.every) is not int or self.every < 1):
             raise ValueError(f"Shared(every=) must be an int >= 1, got {self.every!r}")
+        if self.schedule is not None and not isinstance(self.schedule, CheckpointPolicy):
+            raise TypeError(
+                "Shared(schedule=) takes a schedule policy (pitstop.EveryN(10), "
+                f"pitstop.Every(secs=600), ...), got {self.schedule!r}"
+            )
+        if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):
+            raise ValueError(f"Shared(keep_last=) must be an int >= 1, got {self.keep_last!r}")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(f"Shared(name=) must be a non-empty string, got {self.name!r}")
         if isinstance(self.path, (str, os.PathLike)) and "{node}" in os.fspath(self.path):
             raise ValueError(
                 f"Shared({os.fspath(self.path)!r}): the shared level is one directory for the "
                 "whole job; {node} belongs in a Local path"
             )
+
+    def make_schedule(self) -> CheckpointPolicy:
+        """A fresh schedule policy for one manager (a policy may keep state)."""
+        if self.schedule is not None:
+            return copy.deepcopy(self.schedule)
+        return EveryN(self.every if self.every is not None else DEFAULT_EVERY)
+
+    def described_every(self) -> int | None:
+        """``every`` as levels.json records it (None for another schedule)."""
+        if self.schedule is not None:
+            return None
+        return self.every if self.every is not None else DEFAULT_EVERY
+
+
+def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared], list[str]]:
+    """The local level, the shared levels in order and their names, of a list of levels
+    (``CheckpointManager([...])``): one :class:`Local` first, then any number of
+    :class:`Shared` levels, fastest first; no directory twice, no name twice."""
+    levels = list(levels)
+    if not levels or not isinstance(levels[0], Local):
+        raise ValueError(
+            "a list of levels starts with one pitstop.Local(...) (every save goes there first), "
+            f"then pitstop.Shared(...) levels, fastest first; got {levels!r}"
+        )
+    shared = levels[1:]
+    if any(isinstance(lv, Local) for lv in shared):
+        raise ValueError(f"a list of levels holds at most one pitstop.Local(...); got {levels!r}")
+    if not all(isinstance(lv, Shared) for lv in shared):
+        raise ValueError(
+            "a list of levels holds one pitstop.Local(...), then at most pitstop.Shared(...) "
+            f"levels; got {levels!r}"
+        )
+    paths = [os.path.realpath(os.fspath(lv.path)) for lv in shared
+             if isinstance(lv.path, (str, os.PathLike))]  # fmt: skip
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise ValueError(f"a list of levels names the directory {twice[0]} twice")
+    names = [lv.name or ("shared" if i == 0 else f"shared-{i + 1}") for i, lv in enumerate(shared)]
+    if "local" in names or len(set(names)) != len(names):
+        raise ValueError(f"the levels of a list need distinct names other than 'local': {names}")
+    return levels[0], shared, names
 
 
 def node_ids(

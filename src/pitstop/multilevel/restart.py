@@ -46,6 +46,7 @@ from pitstop.errors import (
 from pitstop.format.manifest import Manifest, manifest_digest
 from pitstop.format.names import step_dir_name
 from pitstop.log import get_logger
+from pitstop.multilevel.flush import FlushTarget
 from pitstop.multilevel.levels import Placement
 from pitstop.multilevel.redundancy import (
     Member,
@@ -113,10 +114,7 @@ class Restarts:
     leader: bool
     local_storage: Storage
     local_catalog: Catalog
-    shared_storage: Storage | None
-    shared_catalog: Catalog | None
-    _every: int
-    _since_flush: int
+    targets: list[FlushTarget]
     _newest: tuple[int, Manifest] | None
 
     def member(self, directory: str, manifest: Manifest, storage: Storage | None = None) -> Member:
@@ -135,26 +133,36 @@ class Restarts:
         newer steps of both levels are set aside; ``fetch``: a step the shared level served
         is copied into the local level (``load()`` leaves the levels as they are)."""
         t0 = time.perf_counter()
-        views, shared = self._survey()
+        views, held = self._survey()
         local = {s for v in views for s, (digest, _) in v.items() if digest}
-        candidates = sorted(local | set(shared), reverse=True)
+        candidates = sorted(local.union(*held), reverse=True)
         if step is not None:
             candidates = [s for s in candidates if s == step]
         walk = _Walk()
-        result, covered = None, math.inf  # shared steps above ``covered`` were tried
+        result = None
+        covered = [math.inf] * len(self.targets)  # a level's steps above it were tried
         for i, s in enumerate(candidates):
             if s in local:
                 result = self._from_local(load, s, views, walk)
-            if result is None and s in shared and s <= covered:
-                # the shared level falls back by itself, down to the next local candidate
-                floor = next((c for c in candidates[i + 1 :] if c in local), None)
-                covered = floor if floor is not None else -math.inf
-                window = (floor, s) if step is None else (s - 1, s)
-                result = self._load(walk, "shared", load, window=window)
+            for j, t in enumerate(self.targets):
+                if result is not None or s not in held[j] or s > covered[j]:
+                    continue
+                # a shared level falls back by itself, down to the next step another level
+                # holds (only ``s`` when a slower level holds it too): it never serves an
+                # older step than another level could
+                others = local.union(*(h for k, h in enumerate(held) if k != j))
+                if any(s in h for h in held[j + 1 :]) or step is not None:
+                    floor: int | None = s - 1
+                else:
+                    floor = next((c for c in candidates[i + 1 :] if c in others), None)
+                covered[j] = floor if floor is not None else -math.inf
+                window = (floor, s)
+                result = self._load(walk, t.name, t.catalog, load, window=window)
                 if result is not None and result.manifest is not None:
-                    result.level, result.sources = "shared", {"shared": result.manifest.nbytes}
+                    result.level, result.sources = t.name, {t.name: result.manifest.nbytes}
                     if fetch:
-                        self.fetch(result.manifest, views[self.placement.leaders[self.group.rank]])
+                        view = views[self.placement.leaders[self.group.rank]]
+                        self.fetch(result.manifest, view, t.storage)
             if result is not None:
                 break
         if result is None:
@@ -163,27 +171,30 @@ class Restarts:
         if rollback:
             result.set_aside += self._roll_back(result.step)
             self._newest = None  # a step this process committed may be set aside now
-        self._since_flush = 0 if result.step in shared else self._every - 1
+        for j, t in enumerate(self.targets):  # a level that lacks the step gets the next one
+            t.since, t.last_secs, t.due = 0, time.monotonic(), result.step not in held[j]
         result.skipped = walk.skipped + result.skipped
         result.secs = time.perf_counter() - t0
         return result
 
-    def _survey(self) -> tuple[list[dict[int, tuple[str, bool]]], list[int]]:
+    def _survey(self) -> tuple[list[dict[int, tuple[str, bool]]], list[set[int]]]:
         """Collective: every node's view, by leader rank (step -> the digest of the manifest
         its node holds, "" when it does not parse, and whether it is marked damaged; a step a
-        rollback left is not one: the node lacks it) and the steps committed on the shared
-        level (rank 0's scan). The rollback marks found on any node
-        or on the shared level apply to both: a rollback killed half-way, having marked
-        one node only, still holds everywhere (the steps it left are no candidates)."""
+        rollback left is not one: the node lacks it) and the steps committed on each shared
+        level (rank 0's scans). The rollback marks found on any node or on any shared level
+        apply to all: a rollback killed half-way, having marked one level only, still holds
+        everywhere (the steps it left are no candidates)."""
         local = _brief(self.local_catalog.scan()) if self.leader else []
-        shared: list[tuple[Any, ...]] = []
-        if self.group.coordinator and self.shared_catalog is not None:
+        shared: list[list[tuple[Any, ...]]] = [[] for _ in self.targets]
+        for j, t in enumerate(self.targets if self.group.coordinator else []):
             try:
-                shared = _brief(self.shared_catalog.scan())
+                shared[j] = _brief(t.catalog.scan())
             except CheckpointError as e:
-                _log.warning("the shared level cannot be listed: %s", e, phase="restore")
+                _log.warning("the %s level cannot be listed: %s", t.name, e, phase="restore")
         words = self.group.all_gather((local, shared), "restore")
-        marks = [b[5] for w in words for part in w for b in part if b[5] is not None]
+        marks = [
+            b[5] for w in words for part in [w[0], *w[1]] for b in part if b[5] is not None
+        ]  # fmt: skip
 
         def left(b: tuple[Any, ...]) -> bool:
             return any(
@@ -196,8 +207,11 @@ class Restarts:
             {b[0]: (b[2], b[1] != "committed") for b in w[0] if b[1] in _CANDIDATE and not left(b)}
             for w in words
         ]
-        steps = sorted({b[0] for w in words for b in w[1] if b[1] == "committed" and not left(b)})
-        return views, steps
+        held = [
+            {b[0] for w in words for b in w[1][j] if b[1] == "committed" and not left(b)}
+            for j in range(len(self.targets))
+        ]
+        return views, held
 
     def _from_local(
         self,
@@ -212,18 +226,21 @@ class Restarts:
             if self.group.coordinator:
                 _log.warning("local %s: %s", step_dir_name(s), choice, phase="restore")
             return None
-        result = self._load(walk, "local", load, step=s)
+        result = self._load(walk, "local", self.local_catalog, load, step=s)
         if result is not None:
             result.level, result.sources = "local", choice.sources
             result.repaired = choice.repaired
         return result
 
     def _load(
-        self, walk: _Walk, level: str, load: Callable[[Storage, Entry], Any], **kw: Any
+        self,
+        walk: _Walk,
+        level: str,
+        catalog: Catalog,
+        load: Callable[[Storage, Entry], Any],
+        **kw: Any,
     ) -> RestoreResult | None:
         """``recover`` on one level; None (and ``walk`` told why) when nothing loaded."""
-        catalog = self.local_catalog if level == "local" else self.shared_catalog
-        assert catalog is not None
         try:
             result = recover(
                 catalog, lambda e: load(catalog.storage, e), group=self.group,
@@ -386,13 +403,13 @@ class Restarts:
         return error
 
     def _roll_back(self, s: int) -> list[str]:
-        """Set aside the steps newer than ``s`` on both levels: the next saves' step names are
+        """Set aside the steps newer than ``s`` on every level: the next saves' step names are
         free, and no later restart resumes the abandoned timeline. Leaders on the local
-        level, rank 0 on the shared one; a failure is said, never a lone rank's error. The
-        names, as ``<node>:<name>`` and ``shared:<name>``."""
+        level, rank 0 on the shared ones; a failure is said, never a lone rank's error. The
+        names, as ``<node>:<name>`` and ``<level>:<name>`` (``shared:<name>``)."""
         parts = [(self.local_catalog, self.node)] if self.leader else []
-        if self.group.coordinator and self.shared_catalog is not None:
-            parts.append((self.shared_catalog, "shared"))
+        if self.group.coordinator:
+            parts += [(t.catalog, t.name) for t in self.targets]
         out: list[str] = []
         for catalog, where in parts:
             moved = attempt(partial(_roll_back, catalog, s), self.group.rank, "restore")
@@ -407,17 +424,19 @@ class Restarts:
                          ", ".join(names), phase="restore")  # fmt: skip
         return names
 
-    def fetch(self, manifest: Manifest, view: dict[int, tuple[str, bool]]) -> None:
-        """After a restore from the shared level: copy the step into the local level where a
-        node lacks it (or holds another manifest of it: ``view``, this node's from the
-        survey) and protect it there, so that the next failure restarts from the local
-        level. Collective; a failure is logged (the restore itself succeeded)."""
-        if manifest.world_size != self.group.size or self.shared_storage is None:
+    def fetch(
+        self, manifest: Manifest, view: dict[int, tuple[str, bool]], storage: Storage
+    ) -> None:
+        """After a restore from a shared level (``storage``): copy the step into the local
+        level where a node lacks it (or holds another manifest of it: ``view``, this node's
+        from the survey) and protect it there, so that the next failure restarts from the
+        local level. Collective; a failure is logged (the restore itself succeeded)."""
+        if manifest.world_size != self.group.size:
             return
         name = step_dir_name(manifest.step)
         m = self.member(name, manifest)
         fix = self.leader and view.get(manifest.step) != (manifest_digest(manifest), False)
-        source = self.member(name, manifest, self.shared_storage)
+        source = self.member(name, manifest, storage)
         room, error = self._rooms(name, fix)
         errors = [error] if error is not None else []
 
@@ -432,7 +451,7 @@ class Restarts:
             if room is True:
                 self.local_storage.abort(name)
             if self.group.coordinator:
-                _log.warning("step %d stays on the shared level only: %s", manifest.step,
+                _log.warning("step %d stays on %s only: %s", manifest.step, storage.url,
                              errors[0], phase="restore")  # fmt: skip
             return
         self._protect_again(m)

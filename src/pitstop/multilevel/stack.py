@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from pitstop.engine.catalog import Catalog, RunIdentity
@@ -35,7 +37,7 @@ from pitstop.faults import killpoint
 from pitstop.format.manifest import Manifest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
 from pitstop.log import get_logger
-from pitstop.multilevel.flush import Flusher, FlushRecord
+from pitstop.multilevel.flush import Flusher, FlushRecord, FlushTarget
 from pitstop.multilevel.levels import Local, Placement, Shared, node_ids
 from pitstop.multilevel.redundancy import (
     Member,
@@ -62,14 +64,15 @@ class LevelStack(Restarts):
     def __init__(
         self,
         local: Local,
-        shared: Shared | None,
+        shared: Sequence[Shared],
         group: Group,
         io: IOOptions,
         *,
         topology: Mapping[int, str] | Sequence[str] | None = None,
         shared_retention: RetentionPolicy | None = None,
+        names: Sequence[str] = (),
     ) -> None:
-        self.group, self.local, self.shared = group, local, shared
+        self.group, self.local = group, local
         if topology is not None and len(topology) != group.size:
             raise ValueError(f"topology= names {len(topology)} ranks; the job has {group.size}")
         nodes = node_ids(topology, group.rank, lambda o: group.all_gather(o, "plan"))
@@ -86,25 +89,23 @@ class LevelStack(Restarts):
         self.local_storage: Storage = RetryingStorage(LocalStorage(root, io))  # type: ignore[assignment]
         self.local_catalog = Catalog(self.local_storage)
         self.link = make_link(group)
-        self.shared_storage: Storage | None = None
-        self.shared_catalog: Catalog | None = None
-        self.flusher: Flusher | None = None
-        self.shared_retention = shared_retention
-        if shared is not None:
-            inner, _ = open_root(shared.path, io)
-            shared_storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
-            self.shared_storage = shared_storage
-            self.shared_catalog = Catalog(shared_storage)
-            self.flusher = Flusher(
-                self.local_catalog, shared_storage, group.channel(), on_done=self.flushed
-            )
+        self.targets: list[FlushTarget] = []
+        for i, level in enumerate(shared):
+            inner, _ = open_root(level.path, io)
+            storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
+            name = names[i] if i < len(names) else (level.name or "shared")
+            target = FlushTarget(
+                name, level, storage, Catalog(storage),
+                Flusher(self.local_catalog, storage, group.channel(), name=name),
+                level.make_schedule(),
+                KeepLast(level.keep_last) if level.keep_last is not None else shared_retention,
+            )  # fmt: skip
+            target.flusher.on_done = partial(self.flushed, target)
+            self.targets.append(target)
         self.identity: RunIdentity | None = None
-        self._every = shared.every if shared is not None else 0
-        self._since_flush = 0  # rank 0: local commits since the last flush
-        self._flush = False  # rank 0's word for the step being committed
+        self._flush: set[str] = set()  # rank 0's word for the step being committed
         self._manifest: Manifest | None = None  # of the step being committed
         self._newest: tuple[int, Manifest] | None = None  # committed by this process
-        self._flushed = -1  # the newest step this process submitted to the flusher
         self._write_levels_file()
 
     def _check_node_dirs(self, root: str, nodes: list[str]) -> None:
@@ -161,94 +162,132 @@ class LevelStack(Restarts):
             e.phase, e.step = "replicate", m.manifest.step
             raise
 
+    @property
+    def flushers(self) -> list[Flusher]:
+        """The flusher of every level after the local one, in the order of the list."""
+        return [t.flusher for t in self.targets]
+
+    @property
+    def flusher(self) -> Flusher | None:
+        """The first shared level's flusher (None without one)."""
+        return self.targets[0].flusher if self.targets else None
+
     def _decide(self) -> dict[str, Any]:
-        """Rank 0, once every rank replicated: flush this step? Once ``every`` local commits
-        were not flushed, unless two flushes are already queued (the flush never holds
-        training up: the next commit is flushed instead). After a restart the first commit
-        is flushed unless the restored step is on the shared level."""
-        if self.flusher is None:
-            return {"flush": False}
-        self._since_flush += 1
-        due = self._since_flush >= self._every
-        flush = due and self.flusher.pending < 2
-        if flush:
-            self._since_flush = 0
-        elif due:
-            _log.warning("flush put off: two flushes are still queued", phase="flush")
-        return {"flush": flush}
+        """Rank 0, once every rank replicated: which levels get this step? Each level's
+        schedule decides on the local commits and seconds since its last flush; a level
+        with two flushes still queued is put off (the flush never holds training up: the
+        next commit is flushed instead). After a restart the first commit goes to every
+        level that lacks the restored step."""
+        step = self._manifest.step if self._manifest is not None else -1
+        out = []
+        for t in self.targets:
+            t.since += 1
+            due = t.schedule.decide(t.context(step)) or t.due
+            if due and t.flusher.pending < 2:
+                t.since, t.last_secs, t.due = 0, time.monotonic(), False
+                out.append(t.name)
+            elif due:
+                t.due = True
+                _log.warning("flush to the %s level put off: two flushes are still queued",
+                             t.name, phase="flush")  # fmt: skip
+        return {"flush": out}
 
     def _decided(self, word: Any) -> None:
-        self._flush = bool(isinstance(word, dict) and word.get("flush"))
+        names = word.get("flush") if isinstance(word, dict) else None
+        self._flush = {str(n) for n in names} if isinstance(names, list) else set()
 
     def committed(self, step: int) -> None:
-        """Persist thread, after ``step`` committed on the local level: flush it if rank 0
-        said so (pinned first), then local retention on the node's leader."""
+        """Persist thread, after ``step`` committed on the local level: flush it to the
+        levels rank 0 named (pinned first), then local retention on the node's leader."""
         manifest, self._manifest = self._manifest, None
         if manifest is not None:
             self._newest = (step, manifest)
-        if self._flush and self.flusher is not None and manifest is not None:
-            self._flush = False
-            self._submit(step, manifest)
+        flush, self._flush = self._flush, set()
+        for t in self.targets:
+            if t.name in flush and manifest is not None:
+                self._submit(t, step, manifest)
         if self.identity is not None and self.leader:
             retired = self.local_catalog.retire(
                 KeepLast(self.local.keep_last), newest=step, identity=self.identity
             )
             self.local_catalog.purge_later(retired)
 
-    def _submit(self, step: int, manifest: Manifest) -> None:
-        assert self.flusher is not None
-        self._flushed = step
-        self.flusher.submit(self.member(step_dir_name(step), manifest))
+    def _submit(self, target: FlushTarget, step: int, manifest: Manifest) -> None:
+        target.flushed = step
+        target.flusher.submit(self.member(step_dir_name(step), manifest))
 
     def flush(self) -> FlushRecord | None:
         """Training thread, every rank, no save in flight: flush the newest step this
-        process committed now, unless it was flushed already; wait for it. Its record (None:
+        process committed now to every level that was not given it yet; wait. The record
+        of the first level whose flush failed, else of the last level flushed (None:
         nothing to flush). Every rank decides alike: they committed the same steps."""
         newest = self._newest
-        if self.flusher is None or newest is None or newest[0] <= self._flushed:
+        if newest is None:
             return None
-        self._submit(*newest)
-        self.flusher.drain()
-        return next((r for r in reversed(self.flusher.records) if r.step == newest[0]), None)
+        todo = [t for t in self.targets if newest[0] > t.flushed]
+        for t in todo:
+            self._submit(t, *newest)
+        records = []
+        for t in todo:
+            t.flusher.drain()
+            got = next((r for r in reversed(t.flusher.records) if r.step == newest[0]), None)
+            if got is not None:
+                records.append(got)
+        return next((r for r in records if not r.ok), records[-1] if records else None)
 
-    def flushed(self, record: FlushRecord) -> None:
-        """Flush thread, rank 0: shared retention after a flush committed."""
-        catalog, identity, policy = self.shared_catalog, self.identity, self.shared_retention
-        ready = catalog is not None and identity is not None and policy is not None
-        if record.ok and self.group.coordinator and ready:
-            catalog.purge_later(catalog.retire(policy, newest=record.step, identity=identity))  # type: ignore[union-attr,arg-type]
+    def flush_records(self) -> list[FlushRecord]:
+        """Every level's recent flush records, oldest first."""
+        out = [r for t in self.targets for r in t.flusher.records]
+        return sorted(out, key=lambda r: r.step)
+
+    def flushed(self, target: FlushTarget, record: FlushRecord) -> None:
+        """Flush thread of ``target``, rank 0: that level's retention after a flush committed."""
+        identity, policy = self.identity, target.retention
+        if record.ok and self.group.coordinator and identity is not None and policy is not None:
+            retired = target.catalog.retire(policy, newest=record.step, identity=identity)
+            target.catalog.purge_later(retired)
 
     # ------------------------------------------------------------------ misc
     def _write_levels_file(self) -> None:
-        """levels.json under every node's directory and the shared root: ``pitstop ls``."""
+        """levels.json under every node's directory and each shared root: ``pitstop ls``.
+        ``shared``/``every`` name the first shared level (a shared root's own file: that
+        level); ``levels`` lists every level after the local one."""
         doc = {
             "local": os.fspath(self.local.path), "redundancy": self.placement.scheme,
             "set_size": self.local.set_size, "keep_last": self.local.keep_last,
-            "shared": self.shared_storage.url if self.shared_storage else None,
-            "every": self.shared.every if self.shared else None,
+            "shared": self.targets[0].storage.url if self.targets else None,
+            "every": self.targets[0].level.described_every() if self.targets else None,
+            "levels": [
+                {"name": t.name, "url": t.storage.url, "every": t.level.described_every()}
+                for t in self.targets
+            ],
             "nodes": self.placement.nodes,
         }  # fmt: skip
-        targets = [(self.local.path_of(self.node), {"level": "local", "node": self.node})]
-        targets = targets if self.leader else []
-        shared = self.shared.path if self.shared is not None else None
-        if isinstance(shared, (str, os.PathLike)) and self.group.coordinator:
-            targets.append((os.fspath(shared), {"level": "shared"}))
-        for root, which in targets:
+        files: list[tuple[str, dict[str, Any]]] = [
+            (self.local.path_of(self.node), {"level": "local", "node": self.node})
+        ]
+        files = files if self.leader else []
+        for t in self.targets if self.group.coordinator else []:
+            if isinstance(t.level.path, (str, os.PathLike)):
+                own = {"level": "shared", "shared": t.storage.url,
+                       "every": t.level.described_every()}  # fmt: skip
+                files.append((os.fspath(t.level.path), own))
+        for root, which in files:
             try:
                 os.makedirs(root, exist_ok=True)
                 tmp = os.path.join(root, f".{LEVELS_FILE}.{os.getpid()}")
                 with open(tmp, "wb") as f:
-                    f.write(json.dumps({**which, **doc}, indent=1).encode())
+                    f.write(json.dumps({**doc, **which}, indent=1).encode())
                 os.replace(tmp, os.path.join(root, LEVELS_FILE))
             except OSError as e:
                 _log.warning("could not write %s under %s: %s", LEVELS_FILE, root, e, phase="plan")
 
     def close(self) -> None:
         try:
-            if self.flusher is not None:
-                self.flusher.close()
+            for t in self.targets:
+                t.flusher.close()
         finally:
             self.local_catalog.close()
-            if self.shared_catalog is not None:
-                self.shared_catalog.close()
+            for t in self.targets:
+                t.catalog.close()
             self.link.close()
