@@ -14,8 +14,8 @@ the :class:`CheckpointManager` of each run:
   manager is built), each save, restore and training step, the kill, the end (a clean
   exit). All but the kill carry a digest of every global random generator at that moment
   (steps: torch's and CUDA's, which are cheap); steps also the epoch of the data loader in
-  the state (and whether it began with the step) once a save has shown which loader that
-  is; saves also whether the state holds an ``RNGState``, the loaders in the state that
+  the state (and whether it began with the step), from the first step when it was reached
+  by ``ckpt.step(step, state)``, else from the first save; saves also whether the state holds an ``RNGState``, the loaders in the state that
   draw from the global generator, the settings that make kernels non-deterministic, the
   epoch, and where in the script the save was made. crashtest reads these lines to choose resume points and to
   name the cause when the runs end differently (the generators' states at the same step of
@@ -133,6 +133,20 @@ def _site() -> dict[str, Any]:
     return {"via": via, "site": f"{frame.f_code.co_filename}:{frame.f_lineno}"}
 
 
+def _caller_state() -> Mapping[str, Any] | None:
+    """The state of the pitstop call that reached the first step (``ckpt.step(step, state)``:
+    the ``state`` of a pitstop frame on the way from the script; None for a call that has no
+    state, such as ``ckpt.hooks.reached(step)``). Then the probe follows the loader's epoch
+    from the first step, not only from the first save."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        state = frame.f_locals.get("state")
+        if isinstance(state, Mapping):
+            return state
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 class _ResumePoint:
     """The script's policy, but for a yes at crashtest's resume point (once, at the first
     step at or after it that the policy is asked about). Everything else is the policy's."""
@@ -194,6 +208,8 @@ class CrashProbe:
     def reached(self, step: int, committed: bool) -> None:
         """Training finished ``step``: die here if crashtest asked for it (``committed``:
         whether any checkpoint is committed; the kill waits for its own resume point)."""
+        if self.last_step is None and self._loader is None:  # the first step of this process
+            self._follow(_caller_state())
         self.last_step = step if self.last_step is None else max(step, self.last_step)
         self._mark(step)
         due = [s for s in self.saves if self.kill_step is not None and s >= self.kill_step]
@@ -236,6 +252,12 @@ class CrashProbe:
             record.update(epoch=epoch, epoch_start=self._epoch is not None and epoch != self._epoch)
             self._epoch = epoch
         self._write(record)
+
+    def _follow(self, state: Mapping[str, Any] | None) -> None:
+        """Follow the epoch of the loader in ``state`` from now on (if it has one)."""
+        loader = _scan(state)[2] if state is not None else None
+        if loader is not None:
+            self._loader, self._epoch = loader, _epoch(loader)
 
     def saved(self, step: int, state: Mapping[str, Any]) -> None:
         self.saves.append(step)

@@ -241,7 +241,7 @@ def test_a_leak_that_shows_only_after_the_first_epoch_is_caught(tmp_path: Any, c
     assert code == 1, out
     assert "identical: no" in out and "(torch) were drawn outside the saved state" in out
     tested = next(line for line in out.splitlines() if line.startswith("resume points tested:"))
-    assert "early" in tested and "mid-epoch 1" in tested and "epoch 2" in tested
+    assert "early" in tested and "(mid-epoch 0)" in tested and "(epoch 1)" in tested
     assert "step 29 (last step" in tested
     restores = [json.loads(line)["step"] for name in sorted(os.listdir(tmp_path / "runs"))
                 if name.endswith(".log") for line in (tmp_path / "runs" / name).read_text()
@@ -272,6 +272,15 @@ def test_generators_nothing_draws_from_do_not_make_runs_differ(
     assert "identical: yes" in out
     assert "not compared: rng/numpy, rng/python (unseeded, and nothing in the runs draws" in out
     assert "drawn outside" not in out
+
+
+def test_epochs_are_counted_and_named_as_the_loader_counts_them(tmp_path: Any, capsys: Any) -> None:
+    # 3 epochs of 6 steps (loader.epoch 0, 1, 2), the first checkpoint at step 8 (epoch 1):
+    # the epochs before the first checkpoint count too, and are named by loader.epoch
+    code, out = _crashtest(tmp_path, capsys, "epochs", "--kill-at", "5", "--kill-at", "11")
+    assert code == 0, out
+    assert "final step 18, 3 saves, 3 epochs (loader.epoch 0 to 2)" in out
+    assert "resume points tested: step 5 (chosen, epoch 0), step 11 (chosen, epoch 1)" in out
 
 
 def test_the_last_step_is_left_to_save_final(tmp_path: Any, caplog: Any) -> None:
@@ -412,13 +421,13 @@ def _timeline(
 
 def test_resume_points_cover_early_mid_epoch_a_later_epoch_and_the_last_step() -> None:
     tl = _timeline(list(range(4, 29, 4)), 30, per_epoch=8)  # epochs: 1-8, 9-16, 17-24, 25-30
-    assert tl.starts == [(0, 1), (1, 9), (2, 17), (3, 25)] and tl.label(17) == "epoch 3"
+    assert tl.starts == [(0, 1), (1, 9), (2, 17), (3, 25)] and tl.label(17) == "epoch 2"
     for seed in range(30):
         points = choose(tl, None, random.Random(seed))
-        assert [p.kind for p in points] == ["early", "mid-epoch 1", "epoch 2", "last step"]
+        assert [p.kind for p in points] == ["early", "mid-epoch 0", "epoch 1", "last step"]
         early, mid, later, last = (p.step for p in points)
         assert early == 4 and 5 <= mid <= 7 and 9 <= later <= 12 and last == 29
-    assert [p.kind for p in choose(tl, 1, random.Random(0))] == ["epoch 2"]
+    assert [p.kind for p in choose(tl, 1, random.Random(0))] == ["epoch 1"]
     more = choose(tl, 6, random.Random(0))
     assert len({p.step for p in more}) == 6 and sum(p.kind == "random" for p in more) == 2
     # the first checkpoint late in the first epoch (a timed policy): both epoch points in the
@@ -426,7 +435,7 @@ def test_resume_points_cover_early_mid_epoch_a_later_epoch_and_the_last_step() -
     tl = _timeline([15], 32, per_epoch=16)
     for seed in range(30):
         points = choose(tl, None, random.Random(seed))
-        assert [p.kind for p in points] == ["early", "epoch 2", "mid-epoch 2", "last step"]
+        assert [p.kind for p in points] == ["early", "epoch 1", "mid-epoch 1", "last step"]
         assert points[0].step == 15 and 17 <= points[1].step < points[2].step <= 31
     # no epochs known: the middle and the last quarter instead
     points = choose(_timeline([4, 8], 40, per_epoch=None), None, random.Random(0))

@@ -397,10 +397,12 @@ def _reference(
             f"the reference run checkpointed first at its last step ({final}): there is no "
             "checkpoint to resume from before the end; checkpoint more often or train longer"
         )
-    epochs = len(Timeline.of(records, final).starts)
+    starts = Timeline.of(records, final).starts
+    epochs = ""
+    if len(starts) > 1:
+        epochs = f", {len(starts)} epochs (loader.epoch {starts[0][0]} to {starts[-1][0]})"
     _say(
-        f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves"
-        + (f", {epochs} epochs" if epochs > 1 else "")
+        f"reference run: exit 0 ({run.secs:.1f} s), final step {final}, {len(saves)} saves" + epochs
     )
     trained = max((r.step for r in records if r.event == "end"), default=final)
     if trained > final:
@@ -431,7 +433,7 @@ def _unseeded_note(ref: list[Record], skip: set[str], used: set[str]) -> list[st
 
 def _tested(tl: Timeline, point: ResumePoint, step: int) -> str:
     epoch = tl.label(step)
-    where = point.kind if not epoch or epoch in point.kind else f"{point.kind}, {epoch}"
+    where = point.kind if not epoch or point.kind.endswith(epoch) else f"{point.kind}, {epoch}"
     return f"step {step} ({where})"
 
 

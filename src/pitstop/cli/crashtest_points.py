@@ -43,7 +43,7 @@ class ResumePoint:
     """A step crashtest makes the run checkpoint and resume from, and why it was chosen."""
 
     step: int
-    kind: str  # "early", "mid-epoch 1", "epoch 2", "last step", "middle", "late", "chosen"
+    kind: str  # "early", "mid-epoch 0", "epoch 1" (loader.epoch), "last step", "middle", ...
 
 
 @dataclass
@@ -85,9 +85,10 @@ class Timeline:
         return self.starts[index][1], last
 
     def label(self, step: int) -> str:
-        """``epoch N`` (counted from 1) of ``step``, or "" when epochs are unknown."""
+        """``epoch N`` of ``step`` (N as the loader counts: ``loader.epoch``), or "" when
+        epochs are unknown."""
         epoch = self.epoch_of(step)
-        return "" if epoch is None or len(self.starts) < 2 else f"epoch {epoch + 1}"
+        return "" if epoch is None or len(self.starts) < 2 else f"epoch {epoch}"
 
 
 def choose(tl: Timeline, count: int | None, rng: random.Random) -> list[ResumePoint]:
@@ -137,13 +138,13 @@ def _epoch_points(tl: Timeline, lo: int, hi: int, rng: random.Random) -> dict[st
         third = (b - a) // 3
         mid = _pick(rng, max(lo + 1, a + 1), min(hi, b - 1), a + third, b - third)
         if mid is not None:
-            out["mid"] = ResumePoint(mid.step, f"mid-epoch {tl.starts[index][0] + 1}")
+            out["mid"] = ResumePoint(mid.step, f"mid-epoch {tl.starts[index][0]}")
             if index == 1:  # the later-epoch point goes before it, in the same epoch
                 later_hi = min(later_hi, mid.step - 1)
             break
     later = _pick(rng, max(lo + 1, first), min(hi, last), first, later_hi)
     if later is not None:
-        out["epoch"] = ResumePoint(later.step, f"epoch {tl.starts[1][0] + 1}")
+        out["epoch"] = ResumePoint(later.step, f"epoch {tl.starts[1][0]}")
     return out
 
 
