@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.handle import SaveHandle
-from pitstop.engine.recovery import RestoreResult, recover
+from pitstop.engine.recovery import RestoreResult
 from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointNotFoundError
@@ -42,16 +42,17 @@ from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
 from pitstop.multilevel.flush import FlushRecord
 from pitstop.multilevel.levels import Local, Shared, check_levels
+from pitstop.multilevel.root import RootLevel
 from pitstop.multilevel.stack import LevelStack
 from pitstop.options import IOOptions, SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
 from pitstop.probe import CrashProbe
 from pitstop.profiler import ProfileStats
 from pitstop.ranks import make_group
+from pitstop.ranks.group import Group
 from pitstop.state.keys import KeyMap
 from pitstop.storage.base import Storage
 from pitstop.storage.local import open_root
-from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["CheckpointManager", "ManagerHooks"]
 
@@ -110,43 +111,17 @@ class CheckpointManager:
                 f"give {', '.join(f'{k}=' for k in legacy)} inside options=SaveOptions(...) "
                 "(IOOptions for the I/O knobs), not beside it"
             )
-        if isinstance(root, (list, tuple)):
-            local, shared, names = check_levels(root)
-            io = options.io if options else IOOptions.from_env(**knobs)
-        else:
-            if root is None:
-                raise ValueError(
-                    "give a root: a directory, a Storage, or a list of levels "
-                    "[pitstop.Local(...), pitstop.Shared(...)]"
-                )
-            if topology is not None:
-                raise ValueError(
-                    "topology= places ranks on nodes for a list of levels; a root has none"
-                )
-            inner, io = open_root(root, options.io if options else None, **knobs)
+        io, open_levels = _levels_of(root, options, knobs, topology, self.retention)
         self.options = SaveOptions.resolve(options, io, **flags)
         self._group = make_group(self.options.dist_timeout_secs)  # collective under torchrun
         self._identity = RunIdentity()
-        self._levels: LevelStack | None = None
-        if isinstance(root, (list, tuple)):
-            self._levels = LevelStack(
-                local, shared, self._group, io, topology=topology,
-                shared_retention=self.retention, names=names,
-            )  # fmt: skip
-            self._storage = self._levels.local_storage
-            self._catalog = self._levels.local_catalog
-            # node leaders apply retention: one run id for all ranks
-            self._identity.run = self._identity.timeline = self._group.broadcast(
-                self._identity.run, "plan"
-            )
-            self._levels.identity = self._identity
-        else:
-            self._storage = RetryingStorage(inner)  # type: ignore[assignment]
-            self._catalog = Catalog(self._storage)
-        nodes = self._levels.node_commit() if self._levels is not None else None
+        self._levels = open_levels(self._group)  # collective with a list of levels
+        self._levels.bind(self._identity)
+        self._storage, self._catalog = self._levels.storage, self._levels.catalog
         self._saver = Saver(
-            self._storage, self.options, on_commit=self._retain, group=self._group, nodes=nodes
-        )
+            self._storage, self.options, on_commit=self._retain, group=self._group,
+            nodes=self._levels.node_commit(),
+        )  # fmt: skip
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
         self.hooks = ManagerHooks(self)
         self.last_restore: RestoreResult | None = None
@@ -179,7 +154,7 @@ class CheckpointManager:
     def flush_records(self) -> list[FlushRecord]:
         """With shared levels: the outcome of each recent flush (``ok``/``error``; ``level``
         names the level), oldest first; empty otherwise."""
-        return self._levels.flush_records() if self._levels is not None else []
+        return self._levels.flush_records()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._storage.url!r}, retention={self.retention!r})"
@@ -247,7 +222,7 @@ class CheckpointManager:
         unless it is there already, and wait. Collective. Its FlushRecord (``ok``/``error``);
         None if there was nothing to flush. ``close()`` does this itself."""
         self._saver.wait_all()
-        return self._levels.flush() if self._levels is not None else None
+        return self._levels.flush()
 
     def close(self, *, flush: bool = True) -> None:
         """Wait for saves in flight, flush the newest checkpoint to the shared level if it is
@@ -259,16 +234,13 @@ class CheckpointManager:
         self._loop.restore_signals()
         try:
             self._saver.close()
-            if flush and self._levels is not None:
+            if flush:
                 record = self._levels.flush()
                 if record is not None and not record.ok:
                     _log.warning("the newest checkpoint stays on the local level only",
                                  phase="flush")  # fmt: skip
         finally:
-            if self._levels is not None:
-                self._levels.close()
-            else:
-                self._catalog.close()
+            self._levels.close()
             self._group.close()
 
     @property
@@ -451,29 +423,19 @@ class CheckpointManager:
         rollback: bool,
         fetch: bool = True,
     ) -> RestoreResult:
-        """One level: ``recover``. Several: ``LevelStack.recover``, the newest step any level
-        can deliver (the local level's, rebuilt from redundancy where a node lost it, first
-        for a step both hold); ``fetch``: a step the shared level served is copied into the
-        local level."""
-        if self._levels is None:
-            return recover(
-                self._catalog, lambda e: load(self._storage, e), step=step, rollback=rollback,
-                group=self._group,
-            )  # fmt: skip
+        """The newest step any level can deliver (one root: its ``recover``; a list of
+        levels: ``LevelStack.recover``, the local level's step, rebuilt from redundancy where
+        a node lost it, first for a step several levels hold); ``fetch``: a step a shared
+        level served is copied into the local level."""
         return self._levels.recover(load, step, rollback=rollback, fetch=fetch)
 
     # ------------------------------------------------------------------ retention and gc
     def _retain(self, newest: int) -> None:
-        """Persist thread, after ``newest`` committed: apply the retention policy to this run
-        (the retired ones stop being checkpoints now; their files are deleted in the background).
-        Several levels: the local level's own retention and the flush (``LevelStack``)."""
+        """Persist thread, after ``newest`` committed: the levels' retention (the retired
+        stop being checkpoints now; their files are deleted in the background) and, with
+        shared levels, the flushes their schedules ask for."""
         self._committed = True
-        if self._levels is not None:
-            self._levels.committed(newest)
-            return
-        if self.retention is not None and self._group.coordinator:
-            retired = self._catalog.retire(self.retention, newest=newest, identity=self._identity)
-            self._catalog.purge_later(retired)
+        self._levels.committed(newest)
 
     def gc(
         self, *, abandoned: bool = False, damaged: bool = False, dry_run: bool = False
@@ -486,6 +448,32 @@ class CheckpointManager:
             abandoned=abandoned, damaged=damaged, busy=self._saver.busy_directories, dry_run=dry_run
         )
         return [e.name for e, what in done if what in ("removed", "would remove")]
+
+
+def _levels_of(
+    root: Any,
+    options: SaveOptions | None,
+    knobs: dict[str, Any],
+    topology: Mapping[int, str] | Sequence[str] | None,
+    retention: RetentionPolicy | None,
+) -> tuple[IOOptions, Callable[[Group], LevelStack | RootLevel]]:
+    """The I/O options of ``root`` and how to open its levels once the group exists: a list
+    of levels (:class:`LevelStack`), or one root (:class:`RootLevel`, a list of one)."""
+    if isinstance(root, (list, tuple)):
+        local, shared, names = check_levels(root)
+        io = options.io if options else IOOptions.from_env(**knobs)
+        return io, lambda group: LevelStack(
+            local, shared, group, io, topology=topology, shared_retention=retention, names=names
+        )
+    if root is None:
+        raise ValueError(
+            "give a root: a directory, a Storage, or a list of levels "
+            "[pitstop.Local(...), pitstop.Shared(...)]"
+        )
+    if topology is not None:
+        raise ValueError("topology= places ranks on nodes for a list of levels; a root has none")
+    inner, io = open_root(root, options.io if options else None, **knobs)
+    return io, lambda group: RootLevel(inner, group, retention)
 
 
 def _deprecated(name: str) -> None:
@@ -536,8 +524,10 @@ class ManagerHooks:
       streams included (``restore`` calls it; an integration that loads with ``load`` and
       puts the state back later calls it once it has).
     * ``storage``, ``catalog``, ``identity``, ``levels``, ``group``: the root's storage, its
-      catalog (statuses, pins, marks), the run's identity (run id, timeline), the level stack
-      (None for one root) and pitstop's side group of the ranks (a null one in one process).
+      catalog (statuses, pins, marks), the run's identity (run id, timeline), the levels
+      (:class:`~pitstop.multilevel.stack.LevelStack` for a list,
+      :class:`~pitstop.multilevel.root.RootLevel` for one root: ``flushers`` is empty) and
+      pitstop's side group of the ranks (a null one in one process).
     """
 
     def __init__(self, manager: CheckpointManager) -> None:
@@ -562,7 +552,7 @@ class ManagerHooks:
         return self._m._identity
 
     @property
-    def levels(self) -> LevelStack | None:
+    def levels(self) -> LevelStack | RootLevel:
         return self._m._levels
 
     @property

@@ -54,7 +54,7 @@ def test_internals_are_private_and_reached_through_hooks(root: str) -> None:
         ckpt.save(1, _state())
         assert isinstance(ckpt.hooks, ManagerHooks)
         assert ckpt.hooks.catalog.committed()[0].step == 1
-        assert ckpt.hooks.storage.url == ckpt.url and ckpt.hooks.levels is None
+        assert ckpt.hooks.storage.url == ckpt.url and ckpt.hooks.levels.flushers == []
         public = {n for n in vars(ckpt) if not n.startswith("_")}
         assert public == {"retention", "options", "hooks", "last_restore"}  # main: 9
         with pytest.warns(DeprecationWarning, match="ckpt.hooks.catalog"):

@@ -142,6 +142,21 @@ class LevelStack(Restarts):
                     phase="plan",
                 )  # fmt: skip
 
+    @property
+    def storage(self) -> Storage:
+        """Where saves commit: this node's directory of the local level."""
+        return self.local_storage
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.local_catalog
+
+    def bind(self, identity: RunIdentity) -> None:
+        """Collective: the run's identity, one run id for every rank (the node leaders and
+        rank 0 apply retention to it)."""
+        identity.run = identity.timeline = self.group.broadcast(identity.run, "plan")
+        self.identity = identity
+
     # ------------------------------------------------------------------ save
     def node_commit(self) -> NodeCommit:
         return NodeCommit(self.placement.leaders, self._replicate, self._decide, self._decided)
