@@ -36,14 +36,13 @@ from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.jsonsafe import load_json
 from pitstop.format.manifest import Manifest, manifest_digest
 from pitstop.format.names import LEVELS_FILE, parse_step_dir, step_dir_name
-from pitstop.multilevel.levels import SCHEMES
+from pitstop.multilevel.levels import SCHEMES, SERVING, manifest_order
 
 __all__ = [
     "Levels", "levels_root", "ls_levels", "node_note", "read_levels", "refuse_node_dir",
 ]  # fmt: skip
 
 _SHOWN = 8  # node names shown on one line before "+N more"
-_HELD = ("committed", "damaged")  # a node's step that may serve: as Restarts._survey
 
 
 @dataclass(frozen=True)
@@ -302,11 +301,10 @@ def _steps(lv: Levels, scans: _Scans) -> dict[int, _Step]:
     out = {}
     for s, here in sorted(by.items()):
         manifests = {
-            n: e.manifest for n, e in here.items() if e.status in _HELD and e.manifest is not None
+            n: e.manifest for n, e in here.items() if e.status in SERVING and e.manifest is not None
         }
         held = {n: manifest_digest(manifests[n]) for n in lv.order if n in manifests}
-        votes = list(held.values())
-        order = sorted(dict.fromkeys(votes), key=lambda d: -votes.count(d))  # stable: first node
+        order = manifest_order(list(held.values()))  # as the restart tries them
         first = {d: next(n for n in held if held[n] == d) for d in order}
         out[s] = _Step(s, here, held, {d: manifests[first[d]] for d in order})
     return out

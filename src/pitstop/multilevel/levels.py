@@ -32,7 +32,10 @@ from pitstop.options import env_node
 from pitstop.policy.base import CheckpointPolicy
 from pitstop.policy.fixed import EveryN
 
-__all__ = ["DEFAULT_EVERY", "SCHEMES", "Local", "Placement", "Shared", "check_levels", "node_ids"]
+__all__ = [
+    "DEFAULT_EVERY", "SCHEMES", "SERVING", "Local", "Placement", "Shared", "check_levels",
+    "manifest_order", "node_ids",
+]  # fmt: skip
 
 SCHEMES = ("single", "partner", "xor")
 DEFAULT_EVERY = 10  # Shared(): every 10th local commit unless told otherwise
@@ -148,6 +151,22 @@ def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared], list[str]]
     if "local" in names or len(set(names)) != len(names):
         raise ValueError(f"the levels of a list need distinct names other than 'local': {names}")
     return levels[0], shared, names
+
+
+SERVING = (
+    "committed",
+    "damaged",
+)  # a node's step that may serve a restart (damaged: verified anew)
+
+
+def manifest_order(digests: Sequence[str]) -> list[str]:
+    """The order in which a restart tries the manifests of one node-local step, given the
+    digest of the manifest each node holds, in node order ("" where it holds none): the
+    manifest the most nodes hold first, ties to the first node's. Restart
+    (:mod:`pitstop.multilevel.restart`) and ``pitstop ls``/``verify`` ask this one
+    function."""
+    held = [d for d in digests if d]
+    return sorted(dict.fromkeys(held), key=lambda d: -held.count(d))  # stable: first node
 
 
 def node_ids(

@@ -47,7 +47,7 @@ from pitstop.format.manifest import Manifest, manifest_digest
 from pitstop.format.names import step_dir_name
 from pitstop.log import get_logger
 from pitstop.multilevel.flush import FlushTarget
-from pitstop.multilevel.levels import Placement
+from pitstop.multilevel.levels import SERVING, Placement, manifest_order
 from pitstop.multilevel.redundancy import (
     Member,
     protect,
@@ -204,7 +204,7 @@ class Restarts:
             )  # fmt: skip
 
         views = [
-            {b[0]: (b[2], b[1] != "committed") for b in w[0] if b[1] in _CANDIDATE and not left(b)}
+            {b[0]: (b[2], b[1] != "committed") for b in w[0] if b[1] in SERVING and not left(b)}
             for w in words
         ]
         held = [
@@ -261,10 +261,7 @@ class Restarts:
         (ties: the lowest rank's) that this job can use; the reason when it cannot be."""
         leaders = sorted(set(self.placement.leaders))
         digests = {n: views[n].get(s, ("", False))[0] for n in leaders}
-        held = [d for d in digests.values() if d]
-        order = sorted(
-            set(held), key=lambda d: (-held.count(d), min(n for n in leaders if digests[n] == d))
-        )
+        order = manifest_order(list(digests.values()))
         reasons = []
         for digest in order:
             src = min(n for n in leaders if digests[n] == digest)
@@ -463,7 +460,7 @@ def _brief(entries: list[Entry]) -> list[tuple[Any, ...]]:
     all-gather: (step, status, manifest digest or "", run, timeline, rollback mark)."""
     out = []
     for e in entries:
-        if e.is_step_dir and e.step is not None and e.status in _HELD:
+        if e.is_step_dir and e.step is not None and e.status in _WITH_MANIFEST:
             lineage = e.manifest.lineage if e.manifest is not None else None
             digest = manifest_digest(e.manifest) if e.manifest is not None else ""
             run, timeline = (lineage.run, lineage.timeline) if lineage else (None, None)
@@ -472,8 +469,7 @@ def _brief(entries: list[Entry]) -> list[tuple[Any, ...]]:
     return out
 
 
-_CANDIDATE = ("committed", "damaged")  # a node's step that may serve (damaged: verified anew)
-_HELD = (*_CANDIDATE, "abandoned")  # a step directory with a manifest
+_WITH_MANIFEST = (*SERVING, "abandoned")  # a step directory with a manifest
 
 
 def _unusable(raw: bytes | None, s: int, digest: str, world_size: int) -> Manifest | str:
@@ -503,7 +499,7 @@ def _roll_back(catalog: Catalog, s: int) -> list[str]:
         return catalog.start_timeline(here, entries, set())
     out = []
     for e in entries:
-        if e.is_step_dir and e.step is not None and e.step > s and e.status in _HELD:
+        if e.is_step_dir and e.step is not None and e.step > s and e.status in _WITH_MANIFEST:
             name = catalog.set_aside(e, "damaged" if e.status == "damaged" else "abandoned")
             if name is not None:
                 out.append(name)
