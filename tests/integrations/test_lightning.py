@@ -219,6 +219,52 @@ def test_a_validation_loader_drawing_from_the_global_generator_breaks_it(
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
+MONITORED = """
+import argparse, os, sys, warnings
+sys.path.insert(0, EXAMPLES)
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_mnist import LitMNIST
+from pitstop.integrations.lightning import PitstopCallback, PitstopCheckpointIO
+p = argparse.ArgumentParser(); p.add_argument("--dir")
+a = p.parse_args()
+warnings.filterwarnings("ignore", ".*(does not have many workers|LeafSpec|shuffling).*")
+torch.set_num_threads(1)
+L.seed_everything(1, verbose=False)
+io = PitstopCheckpointIO(a.dir)
+trainer = L.Trainer(max_steps=40, val_check_interval=10, check_val_every_n_epoch=None,
+    accelerator="cpu", devices=1, deterministic=True, logger=False, enable_progress_bar=False,
+    enable_model_summary=False, num_sanity_val_steps=0, plugins=[io],
+    callbacks=[PitstopCallback(), ModelCheckpoint(dirpath=a.dir, monitor="val_loss",
+               every_n_train_steps=10, save_top_k=1, save_last=True)])
+trainer.fit(LitMNIST(1, 64, False), ckpt_path="last")
+if io.manager.latest_step() != trainer.global_step:
+    trainer.save_checkpoint(os.path.join(a.dir, "final.ckpt"))
+io.close()
+"""
+
+
+@pytest.mark.fault
+def test_crashtest_with_a_monitoring_model_checkpoint_says_what_it_did_not_test(
+    tmp_path: Any, capsys: Any
+) -> None:
+    # ModelCheckpoint(monitor=...) keeps the score of its newest check (current_score), which
+    # Lightning does not restore; and it saves every 10 steps by itself: crashtest cannot make
+    # it save at the points after step 30, and says so
+    script = tmp_path / "train.py"
+    script.write_text(MONITORED.replace("EXAMPLES", repr(os.path.dirname(EXAMPLE))))
+    cmd = [sys.executable, str(script), "--dir", "{dir}"]
+    pitstop_main(["crashtest", "--seed", "0", "--workdir", str(tmp_path / "runs"), "--", *cmd])
+    out = capsys.readouterr().out
+    assert "resume points tested: step 10 (early), step 30 (middle)" in out
+    untested = "resume points not tested: step 37 (late), step 39 (last step): the run saved no "
+    assert untested + "checkpoint from step 37 to its final one" in out, out
+    assert "ModelCheckpoint" in out  # the reason names who decides
+    listed = out.split("identical:")[0].split("differs, not counted:")[-1]
+    assert "/current_score" not in "\n".join(listed.splitlines()[1:]), out
+
+
 def test_a_final_save_to_another_path_is_not_taken_for_a_kill(tmp_path: Any, caplog: Any) -> None:
     root = str(tmp_path / "run")
     last, final = os.path.join(root, "last.ckpt"), os.path.join(root, "final.ckpt")

@@ -13,9 +13,12 @@ CMD takes its checkpoint directory on its command line as ``{dir}``. crashtest r
 3. again in that directory, without a kill step, until it exits 0 (it resumes);
 
 then compares the newest committed checkpoints of the two directories tensor by tensor and
-value by value. It prints the resume points it tested and ``identical: yes`` (exit 0), or the
-first differences with their largest absolute difference and the causes it can see in the
-runs' logs (exit 1). A run that fails on its own, or a first kill that never comes, is exit 2.
+value by value. It prints the resume points it tested (and those it could not, with why: a
+script whose saves are its own, such as Lightning's ModelCheckpoint, may save nothing after a
+point) and ``identical: yes`` (exit 0), or the first differences with their largest absolute
+difference and the causes it can see in the runs' logs (exit 1). Values a framework saves but
+does not restore (``crashtest_causes.NOT_RESTORED``) are not counted, and said. A run that
+fails on its own, or a first kill that never comes, is exit 2.
 
 Causes are found from ``PITSTOP_CRASHTEST_LOG`` (see :mod:`pitstop.probe`): at every step and
 save each process logs a digest of the global random generators. The generators at a step of
@@ -46,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pitstop.cli.crashtest_causes import (
@@ -54,11 +57,13 @@ from pitstop.cli.crashtest_causes import (
     diagnose,
     drawn,
     final_sites,
+    not_compared,
+    not_restored,
     read_log,
     state_causes,
     unseeded,
 )
-from pitstop.cli.crashtest_points import ResumePoint, Timeline, choose, given
+from pitstop.cli.crashtest_points import NO_SAVE, ResumePoint, Timeline, choose, given, grouped
 
 if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
@@ -154,11 +159,13 @@ def _say(text: str) -> None:
 @dataclass
 class _Chain:
     """The runs in the crashed directory: their logs, the points each resume tested (the
-    point, the step the next run restored), pitstop's warnings in their output."""
+    point, the step the next run restored), the points not tested (and why), pitstop's
+    warnings in their output."""
 
     logs: list[str]
     tested: list[tuple[ResumePoint, int]]
     warnings: dict[str, None]
+    untested: list[tuple[ResumePoint, str]] = field(default_factory=list)
 
 
 def _crash_runs(
@@ -171,11 +178,12 @@ def _crash_runs(
     checkpoint at or after its point before the end) is the one that finishes."""
     chain = _Chain([], [], {})
     killed: ResumePoint | None = None
-    for point in points:
+    for n, point in enumerate(points):
         have = _committed_steps(crash_dir)
         kill = point.step if not have else max(point.step, have[-1] + 1)
         if kill >= final:
             _say(f"{point.kind} (step {point.step}): no step left before the last: not tested")
+            chain.untested.append((point, f"the killed run's checkpoint is of step {have[-1]}"))
             continue
         log = os.path.join(runner.workdir, f"crashed-{len(chain.logs) + 1}.log")
         chain.logs.append(log)
@@ -191,6 +199,8 @@ def _crash_runs(
                 f"crashed run {len(chain.logs)}{resumed}: no checkpoint at or after step {kill} "
                 f"before the end: it ran to the end ({run.secs:.1f} s)"
             )
+            why = f"the run saved no checkpoint from step {kill} to its final one{NO_SAVE}"
+            chain.untested += [(p, why) for p in points[n:]]
             return chain
         killed = point
         _say(
@@ -354,7 +364,10 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     crash_records = [r for i, log in enumerate(chain.logs) for r in read_log(log, f"run{i}")]
     used = drawn(ref_records + crash_records)
     skip = unseeded(ref_records, read_log(chain.logs[0], "run0"), used)
-    ignore = list(args.ignore or ()) + _unseeded_note(ref_records, skip, used)
+    names, note = not_compared(ref_records, skip, used)
+    if note:
+        _say(note)
+    ignore = list(args.ignore or ()) + names
     from pitstop.cli.compare import compare  # torch: only once the runs are done
 
     (step_a, a, ranks), (step_b, b, _) = (
@@ -365,8 +378,12 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
         _say(f"{ranks} ranks saved the newest step: each rank's own values are compared")
     for line in {**warned, **chain.warnings}:
         _say(f"pitstop warned in a run: {line}")
-    _say("resume points tested: " + ", ".join(_tested(tl, p, step) for p, step in chain.tested))
-    diffs = compare(a, b, ignore=ignore)
+    _say("resume points tested: " + ", ".join(tl.describe(p, step) for p, step in chain.tested))
+    for why, group in grouped(chain.untested).items():
+        _say(f"resume points not tested: {', '.join(group)}: {why}")
+    diffs, dropped = not_restored(compare(a, b, ignore=ignore))
+    for key, why in dropped:
+        _say(f"differs, not counted: {key} ({why})")
     site = final_sites(ref_records, crash_records, step_b) if step_a == step_b else None
     causes = (
         ([site] if site else [])
@@ -412,29 +429,6 @@ def _reference(
             "ckpt.save_final(step, state))"
         )
     return records, final, _warnings(run.output)
-
-
-def _unseeded_note(ref: list[Record], skip: set[str], used: set[str]) -> list[str]:
-    """The keys of generators the script does not seed (not compared), said once."""
-    rng_keys = sorted({k for r in ref for k in r.data.get("rng_keys", [])})
-    gens = sorted(skip - {"torch"})
-    names = [f"{k}/{g}" for k in rng_keys for g in gens]
-    if not names:
-        return []
-    drawn_from = [g for g in gens if g in used]
-    why = (
-        f"unseeded, and the script draws from {' and '.join(drawn_from)}"
-        if drawn_from
-        else "unseeded, and nothing in the runs draws from them"
-    )
-    _say(f"not compared: {', '.join(names)} ({why}: they differ between any two runs)")
-    return names + [f"rank*/{n}" for n in names]  # the per-rank states of a job
-
-
-def _tested(tl: Timeline, point: ResumePoint, step: int) -> str:
-    epoch = tl.label(step)
-    where = point.kind if not epoch or point.kind.endswith(epoch) else f"{point.kind}, {epoch}"
-    return f"step {step} ({where})"
 
 
 def _report(

@@ -18,6 +18,7 @@ Call sequence (the CLI's thread, after the runs): ``read_log`` per log file ->
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from dataclasses import dataclass, field
@@ -26,7 +27,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
 
-__all__ = ["Record", "diagnose", "drawn", "final_sites", "read_log", "state_causes", "unseeded"]
+__all__ = [
+    "Record", "diagnose", "drawn", "final_sites", "not_compared", "not_restored", "read_log",
+    "state_causes", "unseeded",
+]  # fmt: skip
 
 
 @dataclass
@@ -81,6 +85,24 @@ def unseeded(ref: list[Record], fresh: list[Record], used: set[str] | None = Non
             if a[k] != b[k]:
                 out.add(k)
     return out
+
+
+def not_compared(ref: list[Record], skip: set[str], used: set[str]) -> tuple[list[str], str]:
+    """The key paths of the generators the script does not seed (``skip``): they are not
+    compared; and the note that says so ("" if none)."""
+    rng_keys = sorted({k for r in ref for k in r.data.get("rng_keys", [])})
+    gens = sorted(skip - {"torch"})
+    names = [f"{k}/{g}" for k in rng_keys for g in gens]
+    if not names:
+        return [], ""
+    drawn_from = [g for g in gens if g in used]
+    why = (
+        f"unseeded, and the script draws from {' and '.join(drawn_from)}"
+        if drawn_from
+        else "unseeded, and nothing in the runs draws from them"
+    )
+    note = f"not compared: {', '.join(names)} ({why}: they differ between any two runs)"
+    return names + [f"rank*/{n}" for n in names], note  # and the per-rank states of a job
 
 
 _SEED = {"python": "random.seed", "numpy": "numpy.random.seed"}
@@ -216,6 +238,31 @@ def state_causes(diffs: list[Difference], *, position: bool = True) -> list[str]
             f"the data position differs ({where[0]}): the runs consumed different batches"
         )
     return causes
+
+
+# Values a framework saves in its checkpoints but does not put back on a resume: not
+# training state (a resumed run cannot carry them over, and nothing in training reads them
+# back), so a difference in them is no failure to resume. Each entry: a glob over key paths,
+# and why. Lightning: ModelCheckpoint.load_state_dict restores best_model_score, kth_value,
+# best_k_models, kth_best_model_path, last_model_path, best_model_path, never current_score
+# (the score of its newest check, None until a check after the resume).
+NOT_RESTORED = (
+    ("callbacks/ModelCheckpoint*/current_score",
+     "Lightning's ModelCheckpoint does not restore it on a resume: the score of its newest "
+     "check, not training state"),
+)  # fmt: skip
+
+
+def not_restored(diffs: list[Difference]) -> tuple[list[Difference], list[tuple[str, str]]]:
+    """The differences but those in :data:`NOT_RESTORED`, and those (key, why)."""
+    kept, dropped = [], []
+    for d in diffs:
+        why = next((w for glob, w in NOT_RESTORED if fnmatch.fnmatchcase(d.key, glob)), None)
+        if why is None:
+            kept.append(d)
+        else:
+            dropped.append((d.key, why))
+    return kept, dropped
 
 
 def _seeded(data: dict[str, Any], skip: set[str]) -> dict[str, Any]:

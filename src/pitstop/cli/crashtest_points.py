@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pitstop.cli.crashtest_causes import Record
 
-__all__ = ["ResumePoint", "Timeline", "choose", "given"]
+__all__ = ["NO_SAVE", "ResumePoint", "Timeline", "choose", "given", "grouped"]
 
 _PRIORITY = ("epoch", "early", "last", "mid")  # kept first when fewer points are asked for
 
@@ -89,6 +89,27 @@ class Timeline:
         epochs are unknown."""
         epoch = self.epoch_of(step)
         return "" if epoch is None or len(self.starts) < 2 else f"epoch {epoch}"
+
+    def describe(self, point: ResumePoint, step: int) -> str:
+        """``step N (kind, epoch E)``: a point tested, resumed from ``step``."""
+        epoch = self.label(step)
+        where = point.kind if not epoch or point.kind.endswith(epoch) else f"{point.kind}, {epoch}"
+        return f"step {step} ({where})"
+
+
+NO_SAVE = (  # why a run that saved nothing at or after a point leaves it untested
+    ": crashtest makes a run checkpoint at its resume point only through ckpt.step()'s "
+    "policy; saves decided otherwise (the script's own save(), Lightning's ModelCheckpoint) "
+    "are the script's"
+)
+
+
+def grouped(untested: list[tuple[ResumePoint, str]]) -> dict[str, list[str]]:
+    """The points not tested, by reason (each reason said once)."""
+    out: dict[str, list[str]] = {}
+    for point, why in untested:
+        out.setdefault(why, []).append(f"step {point.step} ({point.kind})")
+    return out
 
 
 def choose(tl: Timeline, count: int | None, rng: random.Random) -> list[ResumePoint]:
