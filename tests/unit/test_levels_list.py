@@ -141,3 +141,32 @@ def test_ls_of_the_local_level_names_every_level_after_the_first_shared_one(
     assert main(["ls", str(tmp_path / "far")]) == 0
     out = capsys.readouterr().out
     assert f"shared level: {tmp_path / 'far'}\n" in out and "committed" in out
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run1", "gs://bucket/run", "az://c/run"])
+def test_an_object_store_url_is_refused_not_made_a_local_directory(
+    tmp_path: Any, monkeypatch: Any, capsys: Any, url: str
+) -> None:
+    from pitstop.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    scheme = url.split(":")[0]
+    with pytest.raises(pitstop.UnsupportedSetupError, match=f"{scheme}:// is not a directory"):
+        pitstop.CheckpointManager(url)
+    with pytest.raises(pitstop.UnsupportedSetupError, match="object storage is not supported"):
+        pitstop.CheckpointManager([pitstop.Local(tmp_path / "l" / "{node}"), pitstop.Shared(url)])
+    with pytest.raises(pitstop.UnsupportedSetupError, match=f"{scheme}://"):
+        pitstop.CheckpointManager([pitstop.Local(f"{url}/{{node}}")])
+    with pytest.raises(pitstop.UnsupportedSetupError):
+        pitstop.save(url, {"w": torch.zeros(2)})
+    assert main(["ls", url]) == 2
+    assert f"{scheme}:// is not a directory" in capsys.readouterr().err
+    assert os.listdir(tmp_path) in ([], ["l"])  # no directory named 's3:' anywhere
+    assert not os.path.exists(tmp_path / "l")
+
+
+def test_a_file_url_is_the_directory_it_names(tmp_path: Any) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pitstop.CheckpointManager(f"file://{tmp_path / 'ck'}") as ckpt:
+        ckpt.save(1, {"model": model})
+    assert _steps(tmp_path / "ck") == [1]

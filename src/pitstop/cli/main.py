@@ -29,9 +29,10 @@ from pitstop.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
+    UnsupportedSetupError,
 )
 from pitstop.format.names import LEVELS_FILE, MANIFEST, parse_aside_dir, parse_step_dir
-from pitstop.storage.local import LocalStorage
+from pitstop.storage.local import LocalStorage, local_path
 from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["EXIT_FALLBACK", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
@@ -70,6 +71,10 @@ def _human(n: float) -> str:
 
 def _open_root(path: str) -> tuple[Catalog, str | None]:
     """The catalog of a root and, when ``path`` is itself a checkpoint directory, its name."""
+    try:
+        path = local_path(path)
+    except UnsupportedSetupError as e:
+        raise _UsageError(e.message) from None
     norm = os.path.normpath(path)
     if os.path.lexists(os.path.join(path, MANIFEST)) and parse_step_dir(os.path.basename(norm)):
         return catalog_of(os.path.dirname(norm) or "."), os.path.basename(norm)

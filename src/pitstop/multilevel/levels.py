@@ -31,6 +31,7 @@ from pitstop.errors import UnsupportedSetupError
 from pitstop.options import env_node
 from pitstop.policy.base import CheckpointPolicy
 from pitstop.policy.fixed import EveryN
+from pitstop.storage.local import refuse_url
 
 __all__ = [
     "DEFAULT_EVERY", "SCHEMES", "SERVING", "Local", "Placement", "Shared", "check_levels",
@@ -129,6 +130,9 @@ def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared], list[str]]
     (``CheckpointManager([...])``): one :class:`Local` first, then any number of
     :class:`Shared` levels, fastest first; no directory twice, no name twice."""
     levels = list(levels)
+    for lv in levels:  # an object-store URL is no directory: refused before any is made
+        if isinstance(lv, (Local, Shared)):
+            refuse_url(lv.path)
     if not levels or not isinstance(levels[0], Local):
         raise ValueError(
             "a list of levels starts with one pitstop.Local(...) (every save goes there first), "

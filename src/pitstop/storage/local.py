@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -36,6 +37,7 @@ from pitstop.errors import (
     CorruptCheckpointError,
     FormatVersionError,
     UnsafePathError,
+    UnsupportedSetupError,
 )
 from pitstop.faults import killpoint
 from pitstop.format.jsonsafe import load_json
@@ -69,7 +71,33 @@ from pitstop.io.locks import DirLock, try_lock
 from pitstop.io.parallel import Extent, FileReader, IOResult, write_file
 from pitstop.options import IOOptions
 
-__all__ = ["LocalStorage", "RamStorage", "open_root"]
+__all__ = ["LocalStorage", "RamStorage", "local_path", "open_root", "refuse_url"]
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def refuse_url(root: str | os.PathLike[str]) -> None:
+    """A root that is a URL (``s3://bucket/run``, ``gs://...``) is not a directory: refused
+    with an error that says so, never created as a directory named ``s3:`` in the working
+    directory (a job that believed its checkpoints were in a bucket would lose them with
+    the node). ``file://`` is not refused by this check: the caller strips it."""
+    match = _URL.match(os.fspath(root)) if isinstance(root, (str, os.PathLike)) else None
+    if match is not None and match.group(1).lower() != "file":
+        raise UnsupportedSetupError(
+            f"{os.fspath(root)}: {match.group(1)}:// is not a directory, and this version of "
+            "pitstop writes checkpoints to directories only (local, /dev/shm or a shared file "
+            "system): object storage is not supported yet. Give a directory, or copy the "
+            "checkpoints of a directory to the bucket with your own tools",
+            path=os.fspath(root), phase="plan",
+        )  # fmt: skip
+
+
+def local_path(root: str | os.PathLike[str]) -> str:
+    """``root`` as a directory path: a URL refused (:func:`refuse_url`), ``file://`` removed."""
+    refuse_url(root)
+    path = os.fspath(root)
+    return path[len("file://") :] if path.lower().startswith("file://") else path
 
 
 def _io_error(e: OSError, what: str, path: str, phase: str) -> CheckpointIOError:
@@ -82,7 +110,7 @@ class LocalStorage:
     """A root directory; each checkpoint is a subdirectory. See :class:`Storage`."""
 
     def __init__(self, root: str | os.PathLike[str], io: IOOptions | None = None) -> None:
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(local_path(root))
         self.url = self.root
         self.io = io if io is not None else IOOptions.from_env()
         self._writing: dict[str, DirLock] = {}
