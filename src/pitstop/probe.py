@@ -15,11 +15,14 @@ the :class:`CheckpointManager` of each run:
   exit). All but the kill carry a digest of every global random generator at that moment
   (steps: torch's and CUDA's, which are cheap); steps also the epoch of the data loader in
   the state (and whether it began with the step), from the first step when it was reached
-  by ``ckpt.step(step, state)``, else from the first save; saves also whether the state holds an ``RNGState``, the loaders in the state that
-  draw from the global generator, the settings that make kernels non-deterministic, the
-  epoch, and where in the script the save was made. crashtest reads these lines to choose resume points and to
-  name the cause when the runs end differently (the generators' states at the same step of
-  two runs agree exactly when nothing outside the state drew from them).
+  by ``ckpt.step(step, state)``, else from the first save; saves also whether the state
+  holds an ``RNGState``, the loaders in the state that draw from the global generator, the
+  settings that make kernels non-deterministic, the epoch, and where the save was made: the
+  line, and the chain of callers from it outwards (a framework's saves all reach pitstop
+  from one line of its own; the chain tells its callbacks' hooks apart).
+  crashtest reads these lines to choose resume points and to name the cause when the runs
+  end differently (the generators' states at the same step of two runs agree exactly when
+  nothing outside the state drew from them).
 
 Call sequence (training thread): ``CrashProbe.from_env(newest)`` once in the manager's
 constructor (None when crashtest is not running it; ``newest()`` is the newest committed
@@ -57,6 +60,7 @@ _log = get_logger("pitstop")
 _MAX_DEPTH = 4  # how deep the state is searched for loaders and RNGState
 _COMMIT_WAIT_SECS = 120.0  # how long the kill waits for the resume point's commit
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STACK_FRAMES = 40  # callers of a save recorded, at most (Lightning's: about 20 to the script)
 
 
 def _digest(data: bytes) -> str:
@@ -122,15 +126,25 @@ def _epoch(loader: Any) -> int | None:
 
 def _site() -> dict[str, Any]:
     """Where the save being made was asked for: the pitstop call the script made (``step``
-    for the policy, ``save``, ``save_final``, an integration's hook) and the line of the
-    script (or library) that made it."""
+    for the policy, ``save``, ``save_final``, an integration's hook), the line of the script
+    (or library) that made it, and the chain of callers from that line outwards (``stack``:
+    ``[file, line, function]``, at most :data:`_STACK_FRAMES`). A framework writes every
+    checkpoint from one line of its own (a Lightning callback's saves all reach pitstop from
+    its strategy's ``save_checkpoint``): the chain tells its saves from two points of its
+    loop apart, and a script's helper that saves from the places that call it."""
     frame = sys._getframe(1)
     via = None
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         via, frame = frame.f_code.co_name, frame.f_back  # type: ignore[assignment]
     if frame is None:
         return {"via": via}
-    return {"via": via, "site": f"{frame.f_code.co_filename}:{frame.f_lineno}"}
+    site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    stack: list[list[Any]] = []
+    while frame is not None and len(stack) < _STACK_FRAMES:
+        code = frame.f_code
+        stack.append([code.co_filename, frame.f_lineno, getattr(code, "co_qualname", code.co_name)])
+        frame = frame.f_back  # type: ignore[assignment]
+    return {"via": via, "site": site, "stack": stack}
 
 
 def _caller_state() -> Mapping[str, Any] | None:

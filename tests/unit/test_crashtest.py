@@ -21,7 +21,7 @@ import torch
 
 import pitstop
 from pitstop.cli.compare import compare
-from pitstop.cli.crashtest_causes import Record
+from pitstop.cli.crashtest_causes import Record, diagnose, final_sites, read_log
 from pitstop.cli.crashtest_points import ResumePoint, Timeline, choose
 from pitstop.cli.main import main
 
@@ -232,6 +232,91 @@ def test_a_final_checkpoint_taken_at_another_place_is_named(tmp_path: Any, capsy
     assert "last=True" in out and "save_final" in out
     # not the causes that the different places explain
     assert "the data position differs" not in out and "drawn outside" not in out
+
+
+LIBRARY = textwrap.dedent(
+    """
+    def save_checkpoint(probe, step, state):  # the library's checkpoint-writing layer
+        probe.saved(step, state)
+
+    def on_train_batch_end(probe, step, state):
+        save_checkpoint(probe, step, state)
+
+    def on_validation_end(probe, step, state):
+        save_checkpoint(probe, step, state)
+    """
+)
+
+
+def _library(tmp_path: Any) -> dict[str, Any]:
+    """A framework's module as if installed (its file under site-packages)."""
+    path = tmp_path / "site-packages" / "framework" / "callbacks.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(LIBRARY)
+    module: dict[str, Any] = {}
+    exec(compile(LIBRARY, str(path), "exec"), module)
+    return module
+
+
+def test_the_probe_records_the_chain_of_callers_of_a_save(tmp_path: Any, monkeypatch: Any) -> None:
+    from pitstop.probe import CrashProbe
+
+    monkeypatch.delenv("PITSTOP_CRASHTEST_KILL_STEP", raising=False)
+    lib, log = _library(tmp_path), str(tmp_path / "probe.log")
+    probe = CrashProbe(None, log)
+
+    def training_loop() -> None:  # the script's code
+        lib["on_train_batch_end"](probe, 4, {})
+        lib["on_validation_end"](probe, 8, {})
+
+    training_loop()
+    saves = [r.data for r in read_log(log, "run") if r.event == "save"]
+    assert all(s["site"].endswith("callbacks.py:3") for s in saves), saves
+    chains = [[frame[2].split(".")[-1] for frame in s["stack"][:3]] for s in saves]
+    assert chains == [
+        ["save_checkpoint", "on_train_batch_end", "training_loop"],
+        ["save_checkpoint", "on_validation_end", "training_loop"],
+    ]
+    assert saves[0]["site"] == saves[1]["site"]  # the same line of the library: not enough
+
+
+def _save_record(run: str, place: str, line: int) -> Record:
+    lib = "/venv/lib/python3.11/site-packages/lightning/pytorch/"
+    stack = [
+        [lib + "strategies/strategy.py", 491, "Strategy.save_checkpoint"],
+        [lib + "trainer/trainer.py", 1400, "Trainer.save_checkpoint"],
+        [lib + "callbacks/model_checkpoint.py", 600, "ModelCheckpoint._save_checkpoint"],
+        [lib + "callbacks/model_checkpoint.py", line, f"ModelCheckpoint.{place}"],
+        [lib + "trainer/call.py", 227, "_call_callback_hooks"],
+        ["/home/u/train.py", 20, "<module>"],
+    ]
+    site = f"{stack[0][0]}:{stack[0][1]}"
+    return Record(run, "save", 40, 0, 1, {"via": "save_checkpoint", "site": site, "stack": stack})
+
+
+def test_a_step_saved_at_another_point_of_a_frameworks_loop_is_named() -> None:
+    from pitstop.cli.compare import Difference
+
+    ref = [_save_record("reference", "on_train_batch_end", 422)]
+    crashed = [_save_record("run2", "on_validation_end", 508)]
+    diffs = [
+        Difference("loops/fit_loop/epoch_loop.batch_progress/total/completed", "39 vs 40", 1),
+        Difference("callbacks/ModelCheckpoint{}/best_model_score", "values differ", 0.05, True, 1),
+    ]
+    held = ["state_dict", "optimizer_states", "callbacks"]
+    cause = final_sites(ref, crashed, 40, diffs, held)
+    assert cause is not None
+    assert cause.startswith(
+        "step 40 was saved from ModelCheckpoint.on_train_batch_end (model_checkpoint.py:422) in "
+        "the reference and from ModelCheckpoint.on_validation_end (model_checkpoint.py:508) "
+        "in the resumed run: lightning saves at a different point after a resume"
+    ), cause
+    assert "under loops, callbacks" in cause and "agree: state_dict, optimizer_states" in cause
+    # the same chain in both runs: the same place, no cause
+    assert final_sites(ref, [_save_record("run2", "on_train_batch_end", 422)], 40, diffs) is None
+    # and the generic cause is not said for what the different places explain
+    causes = diagnose(ref, crashed, set(), set(), {40}, explained=True)
+    assert not any("computation itself" in c for c in causes), causes
 
 
 def test_a_leak_that_shows_only_after_the_first_epoch_is_caught(tmp_path: Any, capsys: Any) -> None:

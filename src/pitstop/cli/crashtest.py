@@ -27,13 +27,14 @@ a resumed run must equal those of the reference at the same step; if they were r
 drew from them in between (a DataLoader without ``generator=``, evaluation, augmentation in
 the main process): the first such step is named. Equal generators and different tensors
 point to the computation itself (non-deterministic kernels, a different thread count). A
-compared checkpoint taken at different places of the script in the two runs (the policy's
-save in the loop, the final save after it) is named as such, not as the differences it
+compared checkpoint taken at different places in the two runs (the policy's save in the loop,
+the final save after it; a framework's callback saving at the end of a batch, or after
+validation: the saves' chains of callers part) is named as such, not as the differences it
 explains; unseeded generators are named only when something draws from them.
 
 Call sequence (the CLI's thread): ``run_crashtest(args)``: ``_Runner.run`` (the reference)
 -> ``choose`` -> ``_Runner.run`` x (points + up to ``--restarts`` reruns) -> ``_load`` x 2 ->
-``compare`` -> ``diagnose`` -> print.
+``compare`` -> ``causes_of`` -> print.
 """
 
 from __future__ import annotations
@@ -54,13 +55,12 @@ from typing import TYPE_CHECKING, Any
 
 from pitstop.cli.crashtest_causes import (
     Record,
-    diagnose,
+    causes_of,
     drawn,
-    final_sites,
+    held,
     not_compared,
     not_restored,
     read_log,
-    state_causes,
     unseeded,
 )
 from pitstop.cli.crashtest_points import NO_SAVE, ResumePoint, Timeline, choose, given, grouped
@@ -384,12 +384,8 @@ def _crashtest(cmd: list[str], workdir: str, args: argparse.Namespace) -> int:
     diffs, dropped = not_restored(compare(a, b, ignore=ignore))
     for key, why in dropped:
         _say(f"differs, not counted: {key} ({why})")
-    site = final_sites(ref_records, crash_records, step_b) if step_a == step_b else None
-    causes = (
-        ([site] if site else [])
-        + state_causes(diffs, position=site is None)
-        + diagnose(ref_records, crash_records, skip, used, {step_b} if site else set())
-    )
+    same = step_b if step_a == step_b else None
+    causes = causes_of(ref_records, crash_records, same, diffs, held(a), skip, used)
     return _report(step_a, step_b, a, diffs, causes, args)
 
 

@@ -4,16 +4,19 @@ Every process crashtest runs appends one JSON line per event (start, save, resto
 kill, end; see :mod:`pitstop.probe`). From them :func:`unseeded` finds the generators the
 script does not seed, :func:`drawn` those that something in the runs draws from (evidence,
 not a guess: a digest that changes within one process), :func:`final_sites` whether the
-compared checkpoint was taken at the same place of the script in both runs, and
+compared checkpoint was taken at the same place in both runs (the same line of the script,
+and the same chain of callers: a framework's callback saves at the end of a batch in one
+run and after validation in the other, both through one line of its own), and
 :func:`diagnose` names the causes it can see: no ``RNGState`` in the state, loaders without a
 generator of their own, generators drawn outside the state after an exact restore, a
 restore that did not put them back, settings that changed between runs, unseeded generators
-the script draws from, or (when the generators agree) the computation itself.
+the script draws from, or (when the generators agree and the places do not explain the
+differences) the computation itself.
 :func:`state_causes` reads the differences.
 
 Call sequence (the CLI's thread, after the runs): ``read_log`` per log file ->
-``drawn(all records)`` -> ``unseeded(reference, first crashed run, drawn)`` -> ``final_sites`` ->
-``state_causes(diffs)`` + ``diagnose(...)``.
+``drawn(all records)`` -> ``unseeded(reference, first crashed run, drawn)`` -> ``causes_of``
+(``final_sites`` + ``state_causes(diffs)`` + ``diagnose(...)``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +32,8 @@ if TYPE_CHECKING:
     from pitstop.cli.compare import Difference
 
 __all__ = [
-    "Record", "diagnose", "drawn", "final_sites", "not_compared", "not_restored", "read_log",
-    "state_causes", "unseeded",
+    "Record", "causes_of", "diagnose", "drawn", "final_sites", "held", "not_compared",
+    "not_restored", "read_log", "state_causes", "unseeded",
 ]  # fmt: skip
 
 
@@ -124,22 +128,103 @@ def drawn(records: list[Record]) -> set[str]:
     return used
 
 
-def final_sites(ref: list[Record], crashed: list[Record], step: int) -> str | None:
+def final_sites(
+    ref: list[Record],
+    crashed: list[Record],
+    step: int,
+    diffs: Sequence[Difference] = (),
+    held: Sequence[str] = (),
+) -> str | None:
     """The cause when the checkpoint of ``step`` (the one compared) was taken at different
-    places of the script in the two runs (the policy's save in the loop in one, the save
-    after the loop in the other): what runs between the two places is in one checkpoint and
-    not in the other. None when the places agree, or are not known."""
+    places in the two runs, so that what runs between the two places is in one checkpoint and
+    not in the other: places of the script (the policy's save in the loop in one, the save
+    after the loop in the other), or points of a framework's loop that reach pitstop from one
+    line of its own (a Lightning callback that saves at the end of a batch in one run, after
+    validation in the other): the saves' chains of callers part there. ``diffs``: what
+    differs; ``held``: the top-level keys of the state that hold tensors (those without a
+    difference are said to agree). None when the places agree, or are not known."""
     a, b = _last_save(ref, step), _last_save(crashed, step)
-    if a is None or b is None or _where(a) == _where(b):
+    if a is None or b is None:
         return None
-    return (
-        f"the checkpoint of step {step} was taken at different places in the two runs: "
-        f"{_where(a)} in the reference, {_where(b)} in the resumed run, so what the script did "
-        "in between (evaluation, scheduler.step() after the last step) is in one and not the "
-        "other. A policy that decides by time saves the last step in some runs only: pass "
-        "last=True to ckpt.step() at the last step and save the final state after the "
-        "end-of-training work with ckpt.save_final(step, state)"
+    if _where(a) != _where(b):
+        return (
+            f"the checkpoint of step {step} was taken at different places in the two runs: "
+            f"{_where(a)} in the reference, {_where(b)} in the resumed run, so what the script "
+            "did in between (evaluation, scheduler.step() after the last step) is in one and "
+            "not the other. A policy that decides by time saves the last step in some runs "
+            "only: pass last=True to ckpt.step() at the last step and save the final state "
+            "after the end-of-training work with ckpt.save_final(step, state)"
+        )
+    parted = _parted(a.data.get("stack") or [], b.data.get("stack") or [])
+    if parted is None:
+        return None
+    fa, fb = parted
+    pkg = _package(fa[0])
+    who = (
+        f"{pkg} saves at a different point after a resume (its own code decides where, not "
+        "the script)"
+        if pkg is not None and pkg == _package(fb[0])
+        else "the save is made from a different place after a resume"
     )
+    groups = list(dict.fromkeys(d.key.split("/")[0] for d in diffs))
+    agree = [k for k in held if k not in groups]
+    values = f"; the values that differ are under {', '.join(groups)}" if groups else ""
+    return (
+        f"step {step} was saved from {_frame(fa)} in the reference and from {_frame(fb)} in "
+        f"the resumed run: {who}, so what ran between the two points is in one checkpoint and "
+        "not in the other (both saves reach pitstop from the same line, "
+        f"{os.path.basename(str(a.data.get('site')))})"
+        + values
+        + (f"; these agree: {', '.join(agree)}" if agree else "")
+    )
+
+
+def held(state: Any) -> list[str]:
+    """The top-level keys of a loaded state that hold tensors, as its key paths begin."""
+    from pitstop.cli.compare import count_tensors  # torch: once the runs are done
+    from pitstop.state.tree import join_key
+
+    if not isinstance(state, Mapping):
+        return []
+    return [join_key("", k) for k, v in state.items() if count_tensors(v)]
+
+
+def _parted(a: list[list[Any]], b: list[list[Any]]) -> tuple[list[Any], list[Any]] | None:
+    """The innermost frames (``[file, line, function]``) at which two chains of callers of a
+    save part, from the save outwards; None if they do not (as far as both go)."""
+    return next(((fa, fb) for fa, fb in zip(a, b) if list(fa) != list(fb)), None)
+
+
+def _frame(frame: list[Any]) -> str:
+    return f"{frame[2]} ({os.path.basename(str(frame[0]))}:{frame[1]})"
+
+
+def _package(path: str) -> str | None:
+    """The installed package a file belongs to (the directory under site-packages), or None."""
+    parts = str(path).replace("\\", "/").split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1].removesuffix(".py")
+    return None
+
+
+def causes_of(
+    ref: list[Record],
+    crashed: list[Record],
+    step: int | None,
+    diffs: list[Difference],
+    tensors: Sequence[str],
+    skip: set[str],
+    used: set[str],
+) -> list[str]:
+    """Every cause of the differences: :func:`final_sites` (``step``: the step of both compared
+    checkpoints, None if they differ; ``tensors``: see :func:`held`), then
+    :func:`state_causes` and :func:`diagnose` for what the places do not explain."""
+    site = final_sites(ref, crashed, step, diffs, tensors) if step is not None else None
+    if site is None or step is None:
+        return state_causes(diffs) + diagnose(ref, crashed, skip, used)
+    more = state_causes(diffs, position=False)  # the places explain the data position
+    return [site, *more, *diagnose(ref, crashed, skip, used, {step}, explained=True)]
 
 
 def _last_save(records: list[Record], step: int) -> Record | None:
@@ -159,11 +244,15 @@ def diagnose(
     skip: set[str],
     used: set[str] | None = None,
     exclude: set[int] | None = None,
+    *,
+    explained: bool = False,
 ) -> list[str]:
     """The causes of a difference that the runs' logs show (see the module docstring);
     generators in ``skip`` (unseeded ones) are left out of the comparison of digests and
     named when they are in ``used`` (see :func:`drawn`); saves of the steps in ``exclude``
-    (taken at different places of the script) are not compared."""
+    (taken at different places, see :func:`final_sites`) are not compared. ``explained``: the
+    difference has a cause already (:func:`final_sites`), so none found here is not a sign
+    that the computation itself differs."""
     causes: list[str] = []
     exclude = exclude or set()
     ref = [r for r in ref if not (r.event == "save" and r.step in exclude)]
@@ -201,7 +290,7 @@ def diagnose(
             + ", ".join(_SEED.get(n, "torch.manual_seed") for n in named)
             + ")"
         )
-    if not causes:
+    if not causes and not explained:
         causes.append(
             "the global random generators agree with the reference at every step after the "
             "resume, so the computation itself differs: non-deterministic kernels "
