@@ -270,10 +270,10 @@ class CheckpointManager:
         ``last=True`` at the last step of training: the policy is not asked (SKIPPED), the
         final state is saved by ``save_final`` once the end-of-training work is done."""
         if last:
-            self._reached(step)
+            self._reached(step, state)
             return StepResult.SKIPPED
         result = self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
-        self._reached(step)
+        self._reached(step, state)
         return result
 
     def reached(self, step: int) -> None:
@@ -286,14 +286,14 @@ class CheckpointManager:
         _deprecated("resumed")
         self._resumed(step)
 
-    def _reached(self, step: int) -> None:
+    def _reached(self, step: int, state: Mapping[str, Any] | None = None) -> None:
         """See :meth:`ManagerHooks.reached` (crashtest kills a run here, at a chosen step,
-        once a checkpoint committed)."""
+        once a checkpoint committed; ``state``: ``step()``'s, for the probe's epochs)."""
         if self._probe is None:
             return
         if not self._committed and self.latest_step() is not None:
             self._committed = True
-        self._probe.reached(step, self._committed)
+        self._probe.reached(step, self._committed, state)
 
     def pause(self) -> None:
         """Other work (evaluation) follows: the time until the next ``step()`` is not measured."""

@@ -147,20 +147,6 @@ def _site() -> dict[str, Any]:
     return {"via": via, "site": site, "stack": stack}
 
 
-def _caller_state() -> Mapping[str, Any] | None:
-    """The state of the pitstop call that reached the first step (``ckpt.step(step, state)``:
-    the ``state`` of a pitstop frame on the way from the script; None for a call that has no
-    state, such as ``ckpt.hooks.reached(step)``). Then the probe follows the loader's epoch
-    from the first step, not only from the first save."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        state = frame.f_locals.get("state")
-        if isinstance(state, Mapping):
-            return state
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
 class _ResumePoint:
     """The script's policy, but for a yes at crashtest's resume point (once, at the first
     step at or after it that the policy is asked about). Everything else is the policy's."""
@@ -219,11 +205,14 @@ class CrashProbe:
         """``policy``, saying yes at the kill step too (the resume point is a checkpoint)."""
         return policy if self.kill_step is None else _ResumePoint(policy, self.kill_step)
 
-    def reached(self, step: int, committed: bool) -> None:
+    def reached(self, step: int, committed: bool, state: Mapping[str, Any] | None = None) -> None:
         """Training finished ``step``: die here if crashtest asked for it (``committed``:
-        whether any checkpoint is committed; the kill waits for its own resume point)."""
-        if self.last_step is None and self._loader is None:  # the first step of this process
-            self._follow(_caller_state())
+        whether any checkpoint is committed; the kill waits for its own resume point).
+        ``state``: the state of ``ckpt.step(step, state)`` (None from ``hooks.reached``): at
+        the first step of this process the probe follows its loader's epoch from then on,
+        not only from the first save."""
+        if self.last_step is None and self._loader is None and state is not None:
+            self._follow(state)
         self.last_step = step if self.last_step is None else max(step, self.last_step)
         self._mark(step)
         due = [s for s in self.saves if self.kill_step is not None and s >= self.kill_step]
