@@ -13,6 +13,7 @@ from pitstop.errors import CheckpointNotFoundError, NotACheckpointError
 from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir, step_dir_name
 from pitstop.manager import CheckpointManager, KeyMap
 from pitstop.options import SaveOptions
+from pitstop.storage.local import local_path
 
 __all__ = ["check_root", "load", "resolve", "save"]
 
@@ -32,7 +33,9 @@ def check_root(root: str) -> None:
 
 def resolve(path: str, step: int | None) -> tuple[str, int | None]:
     """The root and step that ``load(path, step=step)`` reads: ``path`` is a root, or one step
-    directory (whose step must agree with ``step`` if both are given)."""
+    directory (whose step must agree with ``step`` if both are given). A URL is refused, a
+    ``file:`` URL of a local path is that path (``storage.local.local_path``)."""
+    path = local_path(path)
     root = path
     if os.path.isfile(os.path.join(path, MANIFEST)):
         dir_step = parse_step_dir(os.path.basename(os.path.normpath(path)))

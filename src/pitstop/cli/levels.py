@@ -417,7 +417,8 @@ def ls_levels(args: argparse.Namespace) -> int:
         )
         return 0
     every = lv.doc.get("every")
-    print(f"levels of {os.path.abspath(args.dir)}: local every step, shared every {every}"
+    when = f"every {every}" if isinstance(every, int) else "on its own schedule"
+    print(f"levels of {os.path.abspath(args.dir)}: local every step, shared {when}"
           if lv.shared_url else f"levels of {os.path.abspath(args.dir)}: local only")  # fmt: skip
     _print_notes(lv)
     print()
@@ -439,9 +440,11 @@ def _print_more_levels(lv: Levels) -> None:
     more = lv.doc.get("levels")
     if not isinstance(more, list) or len(more) < 2:
         return
-    print("\nmore levels (list each with `pitstop ls URL`):")
-    for d in more[1:]:
-        if isinstance(d, dict):
+    shown = {lv.shared_url, lv.shared}
+    print("\nthe other shared levels (list each with `pitstop ls URL`; FLUSHED TO SHARED "
+          "above is of the shared level listed):")  # fmt: skip
+    for d in more:
+        if isinstance(d, dict) and d.get("url") not in shown:
             every = d.get("every")
             when = f"every {every}" if isinstance(every, int) else "on its own schedule"
             print(f"  {d.get('name')}: {d.get('url')} ({when})")

@@ -590,38 +590,36 @@ def _parser() -> argparse.ArgumentParser:
 class _Stdout:
     """``sys.stdout`` while a command runs. A reader that stops early (``| head``) stops no
     command: the first write or flush that finds the pipe closed points stdout at /dev/null,
-    and the command goes on to its exit status (damage is 1 whoever reads its output)."""
+    and the command goes on to its exit status (damage is 1 whoever reads its output).
+    Another write error (a full disk: ``> /dev/full``) does the same and is kept in
+    ``error``: ``main`` says it once the command ended, and exits 1 unless the command's own
+    status is already a failure."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
-        self._gone = False  # the reader left, and stdout could not be pointed at /dev/null
+        self._gone = False  # output goes nowhere from now on
+        self.error: OSError | None = None
 
     def write(self, text: str) -> int:
         if not self._gone:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
-                self._reader_left()
+            except OSError as e:
+                self._failed(e)
         return len(text)
 
     def flush(self) -> None:
         if not self._gone:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
-                self._reader_left()
+            except OSError as e:
+                self._failed(e)
 
-    def _reader_left(self) -> None:
-        try:
-            fd = self._stream.fileno()
-        except (OSError, ValueError):  # no descriptor: drop what is written from now on
+    def _failed(self, e: OSError) -> None:
+        if not isinstance(e, BrokenPipeError) and self.error is None:
+            self.error = e
+        if not _to_devnull(self._stream):  # no descriptor: drop what is written from now on
             self._gone = True
-            return
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, fd)  # what the stream still holds is flushed to nobody
-        finally:
-            os.close(devnull)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -634,10 +632,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     guard = _Stdout(stdout)
     sys.stdout = cast(TextIO, guard)
     try:
-        return _main(argv)
+        code = _main(argv)
     finally:
         guard.flush()  # here, not at exit, where a closed pipe would change the status
         sys.stdout = stdout
+    if guard.error is not None:
+        try:
+            print(f"pitstop: cannot write the output: {guard.error.strerror or guard.error}",
+                  file=sys.stderr)  # fmt: skip
+        except OSError:
+            _to_devnull(sys.stderr)
+        return code or 1
+    return code
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -657,6 +663,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return _fail(args, f"{e}", 2)
     except (CheckpointNotFoundError, NotACheckpointError) as e:  # a path that is not one
         return _fail(args, f"{e}", 2)
+    except UnsupportedSetupError as e:  # a URL where a directory goes, and such
+        return _fail(args, f"{e}", 2)
     except CheckpointError as e:
         return _fail(args, f"{e}", 1)
     except KeyboardInterrupt:
@@ -670,8 +678,27 @@ def _fail(args: argparse.Namespace, message: str, code: int) -> int:
         import traceback
 
         traceback.print_exc()
-    print(f"pitstop {args.command}: {' '.join(message.split())}", file=sys.stderr)
+    try:
+        print(f"pitstop {args.command}: {' '.join(message.split())}", file=sys.stderr)
+        sys.stderr.flush()
+    except OSError:  # stderr closed or full: the exit status still says it
+        _to_devnull(sys.stderr)
     return code
+
+
+def _to_devnull(stream: Any) -> bool:
+    """Point ``stream``'s descriptor at /dev/null (what it still holds goes nowhere, and
+    nothing fails at exit); False when it has no descriptor."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    return True
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from pitstop.errors import UnsupportedSetupError
 from pitstop.options import env_node
 from pitstop.policy.base import CheckpointPolicy
 from pitstop.policy.fixed import EveryN
-from pitstop.storage.local import refuse_url
+from pitstop.storage.local import local_path, refuse_url
 
 __all__ = [
     "DEFAULT_EVERY", "SCHEMES", "SERVING", "Local", "Placement", "Shared", "check_levels",
@@ -146,15 +147,44 @@ def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared], list[str]]
             "a list of levels holds one pitstop.Local(...), then at most pitstop.Shared(...) "
             f"levels; got {levels!r}"
         )
-    paths = [os.path.realpath(os.fspath(lv.path)) for lv in shared
-             if isinstance(lv.path, (str, os.PathLike))]  # fmt: skip
-    twice = sorted({p for p in paths if paths.count(p) > 1})
-    if twice:
-        raise ValueError(f"a list of levels names the directory {twice[0]} twice")
+    _check_apart(levels[0], shared)
     names = [lv.name or ("shared" if i == 0 else f"shared-{i + 1}") for i, lv in enumerate(shared)]
-    if "local" in names or len(set(names)) != len(names):
-        raise ValueError(f"the levels of a list need distinct names other than 'local': {names}")
+    bad = [n for n in names if not _NAME.fullmatch(n) or n.lower() == "local"]
+    if bad or len({n.lower() for n in names}) != len(names):
+        raise ValueError(
+            "the levels of a list need distinct names of letters, digits, '.', '_' and '-', "
+            f"other than 'local': {names}"
+        )
     return levels[0], shared, names
+
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _check_apart(local: Local, shared: list[Shared]) -> None:
+    """No directory of one level lies in (or is) another level's: the local level's
+    directories (up to ``{node}``) and each shared directory (one level's commit would meet
+    another's step, and a copy on "two levels" would be one copy)."""
+    base = os.fspath(local.path)
+    base = base[: base.index("{node}")] if "{node}" in base else base
+    dirs = [("the local level", _real(base or "."))]
+    dirs += [(f"Shared({os.fspath(lv.path)!r})", _real(lv.path)) for lv in shared
+             if isinstance(lv.path, (str, os.PathLike))]  # fmt: skip
+    for i, (a, pa) in enumerate(dirs):
+        for b, pb in dirs[i + 1 :]:
+            if pa == pb or _inside(pa, pb) or _inside(pb, pa):
+                raise ValueError(
+                    f"a list of levels needs a directory of its own for each level: {a} "
+                    f"({pa}) and {b} ({pb}) are the same or one holds the other"
+                )
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _real(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(local_path(path))
 
 
 SERVING = (

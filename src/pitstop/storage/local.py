@@ -74,15 +74,22 @@ from pitstop.options import IOOptions
 __all__ = ["LocalStorage", "RamStorage", "local_path", "open_root", "refuse_url"]
 
 
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# "scheme:" as the first component of a path (after "./" and blanks): "s3://b/r", "gs:/b" (a
+# pathlib.Path of "gs://b"), "./s3://x", "s3:" alone
+_URL = re.compile(r"^\s*(?:\./+)*([A-Za-z][A-Za-z0-9+.-]*):(?=/|$)")
 
 
-def refuse_url(root: str | os.PathLike[str]) -> None:
-    """A root that is a URL (``s3://bucket/run``, ``gs://...``) is not a directory: refused
-    with an error that says so, never created as a directory named ``s3:`` in the working
-    directory (a job that believed its checkpoints were in a bucket would lose them with
-    the node). ``file://`` is not refused by this check: the caller strips it."""
-    match = _URL.match(os.fspath(root)) if isinstance(root, (str, os.PathLike)) else None
+def refuse_url(root: Any) -> None:
+    """A root that is a URL (``s3://bucket/run``, ``gs://...``; a ``pathlib.Path`` of one, which
+    reads ``s3:/bucket/run``) is not a directory: refused with an error that says so, never
+    created as a directory named ``s3:`` in the working directory (a job that believed its
+    checkpoints were in a bucket would lose them with the node). ``file:`` URLs are left to
+    :func:`local_path`. Bytes are refused: a root is a str or an os.PathLike."""
+    if isinstance(root, bytes):
+        raise TypeError(f"a checkpoint root is a str or os.PathLike path, not bytes: {root!r}")
+    if not isinstance(root, (str, os.PathLike)):
+        return
+    match = _URL.match(os.fspath(root))
     if match is not None and match.group(1).lower() != "file":
         raise UnsupportedSetupError(
             f"{os.fspath(root)}: {match.group(1)}:// is not a directory, and this version of "
@@ -94,10 +101,26 @@ def refuse_url(root: str | os.PathLike[str]) -> None:
 
 
 def local_path(root: str | os.PathLike[str]) -> str:
-    """``root`` as a directory path: a URL refused (:func:`refuse_url`), ``file://`` removed."""
+    """``root`` as a directory path: a URL refused (:func:`refuse_url`); a ``file:`` URL of
+    an absolute local path (``file:///p``, ``file://localhost/p``, ``file:/p``) is ``/p``,
+    any other ``file:`` form (another host, a relative path) refused."""
     refuse_url(root)
     path = os.fspath(root)
-    return path[len("file://") :] if path.lower().startswith("file://") else path
+    match = _URL.match(path)
+    if match is None:
+        return path
+    rest = path[match.end() :]
+    for prefix in ("///", "//localhost/"):
+        if rest.startswith(prefix):
+            rest = "/" + rest[len(prefix) :].lstrip("/")
+            break
+    if rest.startswith("/") and not rest.startswith("//") and len(rest) > 1:
+        return rest
+    raise UnsupportedSetupError(
+        f"{path}: a file: URL names an absolute path on this host (file:///path); give the "
+        "directory itself",
+        path=path, phase="plan",
+    )  # fmt: skip
 
 
 def _io_error(e: OSError, what: str, path: str, phase: str) -> CheckpointIOError:
@@ -656,9 +679,15 @@ def open_root(
     """The storage of ``root`` (a path, or a Storage that is used as it is) and its IOOptions.
     I/O ``knobs`` (threads, chunk_bytes, direct) configure a path; a Storage object brings its
     own, so knobs given with one are refused rather than silently ignored."""
+    refuse_url(root)
     if isinstance(root, (str, os.PathLike)):
         io = options_io or IOOptions.from_env(**knobs)
         return LocalStorage(root, io), io
+    if not all(hasattr(root, a) for a in ("io", "url", "prepare", "commit", "open_data")):
+        raise TypeError(
+            "a checkpoint root is a directory path, a pitstop Storage or a list of levels "
+            f"[pitstop.Local(...), pitstop.Shared(...)], not {type(root).__name__}: {root!r}"
+        )
     given = [k for k, v in knobs.items() if v is not None]
     if options_io is not None and options_io not in (root.io, IOOptions.from_env()):
         given.append("SaveOptions(io=...)")
