@@ -64,7 +64,7 @@ LIGHTNING = {"lightning.pointer", "lightning.registry"}
 def test_every_kill_point_is_covered() -> None:
     assert {k.split(":")[0] for k in EXPECTED} | MULTILEVEL | LIGHTNING == set(KILL_POINTS)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(here, "multirank", "test_multilevel.py")) as f:
+    with open(os.path.join(here, "multilevel", "test_multilevel.py")) as f:
         text = f.read()
     assert all(f'"PITSTOP_KILL_AT": "{name}:' in text for name in MULTILEVEL)
     with open(os.path.join(here, "integrations", "test_lightning.py")) as f:
