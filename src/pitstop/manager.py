@@ -460,10 +460,10 @@ def _levels_of(
     """The I/O options of ``root`` and how to open its levels once the group exists: a list
     of levels (:class:`LevelStack`), or one root (:class:`RootLevel`, a list of one)."""
     if isinstance(root, (list, tuple)):
-        local, shared, names = check_levels(root)
+        local, shared = check_levels(root)
         io = options.io if options else IOOptions.from_env(**knobs)
         return io, lambda group: LevelStack(
-            local, shared, group, io, topology=topology, shared_retention=retention, names=names
+            local, shared, group, io, topology=topology, shared_retention=retention
         )
     if root is None:
         raise ValueError(

@@ -32,11 +32,11 @@ from pitstop.errors import UnsupportedSetupError
 from pitstop.options import env_node
 from pitstop.policy.base import CheckpointPolicy
 from pitstop.policy.fixed import EveryN
-from pitstop.storage.local import local_path, refuse_url
+from pitstop.storage.local import local_path
 
 __all__ = [
     "DEFAULT_EVERY", "SCHEMES", "SERVING", "Local", "Placement", "Shared", "check_levels",
-    "manifest_order", "node_ids",
+    "level_names", "manifest_order", "node_ids",
 ]  # fmt: skip
 
 SCHEMES = ("single", "partner", "xor")
@@ -126,14 +126,12 @@ class Shared:
         return self.every if self.every is not None else DEFAULT_EVERY
 
 
-def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared], list[str]]:
-    """The local level, the shared levels in order and their names, of a list of levels
+def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared]]:
+    """The local level and the shared levels in order, of a list of levels
     (``CheckpointManager([...])``): one :class:`Local` first, then any number of
-    :class:`Shared` levels, fastest first; no directory twice, no name twice."""
+    :class:`Shared` levels, fastest first; no directory twice, no name twice, no URL (each
+    path goes through ``local_path``: refused before any directory is made)."""
     levels = list(levels)
-    for lv in levels:  # an object-store URL is no directory: refused before any is made
-        if isinstance(lv, (Local, Shared)):
-            refuse_url(lv.path)
     if not levels or not isinstance(levels[0], Local):
         raise ValueError(
             "a list of levels starts with one pitstop.Local(...) (every save goes there first), "
@@ -148,17 +146,22 @@ def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared], list[str]]
             f"levels; got {levels!r}"
         )
     _check_apart(levels[0], shared)
-    names = [lv.name or ("shared" if i == 0 else f"shared-{i + 1}") for i, lv in enumerate(shared)]
+    names = level_names(shared)
     bad = [n for n in names if not _NAME.fullmatch(n) or n.lower() == "local"]
     if bad or len({n.lower() for n in names}) != len(names):
         raise ValueError(
             "the levels of a list need distinct names of letters, digits, '.', '_' and '-', "
             f"other than 'local': {names}"
         )
-    return levels[0], shared, names
+    return levels[0], shared
 
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def level_names(shared: Sequence[Shared]) -> list[str]:
+    """The names of the shared levels of a list: ``name``, else ``shared``, ``shared-2``..."""
+    return [lv.name or ("shared" if i == 0 else f"shared-{i + 1}") for i, lv in enumerate(shared)]
 
 
 def _check_apart(local: Local, shared: list[Shared]) -> None:

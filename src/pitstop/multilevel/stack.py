@@ -38,7 +38,7 @@ from pitstop.format.manifest import Manifest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
 from pitstop.log import get_logger
 from pitstop.multilevel.flush import Flusher, FlushRecord, FlushTarget
-from pitstop.multilevel.levels import Local, Placement, Shared, node_ids
+from pitstop.multilevel.levels import Local, Placement, Shared, level_names, node_ids
 from pitstop.multilevel.redundancy import (
     Member,
     protect,
@@ -70,7 +70,6 @@ class LevelStack(Restarts):
         *,
         topology: Mapping[int, str] | Sequence[str] | None = None,
         shared_retention: RetentionPolicy | None = None,
-        names: Sequence[str] = (),
     ) -> None:
         self.group, self.local = group, local
         if topology is not None and len(topology) != group.size:
@@ -90,10 +89,9 @@ class LevelStack(Restarts):
         self.local_catalog = Catalog(self.local_storage)
         self.link = make_link(group)
         self.targets: list[FlushTarget] = []
-        for i, level in enumerate(shared):
+        for level, name in zip(shared, level_names(shared)):
             inner, _ = open_root(level.path, io)
             storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
-            name = names[i] if i < len(names) else (level.name or "shared")
             target = FlushTarget(
                 name, level, storage, Catalog(storage),
                 Flusher(self.local_catalog, storage, group.channel(), name=name),

@@ -679,8 +679,7 @@ def open_root(
     """The storage of ``root`` (a path, or a Storage that is used as it is) and its IOOptions.
     I/O ``knobs`` (threads, chunk_bytes, direct) configure a path; a Storage object brings its
     own, so knobs given with one are refused rather than silently ignored."""
-    refuse_url(root)
-    if isinstance(root, (str, os.PathLike)):
+    if isinstance(root, (str, os.PathLike)):  # (a URL: LocalStorage refuses it)
         io = options_io or IOOptions.from_env(**knobs)
         return LocalStorage(root, io), io
     if not all(hasattr(root, a) for a in ("io", "url", "prepare", "commit", "open_data")):
