@@ -32,7 +32,7 @@ from pitstop.errors import UnsupportedSetupError
 from pitstop.options import env_node
 from pitstop.policy.base import CheckpointPolicy
 from pitstop.policy.fixed import EveryN
-from pitstop.storage.local import local_path
+from pitstop.storage.local import local_path, object_url
 
 __all__ = [
     "DEFAULT_EVERY", "SCHEMES", "SERVING", "Local", "Placement", "Shared", "check_levels",
@@ -172,7 +172,9 @@ def _check_apart(local: Local, shared: list[Shared]) -> None:
     base = base[: base.index("{node}")] if "{node}" in base else base
     dirs = [("the local level", _real(base or "."))]
     dirs += [(f"Shared({os.fspath(lv.path)!r})", _real(lv.path)) for lv in shared
-             if isinstance(lv.path, (str, os.PathLike))]  # fmt: skip
+             if isinstance(lv.path, (str, os.PathLike)) and object_url(lv.path) is None]  # fmt: skip
+    dirs += [(f"Shared({lv.path!r})", lv.path.rstrip("/")) for lv in shared
+             if object_url(lv.path) is not None]  # fmt: skip
     for i, (a, pa) in enumerate(dirs):
         for b, pb in dirs[i + 1 :]:
             if pa == pb or _inside(pa, pb) or _inside(pb, pa):
@@ -183,7 +185,9 @@ def _check_apart(local: Local, shared: list[Shared]) -> None:
 
 
 def _inside(path: str, parent: str) -> bool:
-    return path.startswith(parent.rstrip(os.sep) + os.sep)
+    return path.startswith(parent.rstrip(os.sep) + os.sep) or path.startswith(
+        parent.rstrip("/") + "/"
+    )
 
 
 def _real(path: str | os.PathLike[str]) -> str:

@@ -35,20 +35,15 @@ from pitstop.errors import (
     CheckpointIOError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    FormatVersionError,
     UnsafePathError,
     UnsupportedSetupError,
 )
 from pitstop.faults import killpoint
 from pitstop.format.jsonsafe import load_json
-from pitstop.format.manifest import Manifest
 from pitstop.format.markers import (
     MAX_MARKER_BYTES,
-    Beside,
     Unreadable,
-    abandonment_problem,
     not_a_marker,
-    usable_markers,
 )
 from pitstop.format.names import (
     MANIFEST,
@@ -70,8 +65,9 @@ from pitstop.io.files import (
 from pitstop.io.locks import DirLock, try_lock
 from pitstop.io.parallel import Extent, FileReader, IOResult, write_file
 from pitstop.options import IOOptions
+from pitstop.storage.aside import aside_kind
 
-__all__ = ["LocalStorage", "RamStorage", "local_path", "open_root", "refuse_url"]
+__all__ = ["LocalStorage", "RamStorage", "local_path", "object_url", "open_root", "refuse_url"]
 
 
 # "scheme:" as the first component of a path (after "./" and blanks): "s3://b/r", "gs:/b" (a
@@ -79,25 +75,48 @@ __all__ = ["LocalStorage", "RamStorage", "local_path", "open_root", "refuse_url"
 _URL = re.compile(r"^\s*(?:\./+)*([A-Za-z][A-Za-z0-9+.-]*):(?=/|$)")
 
 
+_OBJECT_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://[^/\s]")
+
+
+def object_url(root: Any) -> str | None:
+    """``root`` if it is an object-store URL (a str ``scheme://bucket/...``, any scheme but
+    ``file``), else None. A pathlib.Path of one is not (it reads ``s3:/bucket``)."""
+    if isinstance(root, str):
+        match = _OBJECT_URL.match(root)
+        if match is not None and match.group(1).lower() != "file":
+            return root
+    return None
+
+
 def refuse_url(root: Any) -> None:
-    """A root that is a URL (``s3://bucket/run``, ``gs://...``; a ``pathlib.Path`` of one, which
-    reads ``s3:/bucket/run``) is not a directory: refused with an error that says so, never
-    created as a directory named ``s3:`` in the working directory (a job that believed its
-    checkpoints were in a bucket would lose them with the node). ``file:`` URLs are left to
-    :func:`local_path`. Bytes are refused: a root is a str or an os.PathLike."""
+    """A root that is a URL or looks like one where a directory must be (a node-local level;
+    ``s3:/bucket/run``, which is what a ``pathlib.Path`` of ``s3://bucket/run`` reads) is
+    refused with an error that says so, never created as a directory named ``s3:`` in the
+    working directory (a job that believed its checkpoints were in a bucket would lose them
+    with the node). ``file:`` URLs are left to :func:`local_path`. Bytes are refused: a root
+    is a str or an os.PathLike."""
     if isinstance(root, bytes):
         raise TypeError(f"a checkpoint root is a str or os.PathLike path, not bytes: {root!r}")
     if not isinstance(root, (str, os.PathLike)):
         return
     match = _URL.match(os.fspath(root))
-    if match is not None and match.group(1).lower() != "file":
-        raise UnsupportedSetupError(
-            f"{os.fspath(root)}: {match.group(1)}:// is not a directory, and this version of "
-            "pitstop writes checkpoints to directories only (local, /dev/shm or a shared file "
-            "system): object storage is not supported yet. Give a directory, or copy the "
-            "checkpoints of a directory to the bucket with your own tools",
-            path=os.fspath(root), phase="plan",
-        )  # fmt: skip
+    if match is None or match.group(1).lower() == "file":
+        return
+    if object_url(root) is not None:
+        why = (
+            "this place needs a directory (a node-local level is a directory on each node); "
+            "object storage goes in CheckpointManager(url) or pitstop.Shared(url)"
+        )
+    else:
+        why = (
+            "and not a URL pitstop can open either: give an object-store URL as a string "
+            f"'{match.group(1)}://bucket/prefix' (a pathlib.Path of one reads "
+            f"'{match.group(1)}:/bucket/prefix')"
+        )
+    raise UnsupportedSetupError(
+        f"{os.fspath(root)}: {match.group(1)}:// is not a directory, {why}",
+        path=os.fspath(root), phase="plan",
+    )  # fmt: skip
 
 
 def local_path(root: str | os.PathLike[str]) -> str:
@@ -282,7 +301,7 @@ class LocalStorage:
                 path=final, phase="plan",
             )  # fmt: skip
         if self.has_manifest(directory):  # markers that are no evidence move nothing
-            aside = self._aside_kind(directory)
+            aside = aside_kind(self, directory)
             if aside is not None and self._move_aside(directory, aside):
                 return  # a damaged or abandoned checkpoint left in use then: out of the way now
             raise CheckpointExistsError(
@@ -298,45 +317,6 @@ class LocalStorage:
         with lock:
             if not self.has_manifest(directory):
                 shutil.rmtree(final)
-
-    def _aside_kind(self, directory: str) -> str | None:
-        """``damaged`` or ``abandoned`` when the evidence says committed ``directory`` is (a
-        manifest that does not parse; a DAMAGED marker of this checkpoint; an ABANDONED marker
-        of it whose rollback is found), else None (see :mod:`pitstop.format.markers`)."""
-        step = parse_step_dir(directory)
-        try:
-            manifest = Manifest.loads(self.read_manifest(directory))
-        except (FormatVersionError, CheckpointNotFoundError):
-            return None  # newer: never touched; gone: nothing to move
-        except CorruptCheckpointError:
-            return "damaged"  # its own evidence, found now
-        if step is None or manifest.step != step:
-            return "damaged"
-        beside = Beside(step, manifest)
-        markers, _ = usable_markers(self.read_markers(directory), beside)
-        if "damaged" in markers:
-            return "damaged"
-        claim = markers.get("abandoned")
-        if claim is not None and abandonment_problem(claim, beside, self._witnesses()) is None:
-            return "abandoned"
-        return None
-
-    def _witnesses(self) -> list[Beside]:
-        """Every step directory of the root with a manifest that parses, and its ROLLBACK
-        marker if that is evidence: where an ABANDONED marker's rollback is looked for."""
-        out = []
-        for name in self.entries():
-            step = parse_step_dir(name)
-            if step is None or self.entry_kind(name) != "dir" or not self.has_manifest(name):
-                continue
-            try:
-                here = Beside(step, Manifest.loads(self.read_manifest(name)))
-            except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
-                continue
-            raw = {k: v for k, v in self.read_markers(name).items() if k == "rollback"}
-            marks, _ = usable_markers(raw, here)
-            out.append(dataclasses.replace(here, rollback=marks.get("rollback")))
-        return out
 
     def _move_aside(self, directory: str, kind: str) -> bool:
         step = parse_step_dir(directory)
@@ -673,13 +653,29 @@ class RamStorage(LocalStorage):
         super().__init__(root, dataclasses.replace(base, direct="off", fsync=False))
 
 
+OBJECT_STORE_THREADS = 8
+"""Writer threads for an object store unless told otherwise: each holds one request in flight,
+and a store's throughput comes from many requests at once (a disk's from a few)."""
+
+
 def open_root(
     root: str | os.PathLike[str] | Any, options_io: IOOptions | None, **knobs: object
 ) -> tuple[Any, IOOptions]:
     """The storage of ``root`` (a path, or a Storage that is used as it is) and its IOOptions.
     I/O ``knobs`` (threads, chunk_bytes, direct) configure a path; a Storage object brings its
     own, so knobs given with one are refused rather than silently ignored."""
-    if isinstance(root, (str, os.PathLike)):  # (a URL: LocalStorage refuses it)
+    if object_url(root) is not None:
+        from pitstop.storage.object_store import ObjectStorage
+
+        io = options_io or IOOptions.from_env(**knobs)
+        if (
+            options_io is None
+            and knobs.get("threads") is None
+            and not os.environ.get("PITSTOP_IO_THREADS")
+        ):
+            io = dataclasses.replace(io, threads=max(io.threads, OBJECT_STORE_THREADS))
+        return ObjectStorage(os.fspath(root), io), io
+    if isinstance(root, (str, os.PathLike)):  # (a near-URL: LocalStorage refuses it)
         io = options_io or IOOptions.from_env(**knobs)
         return LocalStorage(root, io), io
     if not all(hasattr(root, a) for a in ("io", "url", "prepare", "commit", "open_data")):
