@@ -13,7 +13,7 @@ from pitstop.errors import CheckpointNotFoundError, NotACheckpointError
 from pitstop.format.names import MANIFEST, parse_aside_dir, parse_step_dir, step_dir_name
 from pitstop.manager import CheckpointManager, KeyMap
 from pitstop.options import SaveOptions
-from pitstop.storage.local import local_path
+from pitstop.storage.local import local_path, object_url
 
 __all__ = ["check_root", "load", "resolve", "save"]
 
@@ -35,6 +35,8 @@ def resolve(path: str, step: int | None) -> tuple[str, int | None]:
     """The root and step that ``load(path, step=step)`` reads: ``path`` is a root, or one step
     directory (whose step must agree with ``step`` if both are given). A URL is refused, a
     ``file:`` URL of a local path is that path (``storage.local.local_path``)."""
+    if object_url(path) is not None:
+        return _resolve_url(path, step)
     path = local_path(path)
     root = path
     if os.path.isfile(os.path.join(path, MANIFEST)):
@@ -47,6 +49,22 @@ def resolve(path: str, step: int | None) -> tuple[str, int | None]:
         raise CheckpointNotFoundError(f"no such checkpoint directory: {path}", path=path)
     check_root(root)
     return root, step
+
+
+def _resolve_url(url: str, step: int | None) -> tuple[str, int | None]:
+    """``resolve`` of an object-store URL: a root, or one step "directory" under a root."""
+    from pitstop.storage.object_store import ObjectStorage
+
+    url = url.rstrip("/")
+    parent, _, last = url.rpartition("/")
+    dir_step = parse_step_dir(last)
+    if dir_step is None or "://" not in parent or parent.endswith(":/"):
+        return url, step
+    if not ObjectStorage(parent).has_manifest(last):
+        return url, step
+    if step is not None and step != dir_step:
+        raise CheckpointNotFoundError(f"{url} holds step {dir_step}, not {step}", path=url)
+    return parent, dir_step
 
 
 def save(

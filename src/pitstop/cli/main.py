@@ -32,7 +32,7 @@ from pitstop.errors import (
     UnsupportedSetupError,
 )
 from pitstop.format.names import LEVELS_FILE, MANIFEST, parse_aside_dir, parse_step_dir
-from pitstop.storage.local import LocalStorage, local_path
+from pitstop.storage.local import LocalStorage, local_path, object_url
 from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["EXIT_FALLBACK", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
@@ -71,6 +71,8 @@ def _human(n: float) -> str:
 
 def _open_root(path: str) -> tuple[Catalog, str | None]:
     """The catalog of a root and, when ``path`` is itself a checkpoint directory, its name."""
+    if object_url(path) is not None:
+        return _open_url(path)
     try:
         path = local_path(path)
     except UnsupportedSetupError as e:
@@ -90,8 +92,35 @@ def _open_root(path: str) -> tuple[Catalog, str | None]:
     return catalog_of(path), None
 
 
+def _open_url(url: str) -> tuple[Catalog, str | None]:
+    """``_open_root`` of an object-store URL: a root, or one step "directory" under a root."""
+    url = url.rstrip("/")
+    parent, _, last = url.rpartition("/")
+    try:
+        if parse_step_dir(last) is not None and "://" in parent and not parent.endswith(":/"):
+            catalog = catalog_of(parent)
+            if catalog.storage.has_manifest(last):
+                return catalog, last
+        catalog = catalog_of(url)
+        names = catalog.storage.entries()
+    except UnsupportedSetupError as e:
+        raise _UsageError(e.message) from None
+    if names and not any(
+        parse_step_dir(n) is not None or parse_aside_dir(n) is not None for n in names
+    ):
+        raise _UsageError(
+            f"{url} is not a pitstop checkpoint root (no manifest.json, no step-* prefixes)"
+        )
+    return catalog, None
+
+
 def catalog_of(root: str) -> Catalog:
-    """The catalog of the local root ``root`` (I/O retried); the caller closes it."""
+    """The catalog of the root ``root``, a directory or an object-store URL (I/O retried);
+    the caller closes it."""
+    if object_url(root) is not None:
+        from pitstop.storage.object_store import ObjectStorage
+
+        return Catalog(RetryingStorage(ObjectStorage(root)))  # type: ignore[arg-type]
     storage: Any = RetryingStorage(LocalStorage(root))
     return Catalog(storage)
 

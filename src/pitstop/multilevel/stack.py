@@ -50,7 +50,7 @@ from pitstop.ranks.group import Group
 from pitstop.ranks.outcome import describe, gather
 from pitstop.ranks.peers import make_link
 from pitstop.storage.base import Storage
-from pitstop.storage.local import LocalStorage, open_root
+from pitstop.storage.local import LocalStorage, object_url, open_root
 from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["LevelStack"]
@@ -84,13 +84,13 @@ class LevelStack(Restarts):
         self.node = nodes[group.rank]
         self.leader = self.placement.leaders[group.rank] == group.rank
         root = local.path_of(self.node)
+        inners = [open_root(level.path, io)[0] for level in shared]  # (a URL's client, first)
         self._check_node_dirs(root, nodes)
         self.local_storage: Storage = RetryingStorage(LocalStorage(root, io))  # type: ignore[assignment]
         self.local_catalog = Catalog(self.local_storage)
         self.link = make_link(group)
         self.targets: list[FlushTarget] = []
-        for level, name in zip(shared, level_names(shared)):
-            inner, _ = open_root(level.path, io)
+        for level, name, inner in zip(shared, level_names(shared), inners):
             storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
             target = FlushTarget(
                 name, level, storage, Catalog(storage),
@@ -281,7 +281,7 @@ class LevelStack(Restarts):
         ]
         files = files if self.leader else []
         for t in self.targets if self.group.coordinator else []:
-            if isinstance(t.level.path, (str, os.PathLike)):
+            if isinstance(t.level.path, (str, os.PathLike)) and object_url(t.level.path) is None:
                 own = {"level": "shared", "shared": t.storage.url,
                        "every": t.level.described_every()}  # fmt: skip
                 files.append((os.fspath(t.level.path), own))

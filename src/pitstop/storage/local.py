@@ -668,12 +668,12 @@ def open_root(
         from pitstop.storage.object_store import ObjectStorage
 
         io = options_io or IOOptions.from_env(**knobs)
-        if (
-            options_io is None
+        if (  # threads left at the disk's default
+            io.threads == IOOptions.threads
             and knobs.get("threads") is None
             and not os.environ.get("PITSTOP_IO_THREADS")
         ):
-            io = dataclasses.replace(io, threads=max(io.threads, OBJECT_STORE_THREADS))
+            io = dataclasses.replace(io, threads=OBJECT_STORE_THREADS)
         return ObjectStorage(os.fspath(root), io), io
     if isinstance(root, (str, os.PathLike)):  # (a near-URL: LocalStorage refuses it)
         io = options_io or IOOptions.from_env(**knobs)
