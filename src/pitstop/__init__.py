@@ -75,6 +75,7 @@ __all__ = [
     "ManifestError",
     "MissingExtraError",
     "NotACheckpointError",
+    "ObjectStorage",
     "PartialRestoreError",
     "PickleRefusedError",
     "RNGState",
@@ -101,6 +102,7 @@ _LAZY = {
     "CheckpointManager": "pitstop.manager",
     "Local": "pitstop.multilevel.levels",
     "Shared": "pitstop.multilevel.levels",
+    "ObjectStorage": "pitstop.storage.object_store",
     "RNGState": "pitstop.state.rng",
     "ResumableLoader": "pitstop.state.data",
     "ResumableSampler": "pitstop.state.data",
@@ -121,6 +123,7 @@ if TYPE_CHECKING:
     from pitstop.state.data import ResumableLoader, ResumableSampler
     from pitstop.state.keys import add_prefix, strip_prefix
     from pitstop.state.rng import RNGState
+    from pitstop.storage.object_store import ObjectStorage
 
 
 def __getattr__(name: str) -> Any:

@@ -38,11 +38,11 @@ def test_a_url_without_the_extra_names_the_extra(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "obstore", None)  # not installed
     monkeypatch.setitem(sys.modules, "obstore.store", None)
-    with pytest.raises(pitstop.UnsupportedSetupError, match=r"pip install 'pitstop\[s3\]'"):
+    with pytest.raises(pitstop.MissingExtraError, match=r"pip install 'pitstop\[s3\]'"):
         pitstop.CheckpointManager(url)
-    with pytest.raises(pitstop.UnsupportedSetupError, match=r"pitstop\[s3\]"):
+    with pytest.raises(pitstop.MissingExtraError, match=r"pitstop\[s3\]"):
         pitstop.CheckpointManager([pitstop.Local(tmp_path / "l" / "{node}"), pitstop.Shared(url)])
-    with pytest.raises(pitstop.UnsupportedSetupError, match=r"pitstop\[s3\]"):
+    with pytest.raises(pitstop.MissingExtraError, match=r"pitstop\[s3\]"):
         pitstop.save(url, {"w": torch.zeros(2)})
     assert main(["ls", url]) == 2
     assert "pitstop[s3]" in capsys.readouterr().err

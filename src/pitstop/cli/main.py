@@ -28,6 +28,7 @@ from pitstop.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    MissingExtraError,
     NotACheckpointError,
     UnsupportedSetupError,
 )
@@ -103,7 +104,7 @@ def _open_url(url: str) -> tuple[Catalog, str | None]:
                 return catalog, last
         catalog = catalog_of(url)
         names = catalog.storage.entries()
-    except UnsupportedSetupError as e:
+    except (UnsupportedSetupError, MissingExtraError) as e:
         raise _UsageError(e.message) from None
     if names and not any(
         parse_step_dir(n) is not None or parse_aside_dir(n) is not None for n in names

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pitstop.errors import UnsupportedSetupError
+from pitstop.errors import MissingExtraError, UnsupportedSetupError
 
 __all__ = [
     "FsspecClient",
@@ -40,7 +40,8 @@ __all__ = [
     "split_url",
 ]
 
-OBSTORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "memory")
+OBSTORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure")
+# (memory:// goes to fsspec: its memory file system is one per process, obstore's one per client)
 EXTRA = "pitstop[s3]"
 
 
@@ -109,10 +110,10 @@ def make_client(url: str, options: Mapping[str, Any] | None, client: str | None)
     raise ValueError(f"client= is 'obstore' or 'fsspec', got {client!r}")
 
 
-def _missing_extra(url: str, module: str) -> UnsupportedSetupError:
-    return UnsupportedSetupError(
-        f"{url}: object storage needs the optional package {module!r}: "
-        f"pip install '{EXTRA}'",
+def _missing_extra(url: str, module: str) -> MissingExtraError:
+    extra = EXTRA if module == "obstore" else "pitstop[fsspec]"
+    return MissingExtraError(
+        f"{url}: object storage needs the optional package {module!r}: pip install '{extra}'",
         path=url, phase="plan",
     )  # fmt: skip
 
@@ -169,11 +170,15 @@ class ObstoreClient:
             and not os.environ.get("AWS_REGION", os.environ.get("AWS_DEFAULT_REGION"))
         ):
             options["region"] = "us-east-1"  # the client refuses none; S3 answers any
+        provider = None
+        if scheme in ("s3", "s3a") and not _has_keys(options):
+            provider = _config_file_credentials()
+        kwargs_provider = {"credential_provider": provider} if provider is not None else {}
         target = self.url if rest else self.url + "/"
         try:
             self._store = from_url(
                 target, client_options=client_options, retry_config=retry,  # type: ignore[arg-type]
-                **options,
+                **kwargs_provider, **options,
             )  # fmt: skip
         except Exception as e:  # obstore raises its own errors for a bad config
             raise UnsupportedSetupError(
@@ -265,6 +270,31 @@ class ObstoreClient:
             self._obs.copy(self._store, src, dst, overwrite=True)
         except Exception as e:
             raise self._err(e, src) from None
+
+
+def _has_keys(options: Mapping[str, Any]) -> bool:
+    """Whether credentials are given or in the environment (the client reads those itself)."""
+    return any(k in options for k in ("access_key_id", "aws_access_key_id", "token")) or bool(
+        os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE")
+    )
+
+
+def _config_file_credentials() -> Any:
+    """Credentials from the AWS config files (``~/.aws/credentials``, profiles, SSO, instance
+    roles) through boto3 when it is installed and finds some; else None (the client then
+    tries the instance metadata itself)."""
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        return None
+    try:
+        session = boto3.Session()
+        if session.get_credentials() is None:
+            return None
+        return Boto3CredentialProvider(session)
+    except Exception:
+        return None
 
 
 def _endpoint() -> str | None:

@@ -197,6 +197,8 @@ class ObjectStorage:
                     f"{directory} was claimed by another writer at the same time",
                     path=self._where(key), phase="plan",
                 ) from None  # fmt: skip
+        except CheckpointError:
+            raise
         except OSError as e:
             raise self._io(e, f"create {directory}", key, "plan") from e
         with self._tokens_lock:
