@@ -128,11 +128,14 @@ def test_checkfreq_probes_once_then_follows_interval() -> None:
     assert not p.decide(
         ctx(step=6, stall_secs=None, persist_secs=None, checkpoints=1)
     )  # wait for it
-    k = p.choose(ctx())
-    assert not p.decide(ctx(steps_since_checkpoint=k - 1)) and p.decide(
-        ctx(steps_since_checkpoint=k)
-    )
-    assert p.interval == k
+    k = p.choose(ctx())  # 34: the model's interval, reached in bounded steps from 5
+    seen = []
+    while not seen or seen[-1] < k:
+        interval = min(k, 2 * (seen[-1] if seen else 5))
+        assert not p.decide(ctx(steps_since_checkpoint=interval - 1))
+        assert p.decide(ctx(steps_since_checkpoint=interval))
+        seen.append(p.interval)
+    assert seen == [10, 20, 34] and p.interval == k
 
 
 def test_young_daly_policy_uses_measured_cost() -> None:

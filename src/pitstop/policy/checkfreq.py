@@ -27,7 +27,9 @@ class CheckFreq(Schedule):
       (plus one quiet iteration, the baseline of the next paired measurement);
     * k = max(1, k_budget, k_persist, min_interval); a new paired measurement may shrink
       the interval to it at once, but grow it by at most a factor ``max_change`` (from the
-      last interval a measurement gave; after the first one, from ``warmup + profile``).
+      last interval a measurement gave; after the first one, from ``warmup + profile``);
+      without one (pairs dropped on a noisy machine, a slow first save) the model's
+      interval grows by at most ``max_change`` per checkpoint taken.
 
     Why pairs: on a shared machine iterations drift by tens of percent with no checkpoint
     running (a neighbour's job, thermal limits, the page cache), and an overhead measured
@@ -90,20 +92,23 @@ class CheckFreq(Schedule):
             )
         cost, source = self.cost(ctx)
         target = self.choose(ctx, cost)
-        if source is None:
-            k = target  # no paired measurement yet, or a re-probe at the model's interval
-        else:
-            if source != self._source:
-                # a new measurement: the interval may shrink to the target at once, but grow
-                # only by max_change from the last one a measurement gave (after the first
-                # measurement, which may be a one-off slow first save, from a short
-                # confirming interval)
-                self._source = source
-                self._ref = self._paired_k or self.warmup + self.profile
-            k = min(target, _ceil(self._ref * self.max_change))
+        if source is not None and source != self._source:
+            # a new measurement: the interval may shrink to the target at once, but grow only
+            # by max_change from the last one a measurement gave (after the first measurement,
+            # which may be a one-off slow first save, from a short confirming interval)
+            self._source = source
+            self._ref = self._paired_k or self._ref
+        # the model's interval (no paired measurement yet: dropped pairs, a re-probe) grows in
+        # the same bounded steps, one per checkpoint: one slow first save cannot stretch it
+        # to hundreds of iterations with no checkpoint and so no new measurement
+        k = min(target, _ceil((self._ref or self.warmup + self.profile) * self.max_change))
+        if source is not None:
             self._paired_k = k
         self.interval, self.cost_secs = k, cost
-        return ctx.steps_since_checkpoint >= k
+        take = ctx.steps_since_checkpoint >= k
+        if take and source is None:
+            self._ref = k
+        return take
 
     def explain(self, ctx: PolicyContext) -> str:
         """Why the interval is what it is (``ckpt.stats().policy_reason``, the loop's warning)."""
