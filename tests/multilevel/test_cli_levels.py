@@ -42,16 +42,19 @@ def single(tmp_path: Path) -> Path:
 def test_recoverable_rule_of_each_scheme() -> None:
     ok4 = [True] * 4
     single = Placement(NODES4, "single")
-    assert single.recoverable(set(), ok4, ok4) and not single.recoverable({1}, ok4, ok4)
+    assert single.redundancy.holds is None
+    assert single.recoverable(set(), ok4) and not single.recoverable({1}, ok4)
     partner = Placement(NODES4, "partner")  # rank r's copy lives on rank r+1's node
-    assert partner.recoverable({1}, ok4, ok4)
-    assert not partner.recoverable({1}, [True, True, False, True], ok4)  # its copy is bad
-    assert not partner.recoverable({1, 2}, ok4, ok4)  # its copy's node is lost too
-    assert partner.recoverable({1, 3}, ok4, ok4)
+    assert partner.redundancy.holds == "copy"
+    assert partner.recoverable({1}, ok4)
+    assert not partner.recoverable({1}, [True, True, False, True])  # its copy is bad
+    assert not partner.recoverable({1, 2}, ok4)  # its copy's node is lost too
+    assert partner.recoverable({1, 3}, ok4)
     xor = Placement(NODES4, "xor")
-    assert xor.recoverable({2}, ok4, ok4) and not xor.recoverable({1, 2}, ok4, ok4)
-    assert not xor.recoverable({2}, ok4, [True, False, True, True])  # a survivor's parity
-    assert xor.recoverable({2}, ok4, [True, True, False, True])  # the lost one's own: unused
+    assert xor.redundancy.holds == "parity"
+    assert xor.recoverable({2}, ok4) and not xor.recoverable({1, 2}, ok4)
+    assert not xor.recoverable({2}, [True, False, True, True])  # a survivor's parity
+    assert xor.recoverable({2}, [True, True, False, True])  # the lost one's own: unused
 
 
 # ---------------------------------------------------------------------- ls

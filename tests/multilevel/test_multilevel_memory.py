@@ -310,7 +310,7 @@ def _partner_that_cannot_read(rank: int, world: int, base: str) -> str:
     """Rank 1 cannot read its own files when it sends its partner copy: rank 0 is told by
     the transfer's last exchange (its link would time out after 5 s otherwise)."""
     from pitstop.multilevel.levels import Placement
-    from pitstop.multilevel.redundancy import Member, protect
+    from pitstop.multilevel.redundancy import Member
     from pitstop.ranks.group import make_group
     from pitstop.ranks.peers import make_link
     from pitstop.storage.local import LocalStorage
@@ -326,7 +326,8 @@ def _partner_that_cannot_read(rank: int, world: int, base: str) -> str:
         manifest = Manifest.loads(f.read(), path=STEP)
     link = make_link(make_group(5.0))
     try:
-        protect(Member(storage, STEP, manifest, Placement(nodes, "partner"), link, rank))
+        placement = Placement(nodes, "partner")
+        placement.redundancy.protect(Member(storage, STEP, manifest, placement, link, rank))
         return "ok"
     except pitstop.CheckpointError as e:
         return f"{type(e).__name__}: {e}"

@@ -33,8 +33,8 @@ def test_sets_split_the_nodes_and_never_leave_a_set_of_one() -> None:
     p = Placement([f"n{i}" for i in range(5)], "xor", set_size=2)
     assert p.sets == [["n0", "n1"], ["n2", "n3", "n4"]]
     assert p.xor_set(4) == [2, 3, 4]
-    assert p.recoverable({1, 3}, [True] * 5, [True] * 5)
-    assert not p.recoverable({2, 3}, [True] * 5, [True] * 5)
+    assert p.recoverable({1, 3}, [True] * 5)
+    assert not p.recoverable({2, 3}, [True] * 5)
 
 
 def test_one_node_keeps_a_single_copy_and_uneven_nodes_are_refused() -> None:

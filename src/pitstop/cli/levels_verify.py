@@ -63,7 +63,7 @@ class _RankCheck:
 
 
 def _check_rank(lv: Levels, placement: Placement, manifest: Manifest, rank: int) -> _RankCheck:
-    from pitstop.multilevel.redundancy import Member, verify_copy, verify_own, verify_parity
+    from pitstop.multilevel.redundancy import Member, verify_own
     from pitstop.options import IOOptions
     from pitstop.storage.local import LocalStorage
 
@@ -78,9 +78,10 @@ def _check_rank(lv: Levels, placement: Placement, manifest: Manifest, rank: int)
     except CheckpointError:  # the node's directory is a file, or cannot be read
         absent = True
     own = "missing" if absent else "ok" if verify_own(m) else "bad"
-    copy = ("ok" if verify_copy(m) else "bad") if placement.scheme == "partner" else None
-    parity = ("ok" if verify_parity(m) else "bad") if placement.scheme == "xor" else None
-    return _RankCheck(rank, node, own, copy, parity)
+    red = placement.redundancy
+    held = ("ok" if red.held_ok(m) else "bad") if red.holds is not None else None
+    return _RankCheck(rank, node, own, held if red.holds == "copy" else None,
+                      held if red.holds == "parity" else None)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -108,9 +109,8 @@ def _judge(lv: Levels, placement: Placement, st: _Step, digest: str) -> _Judgeme
     with _pinned(lv, st):
         checks = [_check_rank(lv, placement, m, r) for r in range(len(lv.nodes))]
     lost = {c.rank for c in checks if c.own != "ok"}
-    ok = placement.recoverable(
-        lost, [c.copy in ("ok", None) for c in checks], [c.parity in ("ok", None) for c in checks]
-    )
+    ok = placement.recoverable(lost, [c.copy in ("ok", None) and c.parity in ("ok", None)
+                                      for c in checks])  # fmt: skip
     return _Judgement(digest, checks, ok)
 
 

@@ -21,6 +21,7 @@ index on the set's nodes, so a copy or a parity block is never on its own node.
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import re
 import socket
@@ -35,12 +36,103 @@ from pitstop.policy.fixed import EveryN
 from pitstop.storage.local import local_path, object_url
 
 __all__ = [
-    "DEFAULT_EVERY", "SCHEMES", "SERVING", "Local", "Placement", "Shared", "check_levels",
+    "DEFAULT_EVERY", "REDUNDANCY", "SCHEMES", "SERVING", "Local", "Partner", "Placement",
+    "Redundancy", "Shared", "Xor", "check_levels",
     "level_names", "manifest_order", "node_ids",
 ]  # fmt: skip
 
-SCHEMES = ("single", "partner", "xor")
 DEFAULT_EVERY = 10  # Shared(): every 10th local commit unless told otherwise
+
+
+class Redundancy:
+    """How the node-local level protects each rank's files across nodes: the strategy of a
+    :class:`Local` level (``redundancy="single" | "partner" | "xor"``). This one, ``single``,
+    keeps one copy and protects nothing. A strategy says what a node holds for the ranks of
+    other nodes (:attr:`holds`), whether a loss can be rebuilt (:meth:`recoverable`, torch
+    free: ``pitstop ls`` asks it), and does the byte work through
+    :mod:`pitstop.multilevel.redundancy`: write its redundancy after a commit (:meth:`protect`),
+    check what this rank's node holds (:meth:`held_ok`), rebuild lost ranks (:meth:`rebuild`).
+    Every method runs on every rank of the job (the collective transfers inside)."""
+
+    name = "single"
+    holds: str | None = None
+    """``copy`` or ``parity``: what a node keeps of another node's ranks (None: nothing)."""
+
+    def recoverable(self, placement: Placement, lost: set[int], held_ok: list[bool]) -> bool:
+        """Given per rank whether what its node holds for others is whole."""
+        return not lost
+
+    def protect(self, m: Any) -> int:
+        """Write this rank's share of the step's redundancy; the bytes it received."""
+        return 0
+
+    def held_ok(self, m: Any) -> bool:
+        """What this rank's node holds for another's rank is whole and right."""
+        return True
+
+    def rebuild(self, m: Any, lost: set[int]) -> dict[str, int]:
+        """Rebuild the files of the ranks in ``lost`` (recoverable: checked); bytes by source."""
+        if lost:
+            raise AssertionError(f"redundancy={self.name!r} cannot rebuild ranks {sorted(lost)}")
+        return {}
+
+
+class Partner(Redundancy):
+    """A full copy of each rank's files on the next node of its set (SCR's partner)."""
+
+    name, holds = "partner", "copy"
+
+    def recoverable(self, placement: Placement, lost: set[int], held_ok: list[bool]) -> bool:
+        """Every lost rank's copy is whole on a node that kept its own files."""
+        return all(
+            held_ok[placement.partner_holder(r)] and placement.partner_holder(r) not in lost
+            for r in lost
+        )
+
+    def protect(self, m: Any) -> int:
+        return int(_io().protect_partner(m))
+
+    def held_ok(self, m: Any) -> bool:
+        return bool(_io().verify_copy(m))
+
+    def rebuild(self, m: Any, lost: set[int]) -> dict[str, int]:
+        return _io().rebuild_partner(m, lost) if lost else {}
+
+
+class Xor(Redundancy):
+    """Rotating XOR parity over the ranks of one local index on a set's nodes (SCR's XOR):
+    storage N/(N-1) for sets of N nodes; one lost node per set."""
+
+    name, holds = "xor", "parity"
+
+    def recoverable(self, placement: Placement, lost: set[int], held_ok: list[bool]) -> bool:
+        """Each lost rank's XOR set lost no other member, and every survivor's parity is whole."""
+        for r in lost:
+            members = placement.xor_set(r)
+            if sum(x in lost for x in members) > 1:
+                return False
+            if not all(held_ok[k] for k in members if k != r):
+                return False
+        return True
+
+    def protect(self, m: Any) -> int:
+        return int(_io().protect_xor(m))
+
+    def held_ok(self, m: Any) -> bool:
+        return bool(_io().verify_parity(m))
+
+    def rebuild(self, m: Any, lost: set[int]) -> dict[str, int]:
+        return _io().rebuild_xor(m, lost) if lost else {}
+
+
+REDUNDANCY: dict[str, Redundancy] = {c.name: c() for c in (Redundancy, Partner, Xor)}
+SCHEMES = tuple(REDUNDANCY)
+
+
+def _io() -> Any:
+    """:mod:`pitstop.multilevel.redundancy`, the byte work of the strategies (it needs torch;
+    the placement and ``pitstop ls`` do not)."""
+    return importlib.import_module("pitstop.multilevel.redundancy")
 
 
 @dataclass(frozen=True)
@@ -256,6 +348,7 @@ class Placement:
             sets[-2].extend(sets.pop())  # a set of one node protects nothing
         self.set_of_node = {n: i for i, s in enumerate(sets) for n in s}
         self.sets = sets
+        self.redundancy: Redundancy = REDUNDANCY[self.scheme]
 
     def local_index(self, rank: int) -> int:
         return self.ranks_of[self.nodes[rank]].index(rank)
@@ -278,26 +371,10 @@ class Placement:
     def xor_set(self, rank: int) -> list[int]:
         return self._ring(rank)
 
-    def recoverable(self, lost: set[int], copies_ok: list[bool], parity_ok: list[bool]) -> bool:
+    def recoverable(self, lost: set[int], held_ok: list[bool]) -> bool:
         """Whether a step whose ranks in ``lost`` lost their files can be rebuilt, given per
-        rank whether the partner copy its node keeps (``copies_ok``) and its parity block
-        (``parity_ok``) are whole: every lost rank's copy is whole on a node that kept its
-        own files (``partner``), or its XOR set lost no other member and every survivor's
-        parity is whole (``xor``); ``single`` needs nothing lost."""
-        if self.scheme == "single":
-            return not lost
-        if self.scheme == "partner":
-            return all(
-                copies_ok[self.partner_holder(r)] and self.partner_holder(r) not in lost
-                for r in lost
-            )
-        for r in lost:
-            members = self.xor_set(r)
-            if sum(x in lost for x in members) > 1:
-                return False
-            if not all(parity_ok[k] for k in members if k != r):
-                return False
-        return True
+        rank whether what its node holds for others is whole (see :class:`Redundancy`)."""
+        return self.redundancy.recoverable(self, lost, held_ok)
 
     def describe(self) -> dict[str, object]:
         """For levels.json and manifests: enough for ``pitstop ls`` to say who holds what."""

@@ -1,12 +1,16 @@
-"""Redundancy of the node-local level: partner copies and XOR parity, written and rebuilt.
+"""Redundancy of the node-local level: the byte work of the strategies of
+:class:`pitstop.multilevel.levels.Redundancy` (partner copies and XOR parity, written, checked
+and rebuilt).
 
-Call sequence (every rank, the same calls in the same order)::
+Call sequence (every rank, the same calls in the same order), through the job's strategy
+``red = placement.redundancy``::
 
-    protect(member)                     # persist thread, after every rank's files are
+    red.protect(member)                 # persist thread, after every rank's files are
                                         #   durable, before any node commits (NodeCommit);
                                         #   the training thread at restart (protect again)
-    verify_own(m), verify_copy(m), verify_parity(m)   # training thread, at restart
-    got = rebuild(member, lost)         # training thread, at restart: the member files of
+    verify_own(m), red.held_ok(m)       # training thread, at restart (verify_copy or
+                                        #   verify_parity: what this node holds for others)
+    got = red.rebuild(member, lost)     # training thread, at restart: the member files of
                                         #   the ranks in ``lost``; bytes received by source
 
 A rank's *payload* is its member files (its data and objects files of the step), each at a
@@ -51,7 +55,8 @@ from pitstop.storage.base import Storage
 from pitstop.storage.wrap import StorageWrapper
 
 __all__ = [
-    "Member", "protect", "rebuild", "verify_copy", "verify_own", "verify_parity",
+    "Member", "protect_partner", "protect_xor", "rebuild_partner", "rebuild_xor", "verify_copy",
+    "verify_own", "verify_parity",
 ]  # fmt: skip
 
 _PARITY_VERSION = 1
@@ -110,18 +115,7 @@ def _parity_layout(rank: int, block: int) -> Layout:
 
 
 # ---------------------------------------------------------------------- save
-def protect(m: Member) -> int:
-    """Write this rank's share of the step's redundancy (see the module docstring); the
-    bytes it received."""
-    scheme = m.placement.scheme
-    if scheme == "single":
-        return 0
-    if scheme == "partner":
-        return _protect_partner(m)
-    return _protect_xor(m)
-
-
-def _protect_partner(m: Member) -> int:
+def protect_partner(m: Member) -> int:
     """Round t: this rank sends piece t of its payload to its partner holder and receives
     piece t of its partner source's, written as ``partner-<name>`` and checked."""
     src, dst = m.placement.partner_source(m.rank), m.placement.partner_holder(m.rank)
@@ -154,7 +148,7 @@ def _xor_buffers(m: Member) -> int:
     return max(1, 2 * n - 3)
 
 
-def _protect_xor(m: Member) -> int:
+def protect_xor(m: Member) -> int:
     """Round t: this rank sends piece t of each block it cuts for the others and XORs their
     pieces t for it into piece t of its parity block, hashed on the way."""
     members = m.placement.xor_set(m.rank)
@@ -265,18 +259,7 @@ def verify_parity(m: Member) -> bool:
 
 
 # ---------------------------------------------------------------------- rebuild
-def rebuild(m: Member, lost: set[int]) -> dict[str, int]:
-    """Rebuild the member files of the ranks in ``lost`` (each recoverable: the caller
-    checked) into their nodes, every byte checked against the manifest as it is written;
-    every rank takes part. Bytes received, by source."""
-    if not lost:
-        return {}
-    if m.placement.scheme == "partner":
-        return _rebuild_partner(m, lost)
-    return _rebuild_xor(m, lost)
-
-
-def _rebuild_partner(m: Member, lost: set[int]) -> dict[str, int]:
+def rebuild_partner(m: Member, lost: set[int]) -> dict[str, int]:
     """Round t: the holder of a lost rank's partner copy sends piece t of it; the lost rank
     writes it as its own files."""
     piece = piece_bytes(m.storage.io, 1)
@@ -312,7 +295,7 @@ def _receive(m: Member, layout: Layout, pieces: list[Extent], rounds: list[Round
     return got
 
 
-def _rebuild_xor(m: Member, lost: set[int]) -> dict[str, int]:
+def rebuild_xor(m: Member, lost: set[int]) -> dict[str, int]:
     """Round t: every survivor of a lost rank x's set sends piece t of what it holds of x's
     blocks (its parity for its own, its own block for each other member: x's order); x
     XORs them into piece t of its payload."""

@@ -50,11 +50,7 @@ from pitstop.multilevel.flush import FlushTarget
 from pitstop.multilevel.levels import SERVING, Placement, manifest_order
 from pitstop.multilevel.redundancy import (
     Member,
-    protect,
-    rebuild,
-    verify_copy,
     verify_own,
-    verify_parity,
 )
 from pitstop.ranks.group import Group
 from pitstop.ranks.outcome import attempt, describe, gather
@@ -290,33 +286,27 @@ class Restarts:
         make each node's directory hold the agreed manifest (``stale``: the leaders of the
         nodes whose manifest is missing, differs or is marked), protect again where anything
         was repaired."""
-        s, scheme = m.manifest.step, self.placement.scheme
+        s, red = m.manifest.step, self.placement.redundancy
         fix = self.group.rank in stale
-        verified = gather(
-            self.group,
-            lambda: [
-                verify_own(m),
-                verify_copy(m) if scheme == "partner" else True,
-                verify_parity(m) if scheme == "xor" else True,
-            ],
-            "restore",
-        )
+        verified = gather(self.group, lambda: [verify_own(m), red.held_ok(m)], "restore")
         failed = describe(verified, "verify")
         if failed is not None:
             return failed
         words = [o.value for o in verified]
         lost = {r for r, w in enumerate(words) if not w[0]}
-        if not self.placement.recoverable(lost, [w[1] for w in words], [w[2] for w in words]):
-            return f"cannot be rebuilt (ranks {sorted(lost)} lost their files; redundancy {scheme})"
+        if not self.placement.recoverable(lost, [w[1] for w in words]):
+            return (
+                f"cannot be rebuilt (ranks {sorted(lost)} lost their files; redundancy {red.name})"
+            )
         repaired = [f"rank {r}" for r in sorted(lost)]
-        repaired += [f"partner copy on rank {r}" for r, w in enumerate(words) if not w[1]]
-        repaired += [f"parity on rank {r}" for r, w in enumerate(words) if not w[2]]
+        held = {"copy": "partner copy", "parity": "parity"}.get(red.holds or "")
+        repaired += [f"{held} on rank {r}" for r, w in enumerate(words) if not w[1]]
         room, error = self._rooms(m.directory, fix)
         if error is not None:
             return error
 
         def rebuild_here() -> dict[str, int]:
-            got = rebuild(m, lost)
+            got = red.rebuild(m, lost)
             if self.group.rank in lost and not verify_own(m):
                 raise CorruptCheckpointError(
                     f"rank {self.group.rank}'s files were rebuilt but fail their checksums",
@@ -393,7 +383,9 @@ class Restarts:
         """Write the redundancy again (a spare node gets its copies, a bad copy or parity is
         rewritten). A failure leaves the step restorable, less protected: said and returned
         (every rank alike), not raised."""
-        error = describe(gather(self.group, lambda: protect(m), "restore"), "protect")
+        error = describe(
+            gather(self.group, lambda: m.placement.redundancy.protect(m), "restore"), "protect"
+        )
         if error is not None and self.group.coordinator:
             _log.warning("%s: redundancy not re-established: %s", m.directory, error,
                          phase="restore")  # fmt: skip

@@ -41,7 +41,6 @@ from pitstop.multilevel.flush import Flusher, FlushRecord, FlushTarget
 from pitstop.multilevel.levels import Local, Placement, Shared, level_names, node_ids
 from pitstop.multilevel.redundancy import (
     Member,
-    protect,
 )
 from pitstop.multilevel.restart import Restarts
 from pitstop.options import IOOptions
@@ -170,7 +169,7 @@ class LevelStack(Restarts):
         self._manifest = m.manifest  # for the flush: a co-located leader may commit later
         killpoint("replicate.mid")
         try:
-            protect(m)
+            m.placement.redundancy.protect(m)
         except CheckpointError as e:  # ENOSPC writing a partner copy is the replication's
             e.phase, e.step = "replicate", m.manifest.step
             raise
