@@ -4,8 +4,10 @@ the CLI on a URL."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -236,8 +238,30 @@ def test_the_cli_works_on_a_url(bucket: Any, tmp_path: Any) -> None:
     bad = run("verify", bucket.url())
     assert bad.returncode == 1 and "step-0000000003" in bad.stdout + bad.stderr
     bucket.put("run/step-0000000009/rank-00000.bin/0000000000000000", b"debris")
+    dead = {"host": socket.gethostname(), "pid": 2**22 + 77, "time": 0, "token": "t"}
+    bucket.put("run/step-0000000009/.owner", json.dumps(dead).encode())  # a killed save's
+    bucket.put("run/step-0000000010/rank-00000.bin/0000000000000000", b"someone's, now")
     gc = run("gc", bucket.url(), "--min-age", "0")
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert not any("step-0000000009" in k for k in bucket.list_keys("run/"))
+    assert any("step-0000000010" in k for k in bucket.list_keys("run/"))  # young: kept
     empty = run("ls", f"s3://{bucket.name}/nothing-here")
     assert empty.returncode == 0 and "no checkpoints" in (empty.stdout + empty.stderr).lower()
+
+
+def test_a_bucket_that_does_not_exist_is_refused_when_the_manager_is_built(
+    bucket: Any, tmp_path: Any
+) -> None:
+    url = f"s3://{bucket.name}-missing/run"
+    with pytest.raises(pitstop.CheckpointIOError, match="NoSuchBucket"):
+        pitstop.CheckpointManager(url)
+    with pytest.raises(pitstop.CheckpointIOError, match="NoSuchBucket"):
+        pitstop.CheckpointManager([pitstop.Local(tmp_path / "l" / "{node}"), pitstop.Shared(url)])
+    assert not (tmp_path / "l").exists()
+
+
+def test_a_key_the_client_cannot_list_is_named_with_what_to_do(bucket: Any) -> None:
+    pitstop.save(bucket.url(), {"w": torch.ones(3)}, step=1)
+    bucket.put("run/step-0000000001//odd", b"x")
+    with pytest.raises(pitstop.CheckpointError, match="delete that object"):
+        pitstop.load(bucket.url(), {"w": torch.zeros(3)})

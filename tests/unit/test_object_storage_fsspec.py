@@ -4,6 +4,8 @@ conformance with a directory root where users see the same behaviour."""
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 from typing import Any
 
@@ -83,7 +85,10 @@ def test_commit_is_last_and_never_replaces_a_manifest(url: str) -> None:
 def test_debris_of_a_dead_save_is_cleared_by_the_next_save_of_that_step(url: str) -> None:
     storage = ObjectStorage(url)
     storage.prepare("step-0000000007")
-    storage.write_object("step-0000000007", "objects-00000.json", b"half")  # then killed
+    storage.write_object("step-0000000007", "objects-00000.json", b"half")  # then killed:
+    owner = json.loads(storage.client.get("step-0000000007/.owner", 4096))
+    owner["pid"] = 2**22 + 4321  # (a process that no longer exists)
+    storage.client.put("step-0000000007/.owner", json.dumps(owner).encode())
     with pitstop.CheckpointManager(url) as ckpt:
         ckpt.save(7, {"w": torch.ones(3)})
     out = {"w": torch.zeros(3)}
@@ -156,3 +161,137 @@ def test_the_default_client_is_obstore_for_s3_and_fsspec_for_memory(monkeypatch:
     pytest.importorskip("s3fs")
     chosen = ObjectStorage("s3://bucket/run", client="fsspec").client
     assert type(chosen).__name__ == "FsspecClient"
+
+
+# ------------------------------------------------------------------ hostile review findings
+def test_a_save_whose_files_were_removed_meanwhile_is_not_committed(url: str) -> None:
+    """Another process's gc (no locks on an object store) removed a save's parts while it
+    wrote: the commit checks and refuses; the save never returns for a broken checkpoint."""
+    storage = ObjectStorage(url)
+    with pitstop.CheckpointManager(url) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1000)})
+
+    class Remover(ObjectStorage):
+        def commit(self, directory: str, manifest: bytes) -> None:
+            parts = [k for k in _keys(self, directory) if "/rank-00000.bin/" in k]
+            self.client.delete(parts)  # what a gc elsewhere did
+            super().commit(directory, manifest)
+
+    with (
+        pytest.raises(pitstop.CheckpointIOError, match="missing or incomplete at commit"),
+        pitstop.CheckpointManager(Remover(url)) as ckpt,
+    ):
+        ckpt.save(2, {"w": torch.ones(1000) * 2})
+    assert not storage.has_manifest("step-0000000002")
+    out = {"w": torch.zeros(1000)}
+    assert pitstop.load(url, out) == 1 and torch.equal(out["w"], torch.ones(1000))
+
+
+def test_a_save_whose_claim_was_taken_commits_nothing(url: str) -> None:
+    """Two jobs on one prefix: the second takes over the step (the first's host cannot be
+    asked whether it lives); the first finds its claim gone at commit."""
+    a, b = ObjectStorage(url), ObjectStorage(url)
+    a.prepare("step-0000000003")
+    owner = json.loads(a.client.get("step-0000000003/.owner", 4096))
+    owner["host"] = "another-host"  # liveness unknowable: taken over
+    a.client.put("step-0000000003/.owner", json.dumps(owner).encode())
+    b.prepare("step-0000000003")
+    a._tokens["step-0000000003"] = owner["token"]
+    with pytest.raises(pitstop.CheckpointExistsError, match="claim is gone"):
+        a.commit("step-0000000003", b"{}")
+    assert not a.has_manifest("step-0000000003")
+
+
+def test_a_live_writer_on_this_host_is_never_taken_over(url: str) -> None:
+    a, b = ObjectStorage(url), ObjectStorage(url)
+    a.prepare("step-0000000004")  # this very process: alive
+    with pytest.raises(pitstop.CheckpointExistsError, match="being written by another process"):
+        b.prepare("step-0000000004")
+
+
+def test_debris_of_a_dead_process_is_old_at_once_a_live_ones_is_young(url: str) -> None:
+    storage = ObjectStorage(url)
+    storage.prepare("step-0000000005")
+    assert storage.mtime("step-0000000005") >= time.time() - 1  # alive: in use now
+    owner = json.loads(storage.client.get("step-0000000005/.owner", 4096))
+    owner["pid"] = 2**22 + 12345  # no such process
+    storage.client.put("step-0000000005/.owner", json.dumps(owner).encode())
+    assert storage.mtime("step-0000000005") == 0.0
+    with pitstop.CheckpointManager(url) as ckpt:
+        report = ckpt.gc()
+    assert "step-0000000005" not in storage.entries(), report
+
+
+def test_a_huge_manifest_is_damage_and_restore_falls_back(url: str) -> None:
+    with pitstop.CheckpointManager(url, keep_last=3) as ckpt:
+        ckpt.save(1, {"w": torch.ones(8)})
+        ckpt.save(2, {"w": torch.ones(8) * 2})
+    storage = ObjectStorage(url, IOOptions(max_metadata_bytes=4096))
+    storage.client.put("step-0000000002/manifest.json", b" " * 10_000)
+    with pytest.raises(pitstop.CorruptCheckpointError, match="max_metadata_bytes"):
+        storage.read_manifest("step-0000000002")
+    out = {"w": torch.zeros(8)}
+    with pitstop.CheckpointManager(storage) as ckpt:
+        assert ckpt.restore(out) == 1
+    assert torch.equal(out["w"], torch.ones(8))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["memory://b/exp#2", "memory://b/exp?v=1", "memory://b/e%78p", "memory://b/x/../exp",
+     "memory://b/a//b", "memory://b/./a", "s3:///run"],
+)  # fmt: skip
+def test_urls_that_do_not_name_one_literal_prefix_are_refused(bad: str) -> None:
+    with pytest.raises(pitstop.UnsupportedSetupError, match="plain prefix"):
+        ObjectStorage(bad)
+
+
+def test_a_step_removed_while_read_is_not_called_damage(url: str) -> None:
+    with pitstop.CheckpointManager(url) as ckpt:
+        ckpt.save(1, {"w": torch.randn(50_000)})
+    storage = ObjectStorage(url)
+    reader = storage.open_data("step-0000000001", "rank-00000.bin")
+    storage.uncommit("step-0000000001")  # retention elsewhere: manifest first, then files
+    storage.remove("step-0000000001")
+    with pytest.raises(pitstop.CheckpointNotFoundError, match="removed"):
+        reader.read_into(0, memoryview(bytearray(4096)))
+
+
+def test_a_scan_lists_the_root_once_not_once_per_entry(url: str) -> None:
+    with pitstop.CheckpointManager(url, keep_last=10) as ckpt:
+        for step in range(1, 9):
+            ckpt.save(step, {"w": torch.ones(4) * step})
+    storage = ObjectStorage(url)
+    calls = []
+    real = storage.client.list_dirs
+    storage.client.list_dirs = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+    with pitstop.CheckpointManager(storage) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(4)}) == 8
+    assert len(calls) <= 4, len(calls)
+
+
+def test_secrets_in_server_errors_are_removed() -> None:
+    from pitstop.storage.clients import _short
+
+    body = (
+        'Server returned non-2xx status code: 403 Forbidden: <?xml version="1.0"?><Error>'
+        "<Code>ExpiredToken</Code><Message>The provided token has expired.</Message>"
+        "<Token-0>FQoGZXIvYXdzEJr-SESSION-TOKEN</Token-0></Error> http://h/k?X-Amz-Signature=abc"
+    )
+    said = _short(Exception(body))
+    assert said == "ExpiredToken: The provided token has expired. (HTTP 403)"
+    from pitstop.storage.clients import scrub
+
+    assert "SESSION-TOKEN" not in scrub(body) and "abc" not in scrub(body)
+
+
+def test_http_settings_given_with_the_config_do_not_crash_the_client() -> None:
+    pytest.importorskip("obstore")
+    storage = ObjectStorage(
+        "s3://bucket/run",
+        options={"endpoint": "http://127.0.0.1:9", "allow_http": True, "timeout": "5s",
+                 "access_key_id": "a", "secret_access_key": "b"},
+    )  # fmt: skip
+    assert type(storage.client).__name__ == "ObstoreClient"
+    with pytest.raises(pitstop.UnsupportedSetupError, match="cannot set up"):
+        ObjectStorage("s3://bucket/run", options={"no_such_option": 1})

@@ -217,6 +217,12 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     return manifest
 
 
+UNLOCKED_DEBRIS_SECS = 60.0
+"""On a storage without locks (an object store), an uncommitted step whose newest object is
+younger than this is kept by gc whatever ``min_age`` says: a save on another host may be
+writing it (one of this host's, alive or dead, the storage tells by its owner's pid)."""
+
+
 class Catalog:
     """The checkpoints under one storage root and their lifecycle (see the module docstring)."""
 
@@ -487,6 +493,8 @@ class Catalog:
     def _collect_one(self, e: Entry, min_age_secs: float, now: float, dry_run: bool) -> str:
         debris = e.status in ("partial", "writing", "retired")
         min_age = max(min_age_secs, 10.0) if e.status == "writing" else min_age_secs
+        if debris and not getattr(self.storage, "locks", True):
+            min_age = max(min_age, UNLOCKED_DEBRIS_SECS)  # a save elsewhere may be running
         if debris and min_age > 0:
             age = now - self.storage.mtime(e.name)
             if age < min_age:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -129,9 +130,10 @@ def _secs(t: Any) -> float:
 # ---------------------------------------------------------------------------------- obstore
 class ObstoreClient:
     """``obstore`` (Rust ``object_store``). ``options``: the store's config keys
-    (``endpoint``, ``region``, ``access_key_id``, ``allow_http``, ...; the rest come from the
-    environment as the client reads it: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...),
-    plus ``client_options`` and ``retry_config`` passed as they are."""
+    (``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; the rest come
+    from the environment as the client reads it: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+    ...), HTTP settings (``allow_http``, ``timeout``, ...: moved to the client options), plus
+    ``client_options`` and ``retry_config`` passed as they are."""
 
     def __init__(self, url: str, options: dict[str, Any]) -> None:
         try:
@@ -156,13 +158,14 @@ class ObstoreClient:
                 "base": 2,
             },
         }
-        client_options = options.pop("client_options", None)
+        client_options = dict(options.pop("client_options", None) or {})
+        for key in _CLIENT_KEYS & set(options):  # HTTP settings given with the store's config
+            client_options[key] = options.pop(key)
         scheme, rest = split_url(self.url)
         if scheme in ("s3", "s3a") and "endpoint" not in options and _endpoint():
             options["endpoint"] = _endpoint()
         endpoint = str(options.get("endpoint", ""))
-        if endpoint.startswith("http://") and "allow_http" not in options:
-            client_options = dict(client_options or {})
+        if endpoint.startswith("http://"):
             client_options.setdefault("allow_http", True)
         if (
             scheme in ("s3", "s3a")
@@ -176,11 +179,14 @@ class ObstoreClient:
         kwargs_provider = {"credential_provider": provider} if provider is not None else {}
         target = self.url if rest else self.url + "/"
         try:
-            self._store = from_url(
-                target, client_options=client_options, retry_config=retry,  # type: ignore[arg-type]
-                **kwargs_provider, **options,
-            )  # fmt: skip
-        except Exception as e:  # obstore raises its own errors for a bad config
+            settings: dict[str, Any] = {
+                "client_options": client_options, "retry_config": retry, **kwargs_provider,
+                **options,
+            }  # fmt: skip
+            self._store = from_url(target, **settings)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # its own errors for a bad config; a Rust panic for some
             raise UnsupportedSetupError(
                 f"{url}: cannot set up the object store client: {_short(e)}", path=url,
                 phase="plan",
@@ -191,7 +197,15 @@ class ObstoreClient:
             return ObjectMissing(errno.ENOENT, f"{key}: no such object")
         if isinstance(e, self._exists):
             return ObjectExists(errno.EEXIST, f"{key}: exists")
-        return OSError(errno.EREMOTEIO, f"{key}: {_short(e)}")
+        text = _short(e)
+        if "invalid path" in text.lower():  # a key with an empty or "."/".." segment
+            return OSError(
+                errno.EINVAL,
+                f"{key}: {text}: an object under {self.url} has a key this client cannot "
+                "list (an empty '//' or a '.'/'..' segment); delete that object with another "
+                "tool (aws s3 rm ...)",
+            )
+        return OSError(errno.EREMOTEIO, f"{key}: {text}")
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
         try:
@@ -272,6 +286,12 @@ class ObstoreClient:
             raise self._err(e, src) from None
 
 
+_CLIENT_KEYS = frozenset(
+    {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "user_agent",
+     "proxy_url", "pool_idle_timeout", "pool_max_idle_per_host", "http1_only", "http2_only"}
+)  # fmt: skip
+
+
 def _has_keys(options: Mapping[str, Any]) -> bool:
     """Whether credentials are given or in the environment (the client reads those itself)."""
     return any(k in options for k in ("access_key_id", "aws_access_key_id", "token")) or bool(
@@ -301,10 +321,38 @@ def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+_S3_ERROR = re.compile(r"<Code>([^<]{1,100})</Code>(?:.*?<Message>([^<]{0,300})</Message>)?", re.S)
+_SECRET_ELEMENT = re.compile(
+    r"<(Token(?:-\d+)?|SecurityToken|AWSAccessKeyId|StringToSign(?:Bytes)?|SignatureProvided|"
+    r"CanonicalRequest(?:Bytes)?)>.*?</\1>",
+    re.S,
+)
+_SECRET_PARAM = re.compile(
+    r"(X-Amz-Security-Token|X-Amz-Credential|X-Amz-Signature|Signature|sig|token)=[^&\s\"'<]+",
+    re.I,
+)
+_STATUS = re.compile(r"status code: (\d{3})")
+
+
+def scrub(text: str) -> str:
+    """``text`` without what may hold a secret: the token, key id and signature elements an
+    S3 error body echoes, and signature and token parameters of a URL."""
+    text = _SECRET_ELEMENT.sub(lambda m: f"<{m.group(1)}>(removed)</{m.group(1)}>", text)
+    return _SECRET_PARAM.sub(lambda m: f"{m.group(1)}=(removed)", text)
+
+
 def _short(e: BaseException) -> str:
-    """The first line of a client's error (obstore's carry pages of debug output)."""
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
+    """What a client's error says, in a line: the S3 error code and message when the server
+    sent them (``NoSuchBucket: The specified bucket does not exist``), else the first line
+    (obstore's errors carry pages of debug output); secrets removed (:func:`scrub`)."""
+    text = scrub(str(e))
+    found = _S3_ERROR.search(text)
+    status = _STATUS.search(text)
+    if found is not None:
+        said = f"{found.group(1)}: {found.group(2)}" if found.group(2) else found.group(1)
+        return f"{said} (HTTP {status.group(1)})" if status else said
+    lines = text.strip().splitlines()
+    return lines[0][:300] if lines else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------- fsspec

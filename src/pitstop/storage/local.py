@@ -75,6 +75,11 @@ __all__ = ["LocalStorage", "RamStorage", "local_path", "object_url", "open_root"
 _URL = re.compile(r"^\s*(?:\./+)*([A-Za-z][A-Za-z0-9+.-]*):(?=/|$)")
 
 
+# "s3:bucket/run" (no slashes): a known store's scheme as the first word of a path
+_SCHEME_WORD = re.compile(
+    r"^\s*(?:\./+)*(s3|s3a|gs|gcs|az|abfs|abfss|azure|memory|http|https|hdfs|hf|oss|r2):",
+    re.I,
+)
 _OBJECT_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://[^/\s]")
 
 
@@ -99,7 +104,7 @@ def refuse_url(root: Any) -> None:
         raise TypeError(f"a checkpoint root is a str or os.PathLike path, not bytes: {root!r}")
     if not isinstance(root, (str, os.PathLike)):
         return
-    match = _URL.match(os.fspath(root))
+    match = _URL.match(os.fspath(root)) or _SCHEME_WORD.match(os.fspath(root))
     if match is None or match.group(1).lower() == "file":
         return
     if object_url(root) is not None:
@@ -674,7 +679,9 @@ def open_root(
             and not os.environ.get("PITSTOP_IO_THREADS")
         ):
             io = dataclasses.replace(io, threads=OBJECT_STORE_THREADS)
-        return ObjectStorage(os.fspath(root), io), io
+        storage = ObjectStorage(os.fspath(root), io)
+        storage.check()  # a missing bucket or refused credentials: said now, not at a flush
+        return storage, io
     if isinstance(root, (str, os.PathLike)):  # (a near-URL: LocalStorage refuses it)
         io = options_io or IOOptions.from_env(**knobs)
         return LocalStorage(root, io), io

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import errno
 import json
+import os
 import socket
 import threading
 import time
@@ -47,19 +48,67 @@ from pitstop.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafePathError,
+    UnsupportedSetupError,
 )
 from pitstop.faults import killpoint
 from pitstop.format.jsonsafe import load_json
+from pitstop.format.manifest import Manifest
 from pitstop.format.markers import MAX_MARKER_BYTES, Unreadable
 from pitstop.format.names import MANIFEST, MARKERS, OWNER_FILE, aside_dir_name, parse_step_dir
 from pitstop.io.parallel import Extent, IOResult, _run_extents
 from pitstop.options import IOOptions
 from pitstop.storage.aside import aside_kind
-from pitstop.storage.clients import ObjectClient, ObjectExists, ObjectMissing, make_client
+from pitstop.storage.clients import (
+    ObjectClient,
+    ObjectExists,
+    ObjectMissing,
+    make_client,
+    split_url,
+)
 
 __all__ = ["ObjectStorage"]
 
 PART_BYTES = 64 * 1024 * 1024
+_LISTING_SECS = 2.0
+
+
+def _checked_url(url: str) -> str:
+    """``url`` without a trailing slash; refused if its key prefix is not one literal path:
+    ``?``, ``#`` or ``%`` (a query, a fragment, an escape: clients drop or decode them, so two
+    "different" runs would share a prefix), empty, ``.`` or ``..`` segments."""
+    scheme, rest = split_url(url)
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.rstrip("/")
+    bad = [c for c in "?#%" if c in rest]
+    segments = prefix.split("/") if prefix else []
+    if bad or not bucket or any(seg in ("", ".", "..") for seg in segments):
+        why = (
+            f"it holds {' '.join(repr(c) for c in bad)}" if bad
+            else "it names no bucket" if not bucket
+            else "its path has an empty, '.' or '..' segment"
+        )  # fmt: skip
+        raise UnsupportedSetupError(
+            f"{url}: {why}; give {scheme}://bucket/prefix with a plain prefix (letters, digits, "
+            "'-', '_', '.', '/' between names)",
+            path=url, phase="plan",
+        )  # fmt: skip
+    return f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
+
+
+def _owner_alive(owner: dict[str, Any] | None) -> bool | None:
+    """Whether the process that claimed a step is alive: known only on its own host."""
+    if owner is None or owner.get("host") != socket.gethostname():
+        return None
+    pid = owner.get("pid")
+    if type(pid) is not int or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
 
 
 class _NoLock:
@@ -94,6 +143,7 @@ class ObjectStorage:
     ``"fsspec"``. See the module docstring for the layout and the commit rule."""
 
     renames_in_place = False  # a rename copies every byte: retention deletes in place
+    locks = False  # no pins or holds: gc keeps debris a while (see mtime)
 
     def __init__(
         self,
@@ -104,7 +154,7 @@ class ObjectStorage:
         client: str | None = None,
         part_bytes: int = PART_BYTES,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = _checked_url(url)
         self.io = io if io is not None else IOOptions.from_env()
         self.part_bytes = int(part_bytes)
         if self.part_bytes < 4096:
@@ -112,6 +162,7 @@ class ObjectStorage:
         self.client: ObjectClient = make_client(self.url, options, client)
         self._tokens: dict[str, str] = {}  # directories this storage prepared -> token
         self._tokens_lock = threading.Lock()
+        self._top: tuple[float, list[str], list[str]] | None = None  # a listing, briefly kept
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -136,18 +187,33 @@ class ObjectStorage:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ listing
-    def entries(self) -> list[str]:
+    def _list_top(self, fresh: bool) -> tuple[list[str], list[str]]:
+        """The top level; ``entry_kind`` right after ``entries`` reuses its listing (one LIST
+        per scan, not one per entry), anything that writes forgets it."""
+        top = self._top
+        if not fresh and top is not None and time.monotonic() - top[0] < _LISTING_SECS:
+            return top[1], top[2]
         try:
             dirs, files = self.client.list_dirs()
         except OSError as e:
             raise self._io(e, f"list {self.url}", "", "restore") from e
+        self._top = (time.monotonic(), dirs, files)
+        return dirs, files
+
+    def _changed(self) -> None:
+        self._top = None
+
+    def check(self) -> None:
+        """One LIST of the prefix: a bucket that does not exist, or credentials it refuses,
+        fail here (when the manager is built), not at the first save or flush."""
+        self._list_top(fresh=True)
+
+    def entries(self) -> list[str]:
+        dirs, files = self._list_top(fresh=True)
         return sorted(set(dirs) | set(files))
 
     def entry_kind(self, name: str) -> str:
-        try:
-            dirs, files = self.client.list_dirs()
-        except OSError as e:
-            raise self._io(e, f"list {self.url}", name, "restore") from e
+        dirs, files = self._list_top(fresh=False)
         return "dir" if name in dirs else "file" if name in files else "missing"
 
     def _objects(self, directory: str, phase: str = "restore") -> list[Any]:
@@ -170,12 +236,29 @@ class ObjectStorage:
         return self._exists(self._key(directory, MANIFEST), "restore")
 
     def mtime(self, directory: str) -> float:
+        """The last sign of life of ``directory``: there are no locks to tell a save in
+        progress from a dead one's debris, so the time of its newest object, or now when its
+        owner (the save that claimed it) is a live process of this host, or 0 when that
+        process is gone (debris at once)."""
         found = self._objects(directory, "gc")
         if not found:
             raise CheckpointNotFoundError(
                 f"{directory} does not exist", path=self._where(self._key(directory))
             )
-        return max(o.mtime for o in found)
+        owner = self._key(directory, OWNER_FILE)
+        if not any(o.key == owner for o in found) or self.has_manifest(directory):
+            return max(o.mtime for o in found)
+        alive = _owner_alive(self._read_owner(directory))
+        if alive is None:
+            return max(o.mtime for o in found)
+        return time.time() if alive else 0.0
+
+    def _read_owner(self, directory: str) -> dict[str, Any] | None:
+        try:
+            owner = json.loads(self.client.get(self._key(directory, OWNER_FILE), 4096))
+        except (OSError, ValueError):
+            return None
+        return owner if isinstance(owner, dict) else None
 
     # ------------------------------------------------------------------ save
     def prepare(self, directory: str) -> str:
@@ -188,7 +271,8 @@ class ObjectStorage:
                 self._clear_debris(directory)
             token = uuid.uuid4().hex
             owner = {
-                "host": socket.gethostname(), "time": time.time(), "token": token,
+                "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                "token": token,
             }  # fmt: skip
             try:
                 self.client.put(key, json.dumps(owner).encode(), if_absent=True)
@@ -203,6 +287,7 @@ class ObjectStorage:
             raise self._io(e, f"create {directory}", key, "plan") from e
         with self._tokens_lock:
             self._tokens[directory] = token
+        self._changed()
         return token
 
     def _clear_debris(self, directory: str) -> None:
@@ -216,7 +301,16 @@ class ObjectStorage:
                 f"{directory} is already committed; committed checkpoints are never rewritten",
                 path=self._where(self._key(directory)), phase="plan",
             )  # fmt: skip
-        self.remove(directory)  # a dead save's objects (no locks here: see the module doc)
+        owner = self._read_owner(directory)
+        if _owner_alive(owner):
+            assert owner is not None
+            raise CheckpointExistsError(
+                f"{directory} is being written by another process (pid {owner.get('pid')} on "
+                f"{owner.get('host')})", path=self._where(self._key(directory)), phase="plan",
+            )  # fmt: skip
+        # a dead save's objects, or a save on another host whose liveness cannot be known:
+        # taken over (that save, if alive, finds its claim gone at commit and commits nothing)
+        self.remove(directory)
 
     def join(self, directory: str, token: str) -> None:
         key = self._key(directory, OWNER_FILE)
@@ -290,8 +384,12 @@ class ObjectStorage:
             raise self._io(e, f"write {name}", key, "persist") from e
 
     def commit(self, directory: str, manifest: bytes) -> None:
-        """The manifest, put only if absent: the checkpoint exists from here on."""
+        """The manifest, put only if absent: the checkpoint exists from here on. First, with
+        no lock to keep others out, the save checks that its claim still stands and that
+        every file the manifest names is there whole (another process's gc or a second job
+        may have deleted what it wrote): a save never returns for a checkpoint that is not."""
         key = self._key(directory, MANIFEST)
+        self._check_before_commit(directory, manifest)
         killpoint("commit.before_rename")
         try:
             self.client.put(key, manifest, if_absent=True)
@@ -304,7 +402,34 @@ class ObjectStorage:
             raise self._io(e, f"commit {directory}", key, "commit") from e
         with self._tokens_lock:
             self._tokens.pop(directory, None)
+        self._changed()
         killpoint("commit.after_rename")
+
+    def _check_before_commit(self, directory: str, manifest: bytes) -> None:
+        where = self._where(self._key(directory))
+        with self._tokens_lock:
+            token = self._tokens.get(directory)
+        owner = self._read_owner(directory)
+        if token is not None and (owner is None or owner.get("token") != token):
+            raise CheckpointExistsError(
+                f"{directory}: this save's claim is gone (another process removed or took the "
+                "step while it was written): not committed", path=where, phase="commit",
+            )  # fmt: skip
+        try:
+            files = Manifest.loads(manifest).files
+        except CheckpointError:
+            return  # not a manifest this storage can read: committed as given (tests)
+        have: dict[str, int] = {}
+        for o in self._objects(directory, "commit"):
+            rest = o.key[len(self._key(directory)) :]
+            have[rest.split("/", 1)[0]] = have.get(rest.split("/", 1)[0], 0) + o.size
+        wrong = [f.name for f in files if have.get(f.name) != f.nbytes]
+        if wrong:
+            raise CheckpointIOError(
+                f"{directory}: {', '.join(wrong[:3])} missing or incomplete at commit (removed "
+                "by another process while the save wrote it?): not committed",
+                errno=errno.EIO, path=where, phase="commit",
+            )  # fmt: skip
 
     def abort(self, directory: str) -> None:
         with self._tokens_lock:
@@ -328,6 +453,11 @@ class ObjectStorage:
                 path=self._where(key),
             ) from None
         except OSError as e:
+            if e.errno == errno.EFBIG:
+                raise CorruptCheckpointError(
+                    f"{MANIFEST}: {e.strerror} (IOOptions.max_metadata_bytes)",
+                    path=self._where(key),
+                ) from e
             raise self._io(e, f"read {MANIFEST}", key, "restore") from e
 
     def read_object(self, directory: str, name: str) -> bytes:
@@ -380,7 +510,7 @@ class ObjectStorage:
         return starts[-1] + sizes[-1]
 
     def open_data(self, directory: str, name: str) -> _PartReader:
-        return _PartReader(self, name, *self._layout(directory, name))
+        return _PartReader(self, directory, name, *self._layout(directory, name))
 
     # ------------------------------------------------------------------ lifecycle
     def lock(self, directory: str, *, exclusive: bool) -> _NoLock | None:
@@ -446,6 +576,8 @@ class ObjectStorage:
             self.client.delete([k for k in keys if k != manifest])
         except OSError as e:
             raise self._io(e, f"remove {directory}", self._key(directory), "gc") from e
+        finally:
+            self._changed()
 
     def rename(self, src: str, dst: str) -> None:
         """A copy of every object, the manifest last, then ``remove(src)`` (which deletes the
@@ -474,10 +606,10 @@ class _PartReader:
     direct = False
 
     def __init__(
-        self, storage: ObjectStorage, name: str, starts: list[int], sizes: list[int],
-        keys: list[str],
+        self, storage: ObjectStorage, directory: str, name: str, starts: list[int],
+        sizes: list[int], keys: list[str],
     ) -> None:  # fmt: skip
-        self._storage, self._name = storage, name
+        self._storage, self._directory, self._name = storage, directory, name
         self._starts, self._sizes, self._keys = starts, sizes, keys
 
     def read_into(self, offset: int, out: memoryview) -> int:
@@ -493,9 +625,14 @@ class _PartReader:
             try:
                 got = self._storage.client.read_into(self._keys[i], inside, out[done : done + want])
             except ObjectMissing:
+                where = self._storage._where(self._keys[i])
+                if not self._storage.has_manifest(self._directory):
+                    raise CheckpointNotFoundError(
+                        f"{self._directory} was removed (retention or gc) while it was read",
+                        path=where,
+                    ) from None
                 raise CorruptCheckpointError(
-                    f"{self._name}: a part disappeared while it was read",
-                    path=self._storage._where(self._keys[i]),
+                    f"{self._name}: a part disappeared while it was read", path=where
                 ) from None
             except OSError as e:
                 raise self._storage._io(e, f"read {self._name}", self._keys[i], "restore") from e
