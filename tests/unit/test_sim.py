@@ -190,3 +190,24 @@ def test_a_failure_during_a_restart_charges_only_the_time_spent() -> None:
     r = simulate(job, FailureModel(mtbf_secs=1.0, trace=(105.0, 110.0)), EveryN(100))
     assert r.restart_secs == pytest.approx(5.0 + 60.0)
     assert r.wall_secs == pytest.approx(job.work_secs + r.lost_secs + r.restart_secs)
+
+
+def test_a_restart_is_a_new_process_whose_policy_measures_again() -> None:
+    """After a failure the manager's policy is a fresh object in a new process: CheckFreq
+    warms up, probes and grows its interval again, and the simulator must say so (it kept
+    the old interval across failures, and over-predicted goodput when failures are frequent)."""
+    from pitstop.sim.engine import WARMUP
+
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.01, persist_secs=0.0, slowdown_secs=0.0,
+        restart_secs=2.0, iterations=400,
+    )  # fmt: skip
+    r = simulate(job, FailureModel(mtbf_secs=1.0, trace=(200.5,)), CheckFreq(0.02), record=True)
+    kinds = [(kind, progress) for _, kind, progress in r.events]
+    at = next(i for i, (kind, _) in enumerate(kinds) if kind == "failure")
+    before = [p for k, p in kinds[:at] if k == "checkpoint"]
+    after = [p for k, p in kinds[at + 1 :] if k == "checkpoint"]
+    assert before[-1] - before[-2] == 1.0  # an interval of 1 by then (0.01 s / 2 % of 1 s)
+    resumed = before[-1]
+    # no checkpoint until the new process timed WARMUP iterations, then the probe
+    assert after[0] - resumed == WARMUP + 1, (resumed, after[:3])

@@ -3,7 +3,11 @@
 It drives the very policy objects the manager drives, with the same
 :class:`~pitstop.policy.PolicyContext` (a fresh copy of the policy per run). The
 context's measurements appear as they would in a real run: iteration time after
-the warm-up, checkpoint costs after the first checkpoint commits.
+the warm-up, checkpoint costs after the first checkpoint commits. A restart is a new
+process: the policy starts again from a fresh copy, with nothing measured (what it
+learnt died with the process), as the manager's does; ``benchmarks/goodput.py`` found
+the simulator over-predicting CheckFreq's goodput when its policy kept its interval
+across failures while the real one warmed up, probed and grew its interval again.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def simulate(
 ) -> RunResult:
     """Run ``job`` to the end (or to the loss model's early stop) under ``failures`` with ``policy``."""
     rng = random.Random(seed)
-    policy = copy.deepcopy(policy)
+    template, policy = policy, copy.deepcopy(policy)
     fail_times = failures.times(job.work_secs * max_wall_factor, rng)
     stop_rng = random.Random(seed * 7919 + 1)
     target = job.iterations
@@ -96,8 +100,10 @@ def simulate(
     persist_free_at = 0.0
     measured = False
     fi = 0
-    ckpt_count = 0
+    ckpt_count = 0  # in this process (the policy's context counts its own)
     secs_since_restart = 0.0
+    iters_since_restart = 0
+    restarted = False
 
     def fail(at: float) -> None:
         nonlocal \
@@ -109,7 +115,10 @@ def simulate(
             persist_free_at, \
             secs_since_restart, \
             committed, \
-            measured
+            measured, \
+            restarted, \
+            iters_since_restart, \
+            ckpt_count
         while queue and queue[0][0] <= at:  # persists that finished before the failure count
             committed = queue.pop(0)[1]
             measured = True
@@ -134,6 +143,7 @@ def simulate(
         persist_free_at = t
         fi += 1
         secs_since_restart = 0.0
+        measured, restarted, iters_since_restart, ckpt_count = False, True, 0, 0
 
     cap = job.work_secs * max_wall_factor
     while progress < target:
@@ -143,8 +153,11 @@ def simulate(
         if fi < len(fail_times) and fail_times[fi] < t + it:
             fail(fail_times[fi])
             continue
+        if restarted:  # a new process: a fresh policy, nothing measured yet
+            policy, restarted = copy.deepcopy(template), False
         t += it
         progress += 1
+        iters_since_restart += 1
         while queue and queue[0][0] <= t:
             committed = queue.pop(0)[1]
             measured = True
@@ -155,7 +168,7 @@ def simulate(
             elapsed_secs=progress * it,
             steps_since_checkpoint=progress - last_ckpt,
             secs_since_checkpoint=(progress - last_ckpt) * it,
-            iter_secs=it if progress > WARMUP else None,
+            iter_secs=it if iters_since_restart > WARMUP else None,
             stall_secs=job.stall_secs if measured else None,
             persist_secs=job.persist_secs if measured else None,
             slowdown_secs=job.slowdown_secs if measured else None,
