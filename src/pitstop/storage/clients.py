@@ -231,15 +231,22 @@ class ObstoreClient:
             raise self._err(e, key) from None
 
     def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """Streamed into ``out`` in chunks of about ``_STREAM_CHUNK``: the read adds that, not a
+        second copy of the whole range, to the reader's own buffer."""
         if not len(out):
             return 0
+        n = 0
         try:
-            got = self._obs.get_range(self._store, key, start=offset, length=len(out))
+            result = self._obs.get(self._store, key, options={"range": (offset, offset + len(out))})
+            for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+                view = memoryview(chunk)
+                take = min(len(view), len(out) - n)
+                out[n : n + take] = view[:take]
+                n += take
+                if n >= len(out):
+                    break
         except Exception as e:
             raise self._err(e, key) from None
-        view = memoryview(got)
-        n = min(len(view), len(out))
-        out[:n] = view[:n]
         return n
 
     def head(self, key: str) -> ObjectInfo:
@@ -286,6 +293,8 @@ class ObstoreClient:
         except Exception as e:
             raise self._err(e, src) from None
 
+
+_STREAM_CHUNK = 1024 * 1024
 
 _CLIENT_KEYS = frozenset(
     {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "user_agent",
