@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -91,3 +94,63 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 @pytest.fixture
 def root(tmp_path: Any) -> str:
     return str(tmp_path / "ckpts")
+
+
+class AheadRuns:
+    """Runs of subprocesses (``pitstop crashtest`` of a script) started ahead of the tests
+    that read them, ``workers`` at a time: while a test waits on one run (one process on one
+    core), the next is already under way on the other core. Each test still asserts on its
+    own run. A run is named by a key; ``run(key)`` does it (in a worker thread, so it must
+    only start subprocesses and return their results). Runs are started in the order of the
+    selected tests that declared them (:func:`uses_runs`); one asked for that was not
+    declared starts when asked. ``alone()`` waits until no run is under way (for a test
+    whose own processes must not share the machine, e.g. gloo)."""
+
+    def __init__(self, run: Callable[[Any], Any], workers: int = 2) -> None:
+        self._run = run
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ahead")
+        self._futures: dict[Any, Future[Any]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_module(cls, request: Any, run: Callable[[Any], Any]) -> AheadRuns:
+        """The runs declared by the selected tests of ``request``'s module, started."""
+        workers = max(1, min(2, len(os.sched_getaffinity(0))))
+        runs = cls(run, workers)
+        for item in request.session.items:
+            if getattr(item, "module", None) is not request.module:
+                continue
+            declared = getattr(getattr(item, "function", None), "ahead_runs", ())
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            for key in declared(params) if callable(declared) else declared:
+                runs.start(key)
+        return runs
+
+    def start(self, key: Any) -> Future[Any]:
+        with self._lock:
+            if key not in self._futures:
+                self._futures[key] = self._pool.submit(self._run, key)
+            return self._futures[key]
+
+    def result(self, key: Any) -> Any:
+        return self.start(key).result()
+
+    def alone(self) -> None:
+        """Until every run started is done (a failed one fails the test that reads it)."""
+        with self._lock:
+            futures = list(self._futures.values())
+        for f in futures:
+            f.exception()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def uses_runs(*keys: Any, of: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """Declare the :class:`AheadRuns` keys a test reads (``of``: from its parameters)."""
+
+    def mark(fn: Any) -> Any:
+        fn.ahead_runs = of if of is not None else keys
+        return fn
+
+    return mark

@@ -120,11 +120,13 @@ def _resume(
     }
 
 
-_EXPECTED: dict[int, list[Any]] = {}
+_EXPECTED: dict[int, list[Any]] = {}  # world -> per rank, the state after each step to 12
 
 
 def _check(results: list[dict[str, Any]], step: int, level: str) -> dict[str, int]:
     world = len(results)
+    if world == 4 and world not in _EXPECTED:
+        _train_schemes()  # computes them too
     if world not in _EXPECTED:
         _EXPECTED[world] = run_ranks(_expected, world, 12, timeout_secs=TIMEOUT)
     for rank, r in enumerate(results):
@@ -134,18 +136,36 @@ def _check(results: list[dict[str, Any]], step: int, level: str) -> dict[str, in
 
 
 _TRAINED: dict[str, str] = {}
+SCHEMES = ["single", "partner", "xor"]
+
+
+def _train_all(rank: int, world: int, bases: list[str], steps: int, every: int) -> dict[str, Any]:
+    """A job of each scheme trained (the flushes of each), and the expected states: one set
+    of rank processes for all (spawning ranks is what tests wait for)."""
+    flushes = [
+        _train(rank, world, base, scheme, NODES4, steps, every)["flushes"]
+        for base, scheme in zip(bases, SCHEMES)
+    ]
+    return {"flushes": flushes, "expected": _expected(rank, world, 12)}
+
+
+def _train_schemes(steps: int = 4, every: int = 2) -> None:
+    bases = [tempfile.mkdtemp(prefix=f"pitstop-ml-{s}-{steps}-{every}-") for s in SCHEMES]
+    out = run_ranks(_train_all, 4, bases, steps, every, timeout_secs=TIMEOUT * 6)
+    flushed = [s for s in range(every, steps + 1, every)]
+    for scheme, base, flushes in zip(SCHEMES, bases, out[0]["flushes"]):
+        assert flushes == [(s, True) for s in flushed], scheme
+        _TRAINED[f"{scheme}-{steps}-{every}"] = base
+    _EXPECTED.setdefault(4, [r["expected"] for r in out])
 
 
 def _trained(tmp_path: Any, scheme: str, steps: int = 4, every: int = 2) -> str:
     """A copy of a job of 4 ranks on 4 nodes trained to ``steps`` (local keeps the last two;
-    every second step flushed); trained once per scheme and size for the whole module."""
+    every second step flushed); trained once per scheme and size for the whole module (the
+    three schemes in one set of rank processes)."""
     key = f"{scheme}-{steps}-{every}"
     if key not in _TRAINED:
-        base = tempfile.mkdtemp(prefix=f"pitstop-ml-{key}-")
-        out = run_ranks(_train, 4, base, scheme, NODES4, steps, every, timeout_secs=TIMEOUT * 3)
-        flushed = [s for s in range(every, steps + 1, every)]
-        assert out[0]["flushes"] == [(s, True) for s in flushed]
-        _TRAINED[key] = base
+        _train_schemes(steps, every)
     base = str(tmp_path / "job")
     shutil.copytree(_TRAINED[key], base)
     return base
@@ -369,18 +389,56 @@ CASES: dict[str, tuple[Any, ...]] = {
 }  # fmt: skip
 
 
+def _cases(scheme: str) -> dict[str, tuple[Any, ...]]:
+    return {name: c for name, c in CASES.items() if scheme in c[2]}
+
+
+@pytest.fixture(scope="module")
+def fault_matrix(request: Any, tmp_path_factory: Any) -> dict[str, tuple[list[Any], list[Any]]]:
+    """The restarts of the fault matrix of each scheme selected, per rank and case: after
+    the damage, then (partner and xor) once more after a second node is lost. One set of
+    rank processes restarts every scheme's cases (spawning ranks is what tests wait for);
+    each scheme's test asserts its own."""
+    schemes = [
+        item.callspec.params["scheme"] for item in request.session.items
+        if item.module is request.module and item.originalname == "test_the_fault_matrix"
+    ]  # fmt: skip
+    jobs: dict[str, list[tuple[str, str, list[str], int]]] = {}
+    for scheme in schemes:
+        tmp = tmp_path_factory.mktemp(f"matrix-{scheme}")
+        jobs[scheme] = []
+        for i, (damage, nodes, *rest) in enumerate(_cases(scheme).values()):
+            base = _trained(tmp / str(i), scheme)
+            damage(base)
+            jobs[scheme].append((base, scheme, nodes, rest[1] if len(rest) > 1 else 0))
+    timeout = TIMEOUT * 8 * len(schemes)
+    results = run_ranks(_resume_all, 4, [j for s in schemes for j in jobs[s]], timeout_secs=timeout)
+    again_schemes = [s for s in schemes if s != "single"]
+    for scheme in again_schemes:
+        spare = list(_cases(scheme)).index("lost node, spare in its place")
+        shutil.rmtree(_node(jobs[scheme][spare][0], "n0"))  # its copy / parity was rebuilt there
+    again = run_ranks(
+        _resume_all, 4, [job[:3] for s in again_schemes for job in jobs[s]], timeout_secs=timeout
+    ) if again_schemes else [[]] * 4  # fmt: skip
+    out: dict[str, tuple[list[Any], list[Any]]] = {}
+    first = second = 0
+    for scheme in schemes:
+        n = len(jobs[scheme])
+        out[scheme] = ([r[first : first + n] for r in results], [])
+        first += n
+        if scheme != "single":
+            out[scheme] = (out[scheme][0], [r[second : second + n] for r in again])
+            second += n
+    return out
+
+
 @pytest.mark.parametrize("scheme", ["single", "partner", "xor"])
-def test_the_fault_matrix(tmp_path: Any, scheme: str) -> None:
+def test_the_fault_matrix(fault_matrix: dict[str, Any], scheme: str) -> None:
     """Each case: the step resumed from, the level that served it, bit-identical state, what
     was repaired; then every case restarts once more with nothing repaired (redundancy was
     re-established), and a second node lost after the spare came in is rebuilt too."""
-    cases = {name: c for name, c in CASES.items() if scheme in c[2]}
-    jobs = []
-    for i, (damage, nodes, *rest) in enumerate(cases.values()):
-        base = _trained(tmp_path / str(i), scheme)
-        damage(base)
-        jobs.append((base, scheme, nodes, rest[1] if len(rest) > 1 else 0))
-    results = run_ranks(_resume_all, 4, jobs, timeout_secs=TIMEOUT * 8)
+    cases = _cases(scheme)
+    results, again = fault_matrix[scheme]
     for j, (name, (_, _, expect, *on)) in enumerate(cases.items()):
         per_rank = [r[j] for r in results]
         step, level, repaired = expect[scheme]
@@ -396,8 +454,6 @@ def test_the_fault_matrix(tmp_path: Any, scheme: str) -> None:
     if scheme == "single":
         return
     spare = list(cases).index("lost node, spare in its place")
-    shutil.rmtree(_node(jobs[spare][0], "n0"))  # its copy / parity was rebuilt on the spare
-    again = run_ranks(_resume_all, 4, [job[:3] for job in jobs], timeout_secs=TIMEOUT * 8)
     for j, (name, (_, _, expect, *on)) in enumerate(cases.items()):
         per_rank = [r[j] for r in again]
         if j == spare:  # a second loss after the spare came in: rebuilt again

@@ -5,6 +5,8 @@ exact resume in the ways users do, and crashtest must say so and name the cause.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -13,13 +15,17 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import pitstop
+from conftest import AheadRuns, uses_runs
 from pitstop.cli.compare import compare
 from pitstop.cli.crashtest_causes import Record, diagnose, final_sites, read_log
 from pitstop.cli.crashtest_points import ResumePoint, Timeline, choose
@@ -138,28 +144,87 @@ EPOCHS = textwrap.dedent(
 )
 
 
-def _crashtest(
-    tmp_path: Any, capsys: Any, variant: str = "good", *extra: str, cmd: list[str] | None = None
-) -> tuple[int, str]:
-    script = tmp_path / "train.py"
-    script.write_text(EPOCHS if variant == "epochs" else SCRIPT)
-    if cmd is None and variant == "epochs":
-        cmd = [sys.executable, str(script), "--dir", "{dir}"]
-    cmd = cmd or [sys.executable, str(script), "--dir", "{dir}", "--variant", variant]
-    code = main(
-        ["crashtest", "--seed", "1", "--workdir", str(tmp_path / "runs"), *extra, "--", *cmd]
-    )
-    out = capsys.readouterr()
-    return code, out.out + out.err
+NOKILL = textwrap.dedent(
+    """
+    import sys, torch, pitstop  # saves with save() itself and never calls ckpt.step()/reached()
+    m = torch.nn.Linear(2, 2)
+    with pitstop.CheckpointManager(sys.argv[1]) as c:
+        for s in (1, 2, 3):
+            c.save(s, {'model': m})
+    """
+)
 
 
-def test_a_script_that_resumes_exactly_is_identical(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "good", "--kills", "2", "--keep")
+@dataclass(frozen=True)
+class Crashtest:
+    """A finished ``pitstop crashtest`` (the CLI in a subprocess, as a user runs it): its
+    exit code, its output (stdout then stderr) and its --workdir."""
+
+    code: int
+    out: str
+    runs: Path
+
+
+def _run_crashtest(base: Path, env: dict[str, str], key: tuple[str, tuple[str, ...]]) -> Crashtest:
+    """``key``: (variant of SCRIPT, or "epochs" (EPOCHS), "nokill" (NOKILL), "no-dir" (SCRIPT
+    with a directory that is not {dir}); crashtest's options after ``--seed 1``)."""
+    variant, options = key
+    work = Path(tempfile.mkdtemp(prefix=f"{variant}-", dir=base))
+    py = [sys.executable]
+    if variant == "epochs":
+        cmd = [*py, str(base / "epochs.py"), "--dir", "{dir}"]
+    elif variant == "nokill":
+        cmd = [*py, str(base / "nokill.py"), "{dir}"]
+    elif variant == "no-dir":
+        cmd = [*py, str(base / "train.py"), "--dir", str(work / "x"), "--variant", "good"]
+    else:
+        cmd = [*py, str(base / "train.py"), "--dir", "{dir}", "--variant", variant]
+    runs = work / "runs"
+    proc = subprocess.run(
+        [*py, "-m", "pitstop.cli.main", "crashtest", "--seed", "1", "--workdir", str(runs),
+         *options, "--", *cmd],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    return Crashtest(proc.returncode, proc.stdout + proc.stderr, runs)
+
+
+@pytest.fixture(scope="module")
+def crashtests(request: Any, tmp_path_factory: Any) -> Any:
+    """The module's crashtests, started ahead of the tests that read them (:class:`AheadRuns`)."""
+    base = tmp_path_factory.mktemp("crashtests")
+    for name, text in (("train.py", SCRIPT), ("epochs.py", EPOCHS), ("nokill.py", NOKILL)):
+        (base / name).write_text(text)
+    # the environment now, not as a test's monkeypatch leaves it; one thread per core
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_CRASHTEST_")}
+    env["OMP_NUM_THREADS"] = "1"
+    runs = AheadRuns.for_module(request, functools.partial(_run_crashtest, base, env))
+    yield runs
+    runs.close()
+
+
+def _crashtest(crashtests: AheadRuns, variant: str, *options: str) -> tuple[int, str]:
+    result = crashtests.result((variant, options))
+    return result.code, result.out
+
+
+def _have(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+TORCHDATA = _have("torchdata.stateful_dataloader")
+
+
+@uses_runs(("good", ("--kills", "2", "--keep")))
+def test_a_script_that_resumes_exactly_is_identical(crashtests: AheadRuns) -> None:
+    code, out = _crashtest(crashtests, "good", "--kills", "2", "--keep")
     assert code == 0, out
     assert "identical: yes" in out
     assert out.count("crashed run") == 2 and "SIGKILL at step" in out
     # the killed runs really were killed after a commit, and the resumed runs restored one
-    runs = tmp_path / "runs"
+    runs = crashtests.result(("good", ("--kills", "2", "--keep"))).runs
     records = [json.loads(line) for name in sorted(os.listdir(runs)) if name.endswith(".log")
                for line in (runs / name).read_text().splitlines()]  # fmt: skip
     kills = [r["step"] for r in records if r["event"] == "kill"]
@@ -172,60 +237,66 @@ def test_a_script_that_resumes_exactly_is_identical(tmp_path: Any, capsys: Any) 
     assert "does not seed" not in out
 
 
+@uses_runs(("eval-draws", ("--kills", "1")))
 def test_drawing_from_the_global_generator_after_a_restore_is_named(
-    tmp_path: Any, capsys: Any
+    crashtests: AheadRuns,
 ) -> None:
-    code, out = _crashtest(tmp_path, capsys, "eval-draws", "--kills", "1")
+    code, out = _crashtest(crashtests, "eval-draws", "--kills", "1")
     assert code == 1, out
     assert "identical: no" in out and "model/0.weight" in out and "max |a-b| = " in out
     assert "(torch) were drawn outside the saved state" in out
     assert "docs/determinism.md" in out
 
 
-def test_a_state_without_rng_state_is_named(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "no-rng", "--kills", "1")
+@uses_runs(("no-rng", ("--kills", "1")))
+def test_a_state_without_rng_state_is_named(crashtests: AheadRuns) -> None:
+    code, out = _crashtest(crashtests, "no-rng", "--kills", "1")
     assert code == 1, out
     assert "the state holds no pitstop.RNGState" in out
     assert "the state does not restore them" in out
 
 
-def test_a_step_counter_outside_the_state_is_named(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "outside-counter", "--kill-at", "13")
+@uses_runs(("outside-counter", ("--kill-at", "13")))
+def test_a_step_counter_outside_the_state_is_named(crashtests: AheadRuns) -> None:
+    code, out = _crashtest(crashtests, "outside-counter", "--kill-at", "13")
     assert code == 1, out
     assert "checkpoint of step 13 committed, SIGKILL at step 14" in out
     assert "the runs made a different number of optimizer steps" in out
     assert "optimizer/state/0/step differs by" in out
 
 
-def test_a_run_that_does_not_save_its_final_state_is_noted(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "no-final")
+@uses_runs(("no-final", ()), ("good", ("--kill-at", "30")))
+def test_a_run_that_does_not_save_its_final_state_is_noted(crashtests: AheadRuns) -> None:
+    code, out = _crashtest(crashtests, "no-final")
     assert code == 0, out
     assert "trained to step 30 but its newest checkpoint is of step 28" in out
     # resumed at the reference's own checkpoints only (every 4th step): a resume elsewhere
     # would shift the schedule, and the newest checkpoint would not be of step 28
     tested = next(line for line in out.splitlines() if line.startswith("resume points tested:"))
     assert all(int(step) % 4 == 0 for step in re.findall(r"step (\d+)", tested)), tested
-    (tmp_path / "x").mkdir()
-    code, out = _crashtest(tmp_path / "x", capsys, "good", "--kill-at", "30")
+    code, out = _crashtest(crashtests, "good", "--kill-at", "30")
     assert code == 2 and "choose steps from 1 to 29" in out
 
 
+@uses_runs(("timed", ("--kills", "1")))
 def test_the_final_checkpoint_does_not_depend_on_when_the_policy_saves(
-    tmp_path: Any, capsys: Any
+    crashtests: AheadRuns,
 ) -> None:
     # the crashed runs save at every step (a timed policy may save at any step, the last one
     # included) and the reference every 4th; work after the last step (scheduler.step())
     # changes the state: with last=True and save_final the final checkpoint always holds
-    # the state after that work
-    code, out = _crashtest(tmp_path, capsys, "timed")
+    # the state after that work (one resume point: whichever it is, the resumed run saves
+    # every step to the last)
+    code, out = _crashtest(crashtests, "timed", "--kills", "1")
     assert code == 0, out
     assert "identical: yes" in out
 
 
-def test_a_final_checkpoint_taken_at_another_place_is_named(tmp_path: Any, capsys: Any) -> None:
+@uses_runs(("timed-old-idiom", ("--kills", "1")))
+def test_a_final_checkpoint_taken_at_another_place_is_named(crashtests: AheadRuns) -> None:
     # the former idiom (save the last step if the policy did not): in the reference the final
     # save after scheduler.step(), in the resumed run the policy's save inside the loop
-    code, out = _crashtest(tmp_path, capsys, "timed-old-idiom")
+    code, out = _crashtest(crashtests, "timed-old-idiom", "--kills", "1")
     assert code == 1, out
     assert "scheduler/last_epoch" in out
     assert "the checkpoint of step 30 was taken at different places" in out
@@ -319,53 +390,62 @@ def test_a_step_saved_at_another_point_of_a_frameworks_loop_is_named() -> None:
     assert not any("computation itself" in c for c in causes), causes
 
 
-def test_a_leak_that_shows_only_after_the_first_epoch_is_caught(tmp_path: Any, capsys: Any) -> None:
+@uses_runs(("eval-leak", ("--seed", "2", "--keep")))
+def test_a_leak_that_shows_only_after_the_first_epoch_is_caught(crashtests: AheadRuns) -> None:
     # the evaluation loader's first pass in each process draws from torch's generator: only a
     # resume after the first epoch's evaluation shows it (seed 2 killed in the first epoch)
-    code, out = _crashtest(tmp_path, capsys, "eval-leak", "--seed", "2", "--keep")
+    code, out = _crashtest(crashtests, "eval-leak", "--seed", "2", "--keep")
+    runs = crashtests.result(("eval-leak", ("--seed", "2", "--keep"))).runs
     assert code == 1, out
     assert "identical: no" in out and "(torch) were drawn outside the saved state" in out
     tested = next(line for line in out.splitlines() if line.startswith("resume points tested:"))
     assert "early" in tested and "(mid-epoch 0)" in tested and "(epoch 1)" in tested
     assert "step 29 (last step" in tested
-    restores = [json.loads(line)["step"] for name in sorted(os.listdir(tmp_path / "runs"))
-                if name.endswith(".log") for line in (tmp_path / "runs" / name).read_text()
+    restores = [json.loads(line)["step"] for name in sorted(os.listdir(runs))
+                if name.endswith(".log") for line in (runs / name).read_text()
                 .splitlines() if json.loads(line)["event"] == "restore"]  # fmt: skip
     assert len(restores) == 4 and any(r > 8 for r in restores)  # one after the first epoch
 
 
+@uses_runs(("py-random", ("--kill-at", "13")))
 def test_generators_are_named_only_when_the_script_draws_from_them(
-    tmp_path: Any, capsys: Any
+    crashtests: AheadRuns,
 ) -> None:
-    code, out = _crashtest(tmp_path, capsys, "py-random", "--kill-at", "13")
+    code, out = _crashtest(crashtests, "py-random", "--kill-at", "13")
     assert code == 1, out
     assert "the script does not seed python and draws from it" in out
     assert "numpy" not in out.split("identical: no")[1]  # numpy is unseeded but unused
 
 
+def _kill_at(steps: list[str]) -> tuple[str, ...]:
+    return tuple(o for k in steps for o in ("--kill-at", k))
+
+
 @pytest.mark.parametrize("kill_at", [["5"], ["2", "11"]])
+@uses_runs(of=lambda params: [("epochs", _kill_at(params["kill_at"]))])
 def test_generators_nothing_draws_from_do_not_make_runs_differ(
-    tmp_path: Any, capsys: Any, kill_at: list[str]
+    crashtests: AheadRuns, kill_at: list[str]
 ) -> None:
     # the reference saves at steps 8 and 16 only: the first crashed run saves at step 5 (or 2)
     # and no save of the two fresh runs is at the same step. numpy's and python's generators
     # are unseeded (the script never touches them): they start apart in every process, and
     # nothing draws from them, so they must not count
-    options = [o for k in kill_at for o in ("--kill-at", k)]
-    code, out = _crashtest(tmp_path, capsys, "epochs", *options)
+    code, out = _crashtest(crashtests, "epochs", *_kill_at(kill_at))
     assert code == 0, out
     assert "identical: yes" in out
     assert "not compared: rng/numpy, rng/python (unseeded, and nothing in the runs draws" in out
     assert "drawn outside" not in out
 
 
-def test_epochs_are_counted_and_named_as_the_loader_counts_them(tmp_path: Any, capsys: Any) -> None:
+@uses_runs(("epochs", _kill_at(["2", "11"])))
+def test_epochs_are_counted_and_named_as_the_loader_counts_them(crashtests: AheadRuns) -> None:
     # 3 epochs of 6 steps (loader.epoch 0, 1, 2), the first checkpoint at step 8 (epoch 1):
-    # the epochs before the first checkpoint count too, and are named by loader.epoch
-    code, out = _crashtest(tmp_path, capsys, "epochs", "--kill-at", "5", "--kill-at", "11")
+    # the epochs before the first checkpoint count too, and are named by loader.epoch (the
+    # crashtest of the test above, resumed at steps 2 and 11)
+    code, out = _crashtest(crashtests, "epochs", *_kill_at(["2", "11"]))
     assert code == 0, out
     assert "final step 18, 3 saves, 3 epochs (loader.epoch 0 to 2)" in out
-    assert "resume points tested: step 5 (chosen, epoch 0), step 11 (chosen, epoch 1)" in out
+    assert "resume points tested: step 2 (chosen, epoch 0), step 11 (chosen, epoch 1)" in out
 
 
 def test_the_last_step_is_left_to_save_final(tmp_path: Any, caplog: Any) -> None:
@@ -395,8 +475,9 @@ def test_the_last_step_is_left_to_save_final(tmp_path: Any, caplog: Any) -> None
     assert any("last=True" in r.getMessage() for r in caplog.records)
 
 
-def test_an_unseeded_script_is_named(tmp_path: Any, capsys: Any) -> None:
-    code, out = _crashtest(tmp_path, capsys, "unseeded", "--kills", "1")
+@uses_runs(("unseeded", ("--kills", "1")))
+def test_an_unseeded_script_is_named(crashtests: AheadRuns) -> None:
+    code, out = _crashtest(crashtests, "unseeded", "--kills", "1")
     assert code == 1, out
     assert "does not seed torch" in out
 
@@ -411,12 +492,11 @@ def test_an_unseeded_script_is_named(tmp_path: Any, capsys: Any) -> None:
         ("selfkill", True, "(killed by SIGKILL) before crashtest killed it"),
     ],
 )
+@uses_runs(of=lambda p: [(p["variant"] if p["cmd_has_dir"] else "no-dir", ())])
 def test_runs_that_cannot_be_compared_exit_2(
-    tmp_path: Any, capsys: Any, variant: str, cmd_has_dir: bool, message: str
+    crashtests: AheadRuns, variant: str, cmd_has_dir: bool, message: str
 ) -> None:
-    script = tmp_path / "train.py"
-    cmd = [sys.executable, str(script), "--dir", "{dir}" if cmd_has_dir else str(tmp_path / "x")]
-    code, out = _crashtest(tmp_path, capsys, variant, cmd=[*cmd, "--variant", variant])
+    code, out = _crashtest(crashtests, variant if cmd_has_dir else "no-dir")
     assert code == 2, out
     assert message in out
 
@@ -431,17 +511,11 @@ def test_bad_options_are_usage_errors(tmp_path: Any, capsys: Any) -> None:
     assert "--workdir" in capsys.readouterr().err
 
 
-def test_a_script_that_never_reaches_the_kill_step_is_reported(tmp_path: Any, capsys: Any) -> None:
-    # saves with save() itself and never calls ckpt.step()/reached(): crashtest cannot kill it
-    script = tmp_path / "nokill.py"
-    script.write_text(
-        "import sys, torch, pitstop\n"
-        "m = torch.nn.Linear(2, 2)\n"
-        "with pitstop.CheckpointManager(sys.argv[1]) as c:\n"
-        "    for s in (1, 2, 3):\n"
-        "        c.save(s, {'model': m})\n"
-    )
-    code, out = _crashtest(tmp_path, capsys, cmd=[sys.executable, str(script), "{dir}"])
+@uses_runs(("nokill", ()))
+def test_a_script_that_never_reaches_the_kill_step_is_reported(crashtests: AheadRuns) -> None:
+    # NOKILL saves with save() itself and never calls ckpt.step()/reached(): crashtest cannot
+    # kill it
+    code, out = _crashtest(crashtests, "nokill")
     assert code == 2, out
     assert "without being killed" in out and "reached(step)" in out
 
@@ -464,30 +538,33 @@ def test_the_kill_waits_for_a_committed_checkpoint(tmp_path: Any) -> None:
     assert pitstop.CheckpointManager(str(tmp_path / "ck")).steps() == [3]
 
 
+@uses_runs(of=lambda _: [("torchdata", ("--kills", "2"))] if TORCHDATA else [])
 def test_torchdata_stateful_loader_with_its_own_generator_resumes_exactly(
-    tmp_path: Any, capsys: Any
+    crashtests: AheadRuns,
 ) -> None:
     pytest.importorskip("torchdata.stateful_dataloader")
-    code, out = _crashtest(tmp_path, capsys, "torchdata", "--kills", "2")
+    code, out = _crashtest(crashtests, "torchdata", "--kills", "2")
     assert code == 0, out
     assert "identical: yes" in out
 
 
-def test_torchdata_stateful_loader_without_a_generator_is_named(tmp_path: Any, capsys: Any) -> None:
+@uses_runs(of=lambda _: [("torchdata-nogen", ("--kills", "1"))] if TORCHDATA else [])
+def test_torchdata_stateful_loader_without_a_generator_is_named(crashtests: AheadRuns) -> None:
     pytest.importorskip("torchdata.stateful_dataloader")
-    code, out = _crashtest(tmp_path, capsys, "torchdata-nogen", "--kills", "1")
+    code, out = _crashtest(crashtests, "torchdata-nogen", "--kills", "1")
     assert code == 1, out
     assert "loaders in the state without their own generator: data" in out
     assert "(torch) were drawn outside the saved state" in out
 
 
+@uses_runs(of=lambda _: [("torchdata-shared", ())] if TORCHDATA else [])
 def test_torchdata_loader_sharing_its_generator_with_the_sampler_is_named(
-    tmp_path: Any, capsys: Any
+    crashtests: AheadRuns,
 ) -> None:
     # StatefulDataLoader(shuffle=True, generator=g): the sampler and the loader's base seed
     # draw from one generator, and the resumed order of the next epochs is not the same
     pytest.importorskip("torchdata.stateful_dataloader")
-    code, out = _crashtest(tmp_path, capsys, "torchdata-shared")
+    code, out = _crashtest(crashtests, "torchdata-shared")
     assert code == 1, out
     assert "the data loader's own state differs (data/" in out
 
