@@ -5,12 +5,18 @@ subprocess, on the example scripts themselves (shortened)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import AheadRuns, uses_runs
 
 pytestmark = pytest.mark.fault
 
@@ -51,36 +57,85 @@ def _command(name: str) -> list[str]:
     return cmd
 
 
+def _installed(name: str) -> bool:
+    extra = SINGLE[name][1]
+    return extra is None or importlib.util.find_spec(extra) is not None
+
+
+# the crashtests of the single-process examples, by key: (example, its options, crashtest's)
+RUNS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    **{f"{name}": (name, (), ("--seed", "0")) for name in SINGLE},
+    **{f"{name} --broken": (name, ("--broken",), ("--seed", "0")) for name in SINGLE},
+    # one resume point (the one kept first: in a later epoch) shows these broken variants
+    # (lightning_mnist's saves are its ModelCheckpoint's: one point may have none after it)
+    **{f"{name} --broken": (name, ("--broken",), ("--kills", "1", "--seed", "0"))
+       for name in ("mnist", "hf_gpt2")},
+    "mnist --every 5": ("mnist", ("--every", "5"), ("--seed", "0")),
+    "mnist --broken --every 4, resumed in the first epoch": (
+        "mnist", ("--broken", "--every", "4"), ("--kill-at", "5")),
+    "mnist --broken --every 4, one point": (
+        "mnist", ("--broken", "--every", "4"), ("--kills", "1", "--seed", "1")),
+}  # fmt: skip
+
+
+def _run(base: str, key: str) -> tuple[int, str]:
+    name, script_options, options = RUNS[key]
+    cmd = [*SINGLE[name][0], *script_options]
+    return crashtest(Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base)), cmd, *options)
+
+
+@pytest.fixture(scope="module")
+def runs(request: Any, tmp_path_factory: Any) -> Any:
+    """The crashtests above, started ahead of the tests that read them (:class:`AheadRuns`);
+    the torchrun one, on gloo, runs alone."""
+    ahead = AheadRuns.for_module(
+        request, functools.partial(_run, str(tmp_path_factory.mktemp("examples")))
+    )
+    yield ahead
+    ahead.close()
+
+
+def _result(runs: AheadRuns, key: str) -> tuple[int, str]:
+    _command(RUNS[key][0])  # skipped if its extra is not installed
+    result: tuple[int, str] = runs.result(key)
+    return result
+
+
 @pytest.mark.parametrize("name", sorted(SINGLE))
-def test_example_resumes_identically(tmp_path: Any, name: str) -> None:
-    code, out = crashtest(tmp_path, _command(name), "--seed", "0")
+@uses_runs(of=lambda p: [p["name"]] if _installed(p["name"]) else [])
+def test_example_resumes_identically(runs: AheadRuns, name: str) -> None:
+    code, out = _result(runs, name)
     assert code == 0, out
     assert "identical: yes" in out and "SIGKILL at step" in out
 
 
 @pytest.mark.parametrize("name", sorted(SINGLE))
-def test_broken_example_differs_and_names_the_cause(tmp_path: Any, name: str) -> None:
-    code, out = crashtest(tmp_path, [*_command(name), "--broken"], "--seed", "0")
+@uses_runs(of=lambda p: [f"{p['name']} --broken"] if _installed(p["name"]) else [])
+def test_broken_example_differs_and_names_the_cause(runs: AheadRuns, name: str) -> None:
+    code, out = _result(runs, f"{name} --broken")
     assert code == 1, out
     assert "identical: no" in out and DRAWN_OUTSIDE in out
     assert "max |a-b| = " in out  # the differing tensors, with how much
 
 
-def test_mnist_with_a_fixed_schedule_resumes_identically(tmp_path: Any) -> None:
+@uses_runs("mnist --every 5")
+def test_mnist_with_a_fixed_schedule_resumes_identically(runs: AheadRuns) -> None:
     # every 5 steps: the last step (32) is not one of them, the final save takes it
-    code, out = crashtest(tmp_path, [*_command("mnist"), "--every", "5"], "--seed", "0")
+    code, out = _result(runs, "mnist --every 5")
     assert code == 0, out
     assert "identical: yes" in out
 
 
-def test_mnist_broken_is_caught_by_a_resume_in_the_second_epoch(tmp_path: Any) -> None:
+@uses_runs(
+    "mnist --broken --every 4, resumed in the first epoch", "mnist --broken --every 4, one point"
+)
+def test_mnist_broken_is_caught_by_a_resume_in_the_second_epoch(runs: AheadRuns) -> None:
     # its test loader's first pass in each process draws: a resume in the first epoch does
     # not show it (--kill-at 5: identical); the one point crashtest keeps when asked for one
     # is in a later epoch, and shows it
-    cmd = [*_command("mnist"), "--broken", "--every", "4"]
-    code, out = crashtest(tmp_path / "a", cmd, "--kill-at", "5")
+    code, out = _result(runs, "mnist --broken --every 4, resumed in the first epoch")
     assert code == 0, out
-    code, out = crashtest(tmp_path / "b", cmd, "--kills", "1", "--seed", "1")
+    code, out = _result(runs, "mnist --broken --every 4, one point")
     assert code == 1, out
     tested = [line for line in out.splitlines() if line.startswith("resume points tested:")]
     assert tested and "(epoch 1)" in tested[0], out  # the second: loader.epoch 1
@@ -88,7 +143,8 @@ def test_mnist_broken_is_caught_by_a_resume_in_the_second_epoch(tmp_path: Any) -
 
 
 @pytest.mark.dist
-def test_ddp_torchrun_resumes_identically_on_every_rank(tmp_path: Any) -> None:
+def test_ddp_torchrun_resumes_identically_on_every_rank(tmp_path: Any, runs: AheadRuns) -> None:
+    runs.alone()  # its ranks on gloo have the machine to themselves
     cmd = [*TORCHRUN, example("ddp_torchrun.py"), "--dir", "{dir}", "--steps", "24"]
     code, out = crashtest(tmp_path, cmd, "--seed", "2")
     assert code == 0, out
