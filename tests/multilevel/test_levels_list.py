@@ -173,3 +173,30 @@ def test_ls_of_the_local_level_names_every_level_after_the_first_shared_one(
     out = capsys.readouterr().out
     assert f"shared level: {tmp_path / 'far'}\n" in out and "committed" in out
     assert "  near: " in out and "  far: " not in out  # from far: the other one is near
+
+
+def test_flush_waits_for_a_flush_its_schedule_already_started(tmp_path: Any) -> None:
+    """``flush()`` flushes the newest step and waits: also when the level's schedule had
+    submitted that very step a moment before (it returned at once, with nothing copied)."""
+    import threading
+
+    from pitstop.storage.local import LocalStorage
+
+    gate = threading.Event()
+
+    class Slow(LocalStorage):
+        def commit(self, directory: str, manifest: bytes) -> None:
+            gate.wait(30)
+            super().commit(directory, manifest)
+
+    levels = [
+        pitstop.Local(tmp_path / "local" / "{node}"),
+        pitstop.Shared(Slow(tmp_path / "shared"), every=1),
+    ]
+    with pitstop.CheckpointManager(levels) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1000)})  # its flush starts, held at the commit
+        threading.Timer(0.5, gate.set).start()
+        record = ckpt.flush()
+        assert record is not None and record.ok and record.step == 1
+        assert [r.step for r in ckpt.flush_records] == [1]
+    assert _steps(tmp_path / "shared") == [1]

@@ -245,8 +245,9 @@ def test_the_cli_works_on_a_url(bucket: Any, tmp_path: Any) -> None:
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert not any("step-0000000009" in k for k in bucket.list_keys("run/"))
     assert any("step-0000000010" in k for k in bucket.list_keys("run/"))  # young: kept
+    assert "no locks on" in gc.stdout  # and why
     empty = run("ls", f"s3://{bucket.name}/nothing-here")
-    assert empty.returncode == 0 and "no checkpoints" in (empty.stdout + empty.stderr).lower()
+    assert empty.returncode == 2 and "no objects under this prefix" in empty.stderr
 
 
 def test_a_bucket_that_does_not_exist_is_refused_when_the_manager_is_built(
@@ -265,3 +266,46 @@ def test_a_key_the_client_cannot_list_is_named_with_what_to_do(bucket: Any) -> N
     bucket.put("run/step-0000000001//odd", b"x")
     with pytest.raises(pitstop.CheckpointError, match="delete that object"):
         pitstop.load(bucket.url(), {"w": torch.zeros(3)})
+
+
+def test_a_restart_never_starts_from_scratch_when_a_level_cannot_be_listed(
+    flaky_bucket: Any, tmp_path: Any
+) -> None:
+    """The bucket holds the newest steps, the node's disk is new (empty), the bucket is out
+    of reach at restore: an error, not a silent restart from step 0."""
+    bucket = flaky_bucket
+    assert bucket.proxy is not None
+    levels = [pitstop.Local(tmp_path / "local" / "{node}"), pitstop.Shared(bucket.url(), every=1)]
+    with pitstop.CheckpointManager(levels) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)})
+        ckpt.flush()
+    import shutil
+
+    shutil.rmtree(tmp_path / "local")
+    io = IOOptions(retries=1)
+    storage = ObjectStorage(bucket.url(), io)
+    with pitstop.CheckpointManager([levels[0], pitstop.Shared(storage, every=1)]) as ckpt:
+        bucket.proxy.dead = True
+        with pytest.raises(pitstop.CheckpointIOError, match="does not start from scratch"):
+            ckpt.restore({"w": torch.zeros(3)})
+        bucket.proxy.dead = False
+        out = {"w": torch.zeros(3)}
+        assert ckpt.restore(out) == 1 and torch.equal(out["w"], torch.ones(3))
+
+
+def test_export_to_a_url_and_crashtest_in_a_bucket_are_refused(bucket: Any, tmp_path: Any) -> None:
+    pitstop.save(bucket.url(), {"w": torch.ones(3)}, step=1)
+    cli = os.path.join(os.path.dirname(sys.executable), "pitstop")
+    env = bucket.env()
+    exp = subprocess.run(
+        [cli, "export", bucket.url(), f"s3://{bucket.name}/out.pt", "--to", "torch"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert exp.returncode == 2 and "export writes a local file" in exp.stderr
+    ct = subprocess.run(
+        [cli, "crashtest", "--workdir", bucket.url("ct"), "--", "python", "x.py", "{dir}"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert ct.returncode == 2 and "local directory" in ct.stderr, ct.stderr
+    assert os.listdir(tmp_path) == []
+    assert not bucket.list_keys("ct/")

@@ -295,3 +295,18 @@ def test_http_settings_given_with_the_config_do_not_crash_the_client() -> None:
     assert type(storage.client).__name__ == "ObstoreClient"
     with pytest.raises(pitstop.UnsupportedSetupError, match="cannot set up"):
         ObjectStorage("s3://bucket/run", options={"no_such_option": 1})
+
+
+def test_a_storage_built_by_hand_writes_parts_of_an_object_store_size(url: str) -> None:
+    """Not a disk's defaults: 8 writer threads, 16 MiB extents, and parts of at most 16 MiB
+    even with 64 MiB extents given."""
+    assert ObjectStorage(url).io.threads == 8
+    assert ObjectStorage(url).io.chunk_bytes == 16 * 1024 * 1024
+    storage = ObjectStorage(url, IOOptions(chunk_bytes=64 * 1024 * 1024))
+    state = {"w": torch.zeros(40 * 1024 * 1024 // 4)}
+    with pitstop.CheckpointManager(storage) as ckpt:
+        ckpt.save(1, state)
+    sizes = [o.size for o in storage.client.scan("step-0000000001/rank-00000.bin/")]
+    assert len(sizes) == 3 and max(sizes) <= 16 * 1024 * 1024
+    out = {"w": torch.ones(40 * 1024 * 1024 // 4)}
+    assert pitstop.load(url, out) == 1 and torch.equal(out["w"], state["w"])

@@ -43,6 +43,7 @@ from pitstop.errors import (
     CorruptCheckpointError,
     MissingExtraError,
     NotACheckpointError,
+    UnsupportedSetupError,
     UnsupportedValueError,
 )
 from pitstop.io.files import check_regular
@@ -83,7 +84,15 @@ def _check_out(out: str, to: str) -> None:
     """Refuse, as bad usage, an output path that cannot take what ``to`` writes, before
     anything big is loaded."""
     from pitstop.cli.main import _UsageError
+    from pitstop.storage.local import refuse_url
 
+    try:
+        refuse_url(out)
+    except UnsupportedSetupError:
+        raise _UsageError(
+            f"{out}: export writes a local {'directory' if to == 'dcp' else 'file'}; give a "
+            "local path and copy it to the bucket with your own tools"
+        ) from None
     if to == "dcp":
         if os.path.exists(out) and not os.path.isdir(out):
             raise _UsageError(f"{out}: dcp writes a directory, and this exists as a file")

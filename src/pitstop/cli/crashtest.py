@@ -333,6 +333,12 @@ def run_crashtest(args: argparse.Namespace) -> int:
 def _workdir(given: str | None) -> str:
     if given is None:
         return tempfile.mkdtemp(prefix="pitstop-crashtest-")
+    if "://" in given or re.match(r"^\s*[A-Za-z][A-Za-z0-9+.-]*:", given):
+        raise CrashtestError(
+            f"--workdir {given}: crashtest runs and compares the checkpoints in a local "
+            "directory; give one (a script that saves to a bucket can take the bucket from "
+            "its own option and {dir} for the local runs)"
+        )
     try:
         os.makedirs(given, exist_ok=True)
         names = os.listdir(given)

@@ -106,9 +106,9 @@ def _open_url(url: str) -> tuple[Catalog, str | None]:
         names = catalog.storage.entries()
     except (UnsupportedSetupError, MissingExtraError) as e:
         raise _UsageError(e.message) from None
-    if names and not any(
-        parse_step_dir(n) is not None or parse_aside_dir(n) is not None for n in names
-    ):
+    if not names:  # on an object store a prefix with no objects is one that does not exist
+        raise _UsageError(f"{url}: no objects under this prefix (a typo in the URL?)")
+    if not any(parse_step_dir(n) is not None or parse_aside_dir(n) is not None for n in names):
         raise _UsageError(
             f"{url} is not a pitstop checkpoint root (no manifest.json, no step-* prefixes)"
         )

@@ -493,11 +493,18 @@ class Catalog:
     def _collect_one(self, e: Entry, min_age_secs: float, now: float, dry_run: bool) -> str:
         debris = e.status in ("partial", "writing", "retired")
         min_age = max(min_age_secs, 10.0) if e.status == "writing" else min_age_secs
-        if debris and not getattr(self.storage, "locks", True):
+        unlocked = debris and not getattr(self.storage, "locks", True)
+        if unlocked:
             min_age = max(min_age, UNLOCKED_DEBRIS_SECS)  # a save elsewhere may be running
         if debris and min_age > 0:
-            age = now - self.storage.mtime(e.name)
+            age = max(0.0, now - self.storage.mtime(e.name))
             if age < min_age:
+                if unlocked and min_age > min_age_secs:  # the floor of a storage without locks
+                    return (
+                        f"kept: written to {age:.0f} s ago (no locks on {self.storage.url}: a "
+                        f"save on another host may be writing it; removed once {min_age:.0f} s "
+                        "old)"
+                    )
                 return f"kept: written to {age:.0f} s ago (a save may be running)"
         if e.status == "damaged" or (e.is_step_dir and e.status == "abandoned"):
             return self._collect_step(e, dry_run)

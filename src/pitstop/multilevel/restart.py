@@ -39,6 +39,7 @@ from pitstop.engine.transfer import copy_files
 from pitstop.errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointIOError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     PartialRestoreError,
@@ -129,7 +130,7 @@ class Restarts:
         newer steps of both levels are set aside; ``fetch``: a step the shared level served
         is copied into the local level (``load()`` leaves the levels as they are)."""
         t0 = time.perf_counter()
-        views, held = self._survey()
+        views, held, unlisted = self._survey()
         local = {s for v in views for s, (digest, _) in v.items() if digest}
         candidates = sorted(local.union(*held), reverse=True)
         if step is not None:
@@ -161,6 +162,13 @@ class Restarts:
                         self.fetch(result.manifest, view, t.storage)
             if result is not None:
                 break
+        if result is None and unlisted:
+            raise CheckpointIOError(
+                f"no level could deliver a checkpoint, and {'; '.join(unlisted)}: it may hold "
+                "the newest one, so this restart does not start from scratch (restore again "
+                "once the level is back; remove the level from the list to give it up)",
+                path=self.local_storage.url, phase="restore",
+            )  # fmt: skip
         if result is None:
             return walk.nothing(step, self.local_storage.url)
         assert result.step is not None
@@ -173,7 +181,7 @@ class Restarts:
         result.secs = time.perf_counter() - t0
         return result
 
-    def _survey(self) -> tuple[list[dict[int, tuple[str, bool]]], list[set[int]]]:
+    def _survey(self) -> tuple[list[dict[int, tuple[str, bool]]], list[set[int]], list[str]]:
         """Collective: every node's view, by leader rank (step -> the digest of the manifest
         its node holds, "" when it does not parse, and whether it is marked damaged; a step a
         rollback left is not one: the node lacks it) and the steps committed on each shared
@@ -182,12 +190,14 @@ class Restarts:
         everywhere (the steps it left are no candidates)."""
         local = _brief(self.local_catalog.scan()) if self.leader else []
         shared: list[list[tuple[Any, ...]]] = [[] for _ in self.targets]
+        unlisted: list[str] = []
         for j, t in enumerate(self.targets if self.group.coordinator else []):
             try:
                 shared[j] = _brief(t.catalog.scan())
             except CheckpointError as e:
                 _log.warning("the %s level cannot be listed: %s", t.name, e, phase="restore")
-        words = self.group.all_gather((local, shared), "restore")
+                unlisted.append(f"the {t.name} level ({t.storage.url}) cannot be listed: {e}")
+        words = self.group.all_gather((local, shared, unlisted), "restore")
         marks = [
             b[5] for w in words for part in [w[0], *w[1]] for b in part if b[5] is not None
         ]  # fmt: skip
@@ -207,7 +217,7 @@ class Restarts:
             {b[0] for w in words for b in w[1][j] if b[1] == "committed" and not left(b)}
             for j in range(len(self.targets))
         ]
-        return views, held
+        return views, held, words[0][2]
 
     def _from_local(
         self,

@@ -236,11 +236,11 @@ class LevelStack(Restarts):
         newest = self._newest
         if newest is None:
             return None
-        todo = [t for t in self.targets if newest[0] > t.flushed]
-        for t in todo:
-            self._submit(t, *newest)
+        for t in self.targets:
+            if newest[0] > t.flushed:
+                self._submit(t, *newest)
         records = []
-        for t in todo:
+        for t in self.targets:  # a flush of it already under way (its schedule's) waited for too
             t.flusher.drain()
             got = next((r for r in reversed(t.flusher.records) if r.step == newest[0]), None)
             if got is not None:

@@ -206,7 +206,11 @@ class ObstoreClient:
                 "list (an empty '//' or a '.'/'..' segment); delete that object with another "
                 "tool (aws s3 rm ...)",
             )
-        return OSError(errno.EREMOTEIO, f"{key}: {text}")
+        status = _STATUS.search(str(e))
+        code = {"403": errno.EACCES, "400": errno.EINVAL, "404": errno.ENOENT}.get(
+            status.group(1) if status else "", errno.EREMOTEIO
+        )  # (a 404 here is a bucket, not a key: a missing key is ObjectMissing above)
+        return OSError(code, f"{key}: {text}" if key and key != "/" else text)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
         try:

@@ -658,15 +658,6 @@ class RamStorage(LocalStorage):
         super().__init__(root, dataclasses.replace(base, direct="off", fsync=False))
 
 
-OBJECT_STORE_THREADS = 8
-"""Writer threads for an object store unless told otherwise: each holds one request in flight,
-and a store's throughput comes from many requests at once (a disk's from a few)."""
-OBJECT_STORE_CHUNK_BYTES = 16 * 1024 * 1024
-"""Extent size for an object store unless told otherwise: each extent is one PUT, so a state
-of tens of MB is several requests in parallel, not one (benchmarks/object_store.py: 16 MiB
-parts saved 1.5-2x faster than 64 MiB ones on 63-252 MB states)."""
-
-
 def open_root(
     root: str | os.PathLike[str] | Any, options_io: IOOptions | None, **knobs: object
 ) -> tuple[Any, IOOptions]:
@@ -674,21 +665,9 @@ def open_root(
     I/O ``knobs`` (threads, chunk_bytes, direct) configure a path; a Storage object brings its
     own, so knobs given with one are refused rather than silently ignored."""
     if object_url(root) is not None:
-        from pitstop.storage.object_store import ObjectStorage
+        from pitstop.storage.object_store import ObjectStorage, object_store_io
 
-        io = options_io or IOOptions.from_env(**knobs)
-        if (  # threads left at the disk's default
-            io.threads == IOOptions.threads
-            and knobs.get("threads") is None
-            and not os.environ.get("PITSTOP_IO_THREADS")
-        ):
-            io = dataclasses.replace(io, threads=OBJECT_STORE_THREADS)
-        if (  # extents (one part object each) left at the disk's default
-            io.chunk_bytes == IOOptions.chunk_bytes
-            and knobs.get("chunk_bytes") is None
-            and not os.environ.get("PITSTOP_CHUNK_BYTES")
-        ):
-            io = dataclasses.replace(io, chunk_bytes=OBJECT_STORE_CHUNK_BYTES)
+        io = object_store_io(options_io, **knobs)
         storage = ObjectStorage(os.fspath(root), io)
         storage.check()  # a missing bucket or refused credentials: said now, not at a flush
         return storage, io
@@ -700,6 +679,9 @@ def open_root(
             "a checkpoint root is a directory path, a pitstop Storage or a list of levels "
             f"[pitstop.Local(...), pitstop.Shared(...)], not {type(root).__name__}: {root!r}"
         )
+    check = getattr(root, "check", None)
+    if callable(check):
+        check()  # (an ObjectStorage built by hand: its bucket reachable)
     given = [k for k, v in knobs.items() if v is not None]
     if options_io is not None and options_io not in (root.io, IOOptions.from_env()):
         given.append("SaveOptions(io=...)")

@@ -30,6 +30,7 @@ it prevents.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import errno
 import json
 import os
@@ -66,9 +67,9 @@ from pitstop.storage.clients import (
     split_url,
 )
 
-__all__ = ["ObjectStorage"]
+__all__ = ["ObjectStorage", "object_store_io"]
 
-PART_BYTES = 64 * 1024 * 1024
+PART_BYTES = 16 * 1024 * 1024
 _LISTING_SECS = 2.0
 
 
@@ -93,6 +94,34 @@ def _checked_url(url: str) -> str:
             path=url, phase="plan",
         )  # fmt: skip
     return f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
+
+
+OBJECT_STORE_THREADS = 8
+"""Writer threads for an object store unless told otherwise: each holds one request in flight,
+and a store's throughput comes from many requests at once (a disk's from a few)."""
+OBJECT_STORE_CHUNK_BYTES = 16 * 1024 * 1024
+"""Extent size for an object store unless told otherwise (a part is at most ``part_bytes``,
+also 16 MiB): a state of tens of MB is several requests in parallel, not one
+(benchmarks/object_store.py: 16 MiB parts saved 1.5-2x faster than 64 MiB ones)."""
+
+
+def object_store_io(io: IOOptions | None, **knobs: object) -> IOOptions:
+    """``io`` (or the environment's, with ``knobs``) with an object store's defaults where a
+    disk's were left: 8 writer threads, 16 MiB extents."""
+    io = io or IOOptions.from_env(**knobs)
+    if (
+        io.threads == IOOptions.threads
+        and knobs.get("threads") is None
+        and not os.environ.get("PITSTOP_IO_THREADS")
+    ):
+        io = dataclasses.replace(io, threads=OBJECT_STORE_THREADS)
+    if (
+        io.chunk_bytes == IOOptions.chunk_bytes
+        and knobs.get("chunk_bytes") is None
+        and not os.environ.get("PITSTOP_CHUNK_BYTES")
+    ):
+        io = dataclasses.replace(io, chunk_bytes=OBJECT_STORE_CHUNK_BYTES)
+    return io
 
 
 def _owner_alive(owner: dict[str, Any] | None) -> bool | None:
@@ -155,7 +184,7 @@ class ObjectStorage:
         part_bytes: int = PART_BYTES,
     ) -> None:
         self.url = _checked_url(url)
-        self.io = io if io is not None else IOOptions.from_env()
+        self.io = io if io is not None else object_store_io(None)
         self.part_bytes = int(part_bytes)
         if self.part_bytes < 4096:
             raise ValueError(f"part_bytes must be at least 4096, got {part_bytes!r}")
@@ -355,25 +384,44 @@ class ObjectStorage:
         except OSError as e:
             raise self._io(e, f"write {name}", prefix, "persist") from e
         nbytes = sum(e.nbytes for e in extents)
+        parts: list[Extent] = []  # every part its own request, all in the pool at once
+        whole: dict[int, Extent] = {}  # part start -> its extent
+        left: dict[int, int] = {}  # extent start -> parts not yet stored
+        ready: dict[int, threading.Event] = {}  # extent start -> before_extent has returned
+        first: set[int] = set()
+        lock = threading.Lock()
+        for ext in extents:
+            cuts = list(range(ext.start, ext.end, self.part_bytes)) or [ext.start]
+            left[ext.start], ready[ext.start] = len(cuts), threading.Event()
+            for a in cuts:
+                parts.append(Extent(a, min(ext.end, a + self.part_bytes)))
+                whole[a] = ext
 
-        def job(extent: Extent) -> None:
-            if before_extent is not None:
-                before_extent(extent)
-            start = extent.start
-            while True:
-                end = min(extent.end, start + self.part_bytes)
-                key = f"{prefix}{start:016x}"
+        def job(part: Extent) -> None:
+            e = whole[part.start]
+            with lock:
+                mine = e.start not in first
+                first.add(e.start)
+            if mine:  # the extent's bytes staged (once, by its first part)
                 try:
-                    self.client.put(key, view[start:end])
-                except OSError as e:
-                    raise self._io(e, f"write {name}", key, "persist") from e
-                start = end
-                if start >= extent.end:
-                    break
-            if on_extent is not None:
-                on_extent(extent)
+                    if before_extent is not None:
+                        before_extent(e)
+                finally:
+                    ready[e.start].set()
+            else:
+                ready[e.start].wait()
+            key = f"{prefix}{part.start:016x}"
+            try:
+                self.client.put(key, view[part.start : part.end])
+            except OSError as err:
+                raise self._io(err, f"write {name}", key, "persist") from err
+            with lock:
+                left[e.start] -= 1
+                last = left[e.start] == 0
+            if last and on_extent is not None:
+                on_extent(e)  # its checksums, once every part is stored
 
-        _run_extents(pool, extents, job, midpoint="persist.mid")
+        _run_extents(pool, parts, job, midpoint="persist.mid")
         return IOResult(nbytes, time.perf_counter() - t0, False)
 
     def write_object(self, directory: str, name: str, data: bytes | memoryview) -> None:

@@ -5,7 +5,8 @@ it is retried ``io.retries`` times in all (backoff ``io.retry_backoff_secs`` dou
 and then raised as the CheckpointIOError it is. It never marks anything damaged and
 never makes restore fall back to an older checkpoint.
 
-Reads and small metadata operations are retried on any CheckpointIOError; a data
+Reads and small metadata operations are retried on any CheckpointIOError but a permanent
+one (EACCES, EPERM, EINVAL: an object store's 403 and 400 too); a data
 write (``write_data``, ``prepare``) only on errors that can pass (EIO, EAGAIN,
 ETIMEDOUT, ...), since rewriting a large file for ENOSPC only wastes time.
 
@@ -23,7 +24,7 @@ from pitstop.errors import CheckpointIOError
 from pitstop.log import get_logger
 from pitstop.storage.wrap import StorageWrapper
 
-__all__ = ["TRANSIENT_ERRNOS", "RetryingStorage"]
+__all__ = ["PERMANENT_ERRNOS", "TRANSIENT_ERRNOS", "RetryingStorage"]
 
 _log = get_logger("pitstop.storage")
 
@@ -31,6 +32,8 @@ TRANSIENT_ERRNOS = frozenset(
     {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR, errno.EBUSY, errno.ESTALE,
      errno.ECONNRESET, errno.ECONNABORTED, errno.ENOLCK, errno.EREMOTEIO}
 )  # fmt: skip
+PERMANENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENAMETOOLONG})
+"""Errors no retry can pass (refused permission, a malformed request): raised at once."""
 _RETRY_ANY = frozenset(
     {"entries", "entry_kind", "has_manifest", "mtime", "read_manifest", "read_object",
      "file_size", "open_data", "read_into", "write_object", "commit", "mark", "read_markers",
@@ -59,7 +62,9 @@ class RetryingStorage(StorageWrapper):
                 try:
                     return fn(*args, **kwargs)
                 except CheckpointIOError as e:
-                    retry = not transient_only or e.errno in TRANSIENT_ERRNOS
+                    retry = (
+                        not transient_only and e.errno not in PERMANENT_ERRNOS
+                    ) or e.errno in TRANSIENT_ERRNOS
                     if not retry or attempt == attempts:
                         if attempt > 1:
                             e.message = f"{e.message} (after {attempt} attempts)"
