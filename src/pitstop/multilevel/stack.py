@@ -236,11 +236,15 @@ class LevelStack(Restarts):
         newest = self._newest
         if newest is None:
             return None
-        for t in self.targets:
+        def done(t: FlushTarget) -> bool:
+            return any(r.step == newest[0] for r in t.flusher.records)
+
+        todo = [t for t in self.targets if newest[0] > t.flushed or not done(t)]
+        for t in todo:
             if newest[0] > t.flushed:
                 self._submit(t, *newest)
         records = []
-        for t in self.targets:  # a flush of it already under way (its schedule's) waited for too
+        for t in todo:  # a flush of it already under way (its schedule's) waited for too
             t.flusher.drain()
             got = next((r for r in reversed(t.flusher.records) if r.step == newest[0]), None)
             if got is not None:
