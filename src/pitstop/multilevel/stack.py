@@ -236,6 +236,7 @@ class LevelStack(Restarts):
         newest = self._newest
         if newest is None:
             return None
+
         def done(t: FlushTarget) -> bool:
             return any(r.step == newest[0] for r in t.flusher.records)
 
