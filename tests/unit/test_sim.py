@@ -211,3 +211,20 @@ def test_a_restart_is_a_new_process_whose_policy_measures_again() -> None:
     resumed = before[-1]
     # no checkpoint until the new process timed WARMUP iterations, then the probe
     assert after[0] - resumed == WARMUP + 1, (resumed, after[:3])
+
+
+def test_a_run_of_fixed_length_counts_the_progress_reached() -> None:
+    """``until_secs``: goodput over a fixed wall-clock time (what a benchmark that kills a
+    loop for T seconds measures) is the progress reached at T over T; over a fixed job the
+    same failures are diluted by the time the run goes on without them."""
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=10.0, iterations=1000
+    )
+    failures = FailureModel(mtbf_secs=1.0, trace=(25.5, 80.5))
+    r = simulate(job, failures, EveryN(10), until_secs=100.0)
+    # 25.5: back to 20, restart until 35.5; 80.5 (step 65): back to 60, restart until 90.5;
+    # 9 more iterations by 99.5, the 10th unfinished at 100
+    assert r.failures == 2 and r.work_secs == 69.0 and r.wall_secs == 100.0
+    assert r.lost_secs == pytest.approx(10.5) and r.goodput == pytest.approx(0.69)
+    whole = simulate(job, failures, EveryN(10))
+    assert whole.goodput == pytest.approx(1000 / (1000 + 10.5 + 20))  # the same, diluted

@@ -79,11 +79,20 @@ def simulate(
     record: bool = False,
     name: str | None = None,
     max_wall_factor: float = 50.0,
+    until_secs: float | None = None,
 ) -> RunResult:
-    """Run ``job`` to the end (or to the loss model's early stop) under ``failures`` with ``policy``."""
+    """Run ``job`` to the end (or to the loss model's early stop) under ``failures`` with ``policy``.
+
+    ``until_secs``: stop at that wall-clock time instead (a run of fixed length, as
+    ``benchmarks/goodput.py`` measures): the work done is the progress reached then (no
+    failure ends it), and ``goodput`` is that over ``until_secs``. Goodput over a fixed
+    job (work / wall) and over a fixed time differ when failures cluster in part of the
+    run: the fixed job's run goes on past them, with none."""
     rng = random.Random(seed)
     template, policy = policy, copy.deepcopy(policy)
     fail_times = failures.times(job.work_secs * max_wall_factor, rng)
+    if until_secs is not None:
+        fail_times = [f for f in fail_times if f < until_secs]
     stop_rng = random.Random(seed * 7919 + 1)
     target = job.iterations
     result = RunResult(policy=name or _name(policy), seed=seed)
@@ -155,6 +164,8 @@ def simulate(
             continue
         if restarted:  # a new process: a fresh policy, nothing measured yet
             policy, restarted = copy.deepcopy(template), False
+        if until_secs is not None and t + it > until_secs:
+            break  # the time is up: an iteration not finished by then does not count
         t += it
         progress += 1
         iters_since_restart += 1
@@ -206,6 +217,9 @@ def simulate(
             measured = True
     result.wall_secs = t
     result.work_secs = (target if result.finished else committed) * it
+    if until_secs is not None:
+        result.finished = progress >= target
+        result.wall_secs, result.work_secs = until_secs, min(progress, target) * it
     if loss is not None:
         result.value_ft_overhead_secs = (
             result.checkpoint_secs + result.value_lost_secs + result.restart_secs
