@@ -353,7 +353,10 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
             # kill to the first step trained after the restore (or to the end of this
             # incarnation, if it trained none: killed again, or stopped, while restoring)
             first_step = next((t for t, w in inc.lines if w[0] == "S"), None)
-            ended = inc.lines[-1][0] if inc.lines else start + born
+            if i + 1 < len(incarnations):  # killed at the next one's birth
+                ended = start + incarnations[i + 1][0]
+            else:  # stopped at T (the spare's "W" line predates its birth)
+                ended = max([t for t, _ in inc.lines] + [start + born])
             run.restart_secs.append((first_step or ended) - start - born)
             if restored is not None:
                 run.lost_steps.append(reached_before - restored)
