@@ -163,9 +163,10 @@ class Local:
 
 @dataclass(frozen=True)
 class Shared:
-    """A level every rank reaches (a shared or parallel file system): committed local
-    checkpoints are copied there in the background, verified on the way, with their own
-    commit, when its ``schedule`` says so. ``path`` is a directory or a
+    """A level every rank reaches (a shared or parallel file system, or an object store):
+    committed local checkpoints are copied there in the background, verified on the way, with
+    their own commit, when its ``schedule`` says so. ``path`` is a directory, an object-store
+    URL (``s3://bucket/run``: :class:`~pitstop.storage.ObjectStorage`) or a
     :class:`~pitstop.storage.Storage`.
 
     * ``every=n``: every n-th local commit (the default schedule, n = 10); or ``schedule=``
