@@ -134,3 +134,18 @@ def _closed_pipe() -> int:
     read, write = os.pipe()
     os.close(read)
     return write
+
+
+def test_gc_of_one_checkpoint_directory_is_bad_usage_not_gc_of_its_root(
+    tmp_path: Any, capsys: Any
+) -> None:
+    from pitstop.cli.main import main
+
+    root = tmp_path / "ck"
+    pitstop.save(root, {"w": torch.ones(3)}, step=1)
+    (root / "step-0000000002").mkdir()  # debris a gc of the root would remove
+    assert main(["gc", str(root / "step-0000000001"), "--min-age", "0"]) == 2
+    assert "give its root" in capsys.readouterr().err
+    assert (root / "step-0000000002").exists()
+    assert main(["gc", str(root), "--min-age", "0"]) == 0
+    assert not (root / "step-0000000002").exists()

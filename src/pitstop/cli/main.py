@@ -332,7 +332,13 @@ def _say_verified(catalog: Catalog, e: Entry, report: VerifyReport) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    catalog, _ = _open_root(args.dir)
+    catalog, only = _open_root(args.dir)
+    if only is not None:  # gc works on a whole root: never quietly on the step's parent
+        catalog.close()
+        raise _UsageError(
+            f"{args.dir} is one checkpoint; gc collects a root's debris: give its root "
+            f"({catalog.storage.url})"
+        )
     done = catalog.collect(
         abandoned=args.abandoned,
         damaged=args.damaged,
