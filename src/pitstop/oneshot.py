@@ -53,18 +53,15 @@ def resolve(path: str, step: int | None) -> tuple[str, int | None]:
 
 def _resolve_url(url: str, step: int | None) -> tuple[str, int | None]:
     """``resolve`` of an object-store URL: a root, or one step "directory" under a root."""
-    from pitstop.storage.object_store import ObjectStorage
+    from pitstop.storage.object_store import step_url
 
-    url = url.rstrip("/")
-    parent, _, last = url.rpartition("/")
-    dir_step = parse_step_dir(last)
-    if dir_step is None or "://" not in parent or parent.endswith(":/"):
-        return url, step
-    if not ObjectStorage(parent).has_manifest(last):
-        return url, step
+    root, name = step_url(url)
+    dir_step = parse_step_dir(name) if name is not None else None
+    if dir_step is None:
+        return root, step
     if step is not None and step != dir_step:
         raise CheckpointNotFoundError(f"{url} holds step {dir_step}, not {step}", path=url)
-    return parent, dir_step
+    return root, dir_step
 
 
 def save(

@@ -95,14 +95,13 @@ def _open_root(path: str) -> tuple[Catalog, str | None]:
 
 def _open_url(url: str) -> tuple[Catalog, str | None]:
     """``_open_root`` of an object-store URL: a root, or one step "directory" under a root."""
-    url = url.rstrip("/")
-    parent, _, last = url.rpartition("/")
+    from pitstop.storage.object_store import step_url
+
     try:
-        if parse_step_dir(last) is not None and "://" in parent and not parent.endswith(":/"):
-            catalog = catalog_of(parent)
-            if catalog.storage.has_manifest(last):
-                return catalog, last
+        url, step = step_url(url)
         catalog = catalog_of(url)
+        if step is not None:
+            return catalog, step
         names = catalog.storage.entries()
     except (UnsupportedSetupError, MissingExtraError) as e:
         raise _UsageError(e.message) from None

@@ -67,7 +67,7 @@ from pitstop.storage.clients import (
     split_url,
 )
 
-__all__ = ["ObjectStorage", "object_store_io"]
+__all__ = ["ObjectStorage", "object_store_io", "step_url"]
 
 PART_BYTES = 16 * 1024 * 1024
 _LISTING_SECS = 2.0
@@ -122,6 +122,17 @@ def object_store_io(io: IOOptions | None, **knobs: object) -> IOOptions:
     ):
         io = dataclasses.replace(io, chunk_bytes=OBJECT_STORE_CHUNK_BYTES)
     return io
+
+
+def step_url(url: str) -> tuple[str, str | None]:
+    """``(root, step)`` of a URL that names one committed step under a root
+    (``s3://b/run/step-0000000100``), else ``(url, None)``: how ``load`` and the CLI read a
+    URL given where a root or a checkpoint may go."""
+    url = url.rstrip("/")
+    parent, _, last = url.rpartition("/")
+    if parse_step_dir(last) is None or "://" not in parent or parent.endswith(":/"):
+        return url, None
+    return (parent, last) if ObjectStorage(parent).has_manifest(last) else (url, None)
 
 
 def _owner_alive(owner: dict[str, Any] | None) -> bool | None:
