@@ -349,8 +349,7 @@ class Bench:
         if client is None and part_mib is None:
             return self.server.url(prefix)  # as a user writes it
         from pitstop.options import IOOptions
-        from pitstop.storage.local import OBJECT_STORE_THREADS
-        from pitstop.storage.object_store import PART_BYTES, ObjectStorage
+        from pitstop.storage.object_store import OBJECT_STORE_THREADS, PART_BYTES, ObjectStorage
 
         part = part_mib * MIB if part_mib else PART_BYTES
         io = IOOptions.from_env(
@@ -362,6 +361,18 @@ class Bench:
         from pitstop.storage.object_store import PART_BYTES
 
         return PART_BYTES
+
+    def timed_async(self, mgr: Any) -> Callable[[], dict[str, float]]:
+        """One ``async_save`` of the state by ``mgr``: its stall, time to committed, CPU."""
+
+        def run() -> dict[str, float]:
+            c0, t0 = cpu(), perf()
+            h = mgr.async_save(self.next_step(), self.state)
+            stall = perf() - t0
+            h.wait()
+            return {"secs": perf() - t0, "cpu": cpu() - c0, "stall": stall}
+
+        return run
 
     def setup_pitstop(self, client: str | None, part_mib: int | None = None) -> None:
         tag = ("" if client is None else f"_{client}") + (f"_p{part_mib}" if part_mib else "")
@@ -381,14 +392,7 @@ class Bench:
         def async_setup(row: Row) -> Callable[[], dict[str, float]]:
             mgr = self.pitstop_manager(self.object_root(prefix + "-async", client, part_mib))
 
-            def run() -> dict[str, float]:
-                c0, t0 = cpu(), perf()
-                h = mgr.async_save(self.next_step(), self.state)
-                stall = perf() - t0
-                h.wait()
-                return {"secs": perf() - t0, "cpu": cpu() - c0, "stall": stall}
-
-            return run
+            return self.timed_async(mgr)
 
         def restore_setup(row: Row) -> Callable[[], dict[str, float]]:
             import pitstop
@@ -418,14 +422,7 @@ class Bench:
             mgr = self.pitstop_manager(d)
             row.note = "local disk, tmp dir (the stall reference)"
 
-            def run() -> dict[str, float]:
-                c0, t0 = cpu(), perf()
-                h = mgr.async_save(self.next_step(), self.state)
-                stall = perf() - t0
-                h.wait()
-                return {"secs": perf() - t0, "cpu": cpu() - c0, "stall": stall}
-
-            return run
+            return self.timed_async(mgr)
 
         self.add("local_async", "pitstop async_save, local disk", "save", async_setup)
 
