@@ -100,8 +100,8 @@ __all__ = [
 
 _LAZY = {
     "CheckpointManager": "pitstop.manager",
-    "Local": "pitstop.multilevel.levels",
-    "Shared": "pitstop.multilevel.levels",
+    "Local": "pitstop.levels.spec",
+    "Shared": "pitstop.levels.spec",
     "ObjectStorage": "pitstop.storage.object_store",
     "RNGState": "pitstop.state.rng",
     "ResumableLoader": "pitstop.state.data",
@@ -116,9 +116,9 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from pitstop.engine.handle import SaveHandle
+    from pitstop.levels.spec import Local, Shared
     from pitstop.loop import StepResult
     from pitstop.manager import CheckpointManager
-    from pitstop.multilevel.levels import Local, Shared
     from pitstop.oneshot import load, save
     from pitstop.state.data import ResumableLoader, ResumableSampler
     from pitstop.state.keys import add_prefix, strip_prefix

@@ -38,12 +38,12 @@ from pitstop.engine.recovery import RestoreResult
 from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointNotFoundError
+from pitstop.levels.flush import FlushRecord
+from pitstop.levels.root import RootLevel
+from pitstop.levels.spec import Local, Shared, check_levels
+from pitstop.levels.stack import LevelStack
 from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
-from pitstop.multilevel.flush import FlushRecord
-from pitstop.multilevel.levels import Local, Shared, check_levels
-from pitstop.multilevel.root import RootLevel
-from pitstop.multilevel.stack import LevelStack
 from pitstop.options import IOOptions, SaveOptions
 from pitstop.policy import CheckFreq, CheckpointPolicy, KeepLast, RetentionPolicy
 from pitstop.probe import CrashProbe
@@ -72,7 +72,7 @@ class CheckpointManager:
     * ``root``: a directory or a :class:`~pitstop.storage.Storage`; or a list of levels,
       ``[pitstop.Local("/local/{node}", redundancy="partner"), pitstop.Shared(path,
       every=10)]``: every save to node-local storage, protected across nodes, every 10th
-      flushed to the shared level (:mod:`pitstop.multilevel`; more shared levels may follow,
+      flushed to the shared level (:mod:`pitstop.levels`; more shared levels may follow,
       fastest first, each on its own schedule); ``keep_last``/``retention`` then apply to
       the shared levels without a ``keep_last`` of their own, ``Local(keep_last=2)`` to the local one, and
       ``topology=`` (rank -> node id) places ranks on nodes (default: ``PITSTOP_NODE`` or
@@ -525,8 +525,8 @@ class ManagerHooks:
       puts the state back later calls it once it has).
     * ``storage``, ``catalog``, ``identity``, ``levels``, ``group``: the root's storage, its
       catalog (statuses, pins, marks), the run's identity (run id, timeline), the levels
-      (:class:`~pitstop.multilevel.stack.LevelStack` for a list,
-      :class:`~pitstop.multilevel.root.RootLevel` for one root: ``flushers`` is empty) and
+      (:class:`~pitstop.levels.stack.LevelStack` for a list,
+      :class:`~pitstop.levels.root.RootLevel` for one root: ``flushers`` is empty) and
       pitstop's side group of the ranks (a null one in one process).
     """
 

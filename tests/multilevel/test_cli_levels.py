@@ -14,7 +14,7 @@ import torch
 import pitstop
 from conftest import flip_byte
 from pitstop.cli.main import main
-from pitstop.multilevel.levels import Placement
+from pitstop.levels.spec import Placement
 
 NODES4 = ["n0", "n1", "n2", "n3"]
 

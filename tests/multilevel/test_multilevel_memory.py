@@ -309,8 +309,8 @@ def test_redundancy_and_rebuilt_files_are_the_bytes_of_the_format(
 def _partner_that_cannot_read(rank: int, world: int, base: str) -> str:
     """Rank 1 cannot read its own files when it sends its partner copy: rank 0 is told by
     the transfer's last exchange (its link would time out after 5 s otherwise)."""
-    from pitstop.multilevel.levels import Placement
-    from pitstop.multilevel.redundancy import Member
+    from pitstop.levels.redundancy import Member
+    from pitstop.levels.spec import Placement
     from pitstop.ranks.group import make_group
     from pitstop.ranks.peers import make_link
     from pitstop.storage.local import LocalStorage

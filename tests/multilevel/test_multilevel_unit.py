@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pitstop
-from pitstop.multilevel.levels import Placement
+from pitstop.levels.spec import Placement
 from pitstop.storage.local import LocalStorage
 from pitstop.testing import FaultyStorage
 
@@ -215,7 +215,7 @@ def test_node_ids_are_the_hostname_unless_one_host_runs_several_nodes(
 ) -> None:
     import socket
 
-    from pitstop.multilevel.levels import node_ids
+    from pitstop.levels.spec import node_ids
 
     host = socket.gethostname()
     monkeypatch.delenv("PITSTOP_NODE", raising=False)

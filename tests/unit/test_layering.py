@@ -23,7 +23,7 @@ LAYERS: dict[str, float] = {
     "pitstop.io": 2,
     "pitstop.storage": 3,
     "pitstop.ranks": 4, "pitstop.state": 4,
-    "pitstop.engine": 5, "pitstop.multilevel": 5.5,
+    "pitstop.engine": 5, "pitstop.levels": 5.5,
     "pitstop.policy": SIDE,
     "pitstop.manager": 6, "pitstop.oneshot": 6, "pitstop.profiler": 6, "pitstop.loop": 6,
     "pitstop.probe": 6,
@@ -35,13 +35,13 @@ LAYERS: dict[str, float] = {
 ALLOWED: dict[str, set[float]] = {
     "pitstop.format": {0}, "pitstop.io": {0}, "pitstop.storage": {0, 1, 2},
     "pitstop.ranks": {0, 1, 2, 3}, "pitstop.state": {0},
-    "pitstop.engine": {0, 1, 2, 3, 4, SIDE}, "pitstop.multilevel": {0, 1, 2, 3, 4, 5, SIDE},
+    "pitstop.engine": {0, 1, 2, 3, 4, SIDE}, "pitstop.levels": {0, 1, 2, 3, 4, 5, SIDE},
     "pitstop.policy": {0},
 }  # fmt: skip
 # modules that may import torch (DESIGN: policy, sim, format.manifest/checksum and the
 # torch-free CLI commands must not)
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.ranks", "pitstop.engine", "pitstop.manager",
-            "pitstop.multilevel.redundancy", "pitstop.multilevel.stack", "pitstop.multilevel.flush",
+            "pitstop.levels.redundancy", "pitstop.levels.stack", "pitstop.levels.flush",
             "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
             "pitstop.testing.crash", "pitstop.testing.distributed",
             "pitstop.cli.convert", "pitstop.cli.compare", "pitstop.probe",

@@ -11,14 +11,14 @@ the one given; if the copy renamed it, only X's directory is the one given). Rel
 recorded paths start at the directory the job ran in, recovered from the one given. What
 was used instead of the recorded paths is said.
 
-A local step is judged as the restore judges it (:mod:`pitstop.multilevel.stack`): its
+A local step is judged as the restore judges it (:mod:`pitstop.levels.stack`): its
 manifest is the one the most nodes hold (ties: the lowest rank's node) that fits the world
 size, the next one if the step cannot be rebuilt from it; a node whose manifest is missing,
 differs, does not parse or is marked lacks it (a restart rewrites it), and its ranks' files
 are checked against the agreed one; :meth:`Placement.recoverable` says whether the step can
 be rebuilt. Nothing is written into a node's directory: only the shared level's
 checkpoints are marked damaged, as ``pitstop verify`` marks any root's. No torch at import;
-verifying the local level imports :mod:`pitstop.multilevel.redundancy` (torch) when run.
+verifying the local level imports :mod:`pitstop.levels.redundancy` (torch) when run.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.jsonsafe import load_json
 from pitstop.format.manifest import Manifest, manifest_digest
 from pitstop.format.names import LEVELS_FILE, parse_step_dir, step_dir_name
-from pitstop.multilevel.levels import SCHEMES, SERVING, manifest_order
+from pitstop.levels.spec import SCHEMES, SERVING, manifest_order
 
 __all__ = [
     "Levels", "levels_root", "ls_levels", "node_note", "read_levels", "refuse_node_dir",

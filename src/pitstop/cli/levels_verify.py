@@ -29,7 +29,7 @@ from pitstop.cli.main import _UsageError, catalog_of, verify_root
 from pitstop.errors import CheckpointError
 from pitstop.format.manifest import Manifest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
-from pitstop.multilevel.levels import Placement
+from pitstop.levels.spec import Placement
 
 __all__ = ["verify_levels"]
 
@@ -63,7 +63,7 @@ class _RankCheck:
 
 
 def _check_rank(lv: Levels, placement: Placement, manifest: Manifest, rank: int) -> _RankCheck:
-    from pitstop.multilevel.redundancy import Member, verify_own
+    from pitstop.levels.redundancy import Member, verify_own
     from pitstop.options import IOOptions
     from pitstop.storage.local import LocalStorage
 
@@ -207,7 +207,7 @@ def _verify_local(lv: Levels, args: argparse.Namespace, scans: _Scans) -> int:
         print("  no checkpoints to verify")
         return 0
     try:
-        importlib.import_module("pitstop.multilevel.redundancy")  # imports torch
+        importlib.import_module("pitstop.levels.redundancy")  # imports torch
     except ImportError as e:
         raise _UsageError(
             f"verifying the local level needs torch ({e}); --level shared does not"

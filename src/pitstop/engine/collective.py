@@ -16,7 +16,7 @@ with the others' failures added. Every word in the store is outcomes in their by
 (``pitstop.ranks.outcome.dumps``).
 
 With ``nodes`` (a :class:`NodeCommit`: the ranks write to one storage per node, the
-node-local level of :mod:`pitstop.multilevel`) the leader of each node (its lowest rank)
+node-local level of :mod:`pitstop.levels`) the leader of each node (its lowest rank)
 creates and later commits that node's directory, and two rounds come between: rank 0
 posts the manifest; every rank runs ``nodes.replicate`` (partner copies, parity) and
 posts that it is done; rank 0 posts ``nodes.decide()``'s word once every rank is, and

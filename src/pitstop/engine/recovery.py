@@ -97,7 +97,7 @@ def recover(
 ) -> RestoreResult:
     """Load the newest checkpoint that verifies (or ``step``) with ``load(entry)``;
     ``window=(lo, hi)``: only steps above ``lo`` (None: any) and at most ``hi`` (the shared
-    level of :mod:`pitstop.multilevel`, between the local level's candidates).
+    level of :mod:`pitstop.levels`, between the local level's candidates).
     ``overwritten``: an attempt before this call wrote into the live state (another level);
     ``raise_if_none=False``: when no candidate loads, return a result without a step (its
     ``skipped`` and ``overwritten`` say what happened) instead of raising.

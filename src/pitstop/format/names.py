@@ -9,7 +9,7 @@
         objects-00000.json          the state's structure and non-tensor values of rank 0
         partner-rank-00003.bin      node-local level only: a partner's copy of rank 3's files
         xor-00002.bin / .json       node-local level only: the parity block rank 2 holds for
-                                    its XOR set, and what it covers (see pitstop.multilevel)
+                                    its XOR set, and what it covers (see pitstop.levels)
         DAMAGED                     only after it failed verification: why (sealed JSON)
         ABANDONED / ROLLBACK        only after a rollback (see MARKERS, format.markers)
       .writing-step-0000001300-<id>/  a save being created; renamed to step-* before any data

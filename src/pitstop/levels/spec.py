@@ -50,7 +50,7 @@ class Redundancy:
     keeps one copy and protects nothing. A strategy says what a node holds for the ranks of
     other nodes (:attr:`holds`), whether a loss can be rebuilt (:meth:`recoverable`, torch
     free: ``pitstop ls`` asks it), and does the byte work through
-    :mod:`pitstop.multilevel.redundancy`: write its redundancy after a commit (:meth:`protect`),
+    :mod:`pitstop.levels.redundancy`: write its redundancy after a commit (:meth:`protect`),
     check what this rank's node holds (:meth:`held_ok`), rebuild lost ranks (:meth:`rebuild`).
     Every method runs on every rank of the job (the collective transfers inside)."""
 
@@ -130,9 +130,9 @@ SCHEMES = tuple(REDUNDANCY)
 
 
 def _io() -> Any:
-    """:mod:`pitstop.multilevel.redundancy`, the byte work of the strategies (it needs torch;
+    """:mod:`pitstop.levels.redundancy`, the byte work of the strategies (it needs torch;
     the placement and ``pitstop ls`` do not)."""
-    return importlib.import_module("pitstop.multilevel.redundancy")
+    return importlib.import_module("pitstop.levels.redundancy")
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ def manifest_order(digests: Sequence[str]) -> list[str]:
     """The order in which a restart tries the manifests of one node-local step, given the
     digest of the manifest each node holds, in node order ("" where it holds none): the
     manifest the most nodes hold first, ties to the first node's. Restart
-    (:mod:`pitstop.multilevel.restart`) and ``pitstop ls``/``verify`` ask this one
+    (:mod:`pitstop.levels.restart`) and ``pitstop ls``/``verify`` ask this one
     function."""
     held = [d for d in digests if d]
     return sorted(dict.fromkeys(held), key=lambda d: -held.count(d))  # stable: first node

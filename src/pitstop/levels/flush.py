@@ -37,16 +37,16 @@ from pitstop.engine.persist import PersistResult
 from pitstop.engine.transfer import copy_files
 from pitstop.errors import CheckpointNotFoundError, CorruptCheckpointError
 from pitstop.faults import killpoint
+from pitstop.levels.redundancy import Member
+from pitstop.levels.spec import Shared
 from pitstop.log import get_logger
-from pitstop.multilevel.levels import Shared
-from pitstop.multilevel.redundancy import Member
 from pitstop.policy import CheckpointPolicy, PolicyContext, RetentionPolicy
 from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage
 
 __all__ = ["FlushRecord", "FlushTarget", "Flusher"]
 
-_log = get_logger("pitstop.multilevel")
+_log = get_logger("pitstop.levels")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Restart of a multi-level job: the newest step either level can deliver, rebuilt where
 the local level lost pieces of it. The restore half of
-:class:`~pitstop.multilevel.stack.LevelStack`, which inherits :class:`Restarts`.
+:class:`~pitstop.levels.stack.LevelStack`, which inherits :class:`Restarts`.
 
 ``recover``: every node's leader lists the steps whose manifest its node holds,
 with the manifest's digest; the shared level's steps come from rank 0's scan. Steps are
@@ -46,20 +46,20 @@ from pitstop.errors import (
 )
 from pitstop.format.manifest import Manifest, manifest_digest
 from pitstop.format.names import step_dir_name
-from pitstop.log import get_logger
-from pitstop.multilevel.flush import FlushTarget
-from pitstop.multilevel.levels import SERVING, Placement, manifest_order
-from pitstop.multilevel.redundancy import (
+from pitstop.levels.flush import FlushTarget
+from pitstop.levels.redundancy import (
     Member,
     verify_own,
 )
+from pitstop.levels.spec import SERVING, Placement, manifest_order
+from pitstop.log import get_logger
 from pitstop.ranks.group import Group
 from pitstop.ranks.outcome import attempt, describe, gather
 from pitstop.storage.base import Storage
 
 __all__ = ["LocalChoice", "Restarts"]
 
-_log = get_logger("pitstop.multilevel")
+_log = get_logger("pitstop.levels")
 
 
 @dataclass

@@ -13,7 +13,7 @@ Call sequence (every rank; the manager makes these calls)::
                                                      #   process committed, now (close too)
     stack.close()
 
-Restart (``recover``, ``fetch``): :mod:`pitstop.multilevel.restart`.
+Restart (``recover``, ``fetch``): :mod:`pitstop.levels.restart`.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from pitstop.errors import (
 from pitstop.faults import killpoint
 from pitstop.format.manifest import Manifest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
-from pitstop.log import get_logger
-from pitstop.multilevel.flush import Flusher, FlushRecord, FlushTarget
-from pitstop.multilevel.levels import Local, Placement, Shared, level_names, node_ids
-from pitstop.multilevel.redundancy import (
+from pitstop.levels.flush import Flusher, FlushRecord, FlushTarget
+from pitstop.levels.redundancy import (
     Member,
 )
-from pitstop.multilevel.restart import Restarts
+from pitstop.levels.restart import Restarts
+from pitstop.levels.spec import Local, Placement, Shared, level_names, node_ids
+from pitstop.log import get_logger
 from pitstop.options import IOOptions
 from pitstop.policy import KeepLast, RetentionPolicy
 from pitstop.ranks.group import Group
@@ -54,7 +54,7 @@ from pitstop.storage.retry import RetryingStorage
 
 __all__ = ["LevelStack"]
 
-_log = get_logger("pitstop.multilevel")
+_log = get_logger("pitstop.levels")
 
 
 class LevelStack(Restarts):

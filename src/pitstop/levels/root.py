@@ -25,7 +25,7 @@ from typing import Any
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
 from pitstop.engine.collective import NodeCommit
 from pitstop.engine.recovery import RestoreResult, recover
-from pitstop.multilevel.flush import Flusher, FlushRecord
+from pitstop.levels.flush import Flusher, FlushRecord
 from pitstop.policy import RetentionPolicy
 from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage

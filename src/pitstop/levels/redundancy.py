@@ -1,5 +1,5 @@
 """Redundancy of the node-local level: the byte work of the strategies of
-:class:`pitstop.multilevel.levels.Redundancy` (partner copies and XOR parity, written, checked
+:class:`pitstop.levels.spec.Redundancy` (partner copies and XOR parity, written, checked
 and rebuilt).
 
 Call sequence (every rank, the same calls in the same order), through the job's strategy
@@ -48,8 +48,8 @@ from pitstop.format.checksum import get_hasher
 from pitstop.format.manifest import FileEntry, Manifest, manifest_digest
 from pitstop.format.names import parity_file_names, partner_copy_name
 from pitstop.io.parallel import Extent
+from pitstop.levels.spec import Placement
 from pitstop.log import get_logger
-from pitstop.multilevel.levels import Placement
 from pitstop.ranks.peers import PeerLink
 from pitstop.storage.base import Storage
 from pitstop.storage.wrap import StorageWrapper
@@ -60,7 +60,7 @@ __all__ = [
 ]  # fmt: skip
 
 _PARITY_VERSION = 1
-_log = get_logger("pitstop.multilevel")
+_log = get_logger("pitstop.levels")
 
 
 @dataclass
