@@ -1,0 +1,466 @@
+"""The keeper: a process beside the training process that seals and persists memory slots.
+
+The training process pays for the copy into a slot and nothing else: the keeper hashes a
+staged slot and commits it (:func:`pitstop.levels.shm.seal`), and writes a committed slot
+to the next level in pitstop's exact on-disk format (:func:`persist_slot`, through the
+level's :class:`pitstop.storage.local.LocalStorage`: prepare, write_data, write_object,
+commit), verifying every checksum as it writes. It imports no torch.
+
+It watches its parent: a socket pair carries the commands, and its EOF, like the parent's
+pidfd becoming readable or the keeper being re-parented, says the training process died
+(SIGKILL included). Then the keeper commits the newest consistent snapshot (a staged slot
+newer than every committed one is sealed first), persists it if its step is newer than what
+the next level holds, removes the job's segments and exits: it never outlives its job for
+long. ``linger_secs``: after persisting, keep the segments that long for a restarted
+training process of the same job, which adopts them (it holds the job's lock file and its
+slots name it as owner); the keeper then exits without removing them.
+
+Call sequence (training thread)::
+
+    keeper = start_keeper(job, next_dir=...)   # returns once the keeper is ready
+    keeper.request_seal(slot.index)            # after slots.staged(...): hash and commit
+    keeper.request_persist(slot.index)         # every Nth: seal if needed, write to next_dir
+    keeper.alive()                             # False: it died; persist in-process instead
+    keeper.events()                            # what it did: sealed, persisted, skipped, error
+    keeper.stop(unlink=True)                   # end of the job
+
+The CLI form, for launchers that start it themselves::
+
+    python -m pitstop.levels.keeper --job TOKEN --parent PID --fd FD [--next DIR] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import typing
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
+
+from pitstop.engine.catalog import Catalog
+from pitstop.errors import CheckpointExistsError, CorruptCheckpointError
+from pitstop.format.checksum import get_checksum, segments
+from pitstop.format.manifest import Manifest, TensorEntry
+from pitstop.format.names import data_file_name, objects_file_name, step_dir_name
+from pitstop.io.parallel import Extent, plan_extents
+from pitstop.levels.shm import (
+    COMMITTED,
+    SHM_DIR,
+    STAGED,
+    Slot,
+    SlotHeader,
+    hold_job_lock,
+    iter_slots,
+    lock_name,
+    open_slot,
+    read_header,
+    read_meta,
+    seal,
+)
+from pitstop.log import get_logger
+from pitstop.options import IOOptions
+from pitstop.storage.base import Storage
+from pitstop.storage.local import LocalStorage
+
+__all__ = ["KeeperHandle", "main", "newest_step", "persist_slot", "start_keeper"]
+
+_log = get_logger("pitstop.levels")
+
+
+# ---------------------------------------------------------------------- persist
+def newest_step(storage: Storage) -> int | None:
+    """The newest committed step ``storage`` holds (None: none)."""
+    catalog = Catalog(storage)
+    try:
+        committed = catalog.committed()
+    finally:
+        catalog.close()
+    return committed[-1].step if committed else None
+
+
+def persist_slot(
+    slot: Slot, storage: Storage, *, pool: Executor, chunk_bytes: int | None = None
+) -> SlotHeader | None:
+    """Write the committed ``slot`` to ``storage`` as a step directory, verifying every
+    checksum segment as it is written (a mismatch aborts the write: CorruptCheckpointError).
+    The slot is pinned (flock shared) meanwhile, so it is not staged into. Returns its header,
+    or None if it is not committed, is being staged into, or ``storage`` already holds the
+    step (CheckpointExistsError is not raised: a step is written once)."""
+    if not slot.try_lock(exclusive=False):
+        return None
+    try:
+        head = slot.header()
+        if head is None or head.state != COMMITTED or head.step is None:
+            return None
+        _, objects, raw = read_meta(slot, head)
+        manifest = Manifest.loads(raw, path=slot.path)
+        directory, rank = step_dir_name(head.step), head.rank
+        view = slot.view[: head.file_bytes]
+        extents = plan_extents(
+            _segments(manifest, data_file_name(rank)),
+            head.file_bytes,
+            chunk_bytes or storage.io.chunk_bytes,
+        )
+        check = _checker(manifest, view, slot.path)
+        try:
+            storage.prepare(directory)
+        except CheckpointExistsError:
+            return None
+        try:
+            storage.write_data(
+                directory, data_file_name(rank), view, extents, pool=pool, on_extent=check
+            )
+            storage.write_object(directory, objects_file_name(rank), objects)
+            storage.commit(directory, raw)
+        except BaseException:
+            storage.abort(directory)
+            raise
+        return head
+    finally:
+        slot.unlock()
+
+
+def _segments(manifest: Manifest, name: str) -> list[tuple[int, int, object]]:
+    return [
+        (start, length, (t, j))
+        for t in manifest.tensors
+        if t.file == name
+        for j, (start, length) in enumerate(segments(t.offset, t.nbytes, manifest.segment_bytes))
+        if length
+    ]
+
+
+def _checker(manifest: Manifest, view: memoryview, path: str) -> Any:
+    fn = get_checksum(manifest.checksum_algorithm)
+
+    def check(extent: Extent) -> None:  # a writer thread, after the extent is written
+        for start, length, tag in extent.segments:
+            entry, j = typing.cast(tuple[TensorEntry, int], tag)
+            if fn(view[start : start + length]) != entry.checksum[j]:
+                raise CorruptCheckpointError(
+                    f"memory slot: tensor {entry.key!r} segment {j} does not match its "
+                    "checksum; not persisted", step=manifest.step, path=path, phase="persist",
+                )  # fmt: skip
+
+    return check
+
+
+# ---------------------------------------------------------------------- the process
+class Keeper:
+    """The keeper process's state (``main`` builds it)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.job, self.rank, self.shm = args.job, args.rank, args.shm_dir
+        self.parent, self.linger = args.parent, args.linger_secs
+        self.sock = socket.socket(fileno=args.fd)
+        self.lock_fd = hold_job_lock(self.shm, self.job, self.rank)  # the segments are alive
+        io = IOOptions.from_env()
+        self.storage: Storage | None = LocalStorage(args.next, io) if args.next else None
+        self.pool = ThreadPoolExecutor(io.threads, thread_name_prefix="pitstop-keeper-io")
+        self.hashers = ThreadPoolExecutor(2, thread_name_prefix="pitstop-keeper-hash")
+        self.pidfd = -1
+        with contextlib.suppress(AttributeError, OSError):  # Linux >= 5.3
+            self.pidfd = os.pidfd_open(self.parent)
+        self.term = False
+        self.watch_ppid = os.getppid() == self.parent  # started by the training process
+
+    def send(self, **event: Any) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.sendall(json.dumps(event).encode() + b"\n")
+
+    def _slot(self, index: int) -> Slot | None:
+        for path in iter_slots(self.shm, self.job, self.rank):
+            if path.endswith(f"-s{index}"):
+                with contextlib.suppress(FileNotFoundError):
+                    return open_slot(path, job=self.job, rank=self.rank)
+        return None
+
+    def run(self) -> int:
+        sel = selectors.DefaultSelector()
+        sel.register(self.sock, selectors.EVENT_READ, "sock")
+        if self.pidfd >= 0:
+            sel.register(self.pidfd, selectors.EVENT_READ, "pid")
+        self.send(event="ready", pid=os.getpid())
+        buf = b""
+        while True:
+            for key, _ in sel.select(timeout=0.5):
+                if key.data == "pid":
+                    return self.finish(died=True)
+                try:
+                    data = self.sock.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    return self.finish(died=True)
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    cmd = json.loads(line)
+                    if cmd.get("op") == "stop":
+                        return self.finish(died=False, **cmd.get("args", {}))
+                    self.handle(cmd)
+            if self.term or (self.watch_ppid and os.getppid() != self.parent):
+                return self.finish(died=True)
+
+    def handle(self, cmd: dict[str, Any]) -> None:
+        op, index = cmd.get("op"), int(cmd.get("slot", -1))
+        slot = self._slot(index)
+        if slot is None:
+            self.send(event="error", op=op, slot=index, message="no such slot")
+            return
+        try:
+            head = seal(slot, pool=self.hashers)
+            if head is not None:
+                self.send(event="sealed", slot=index, step=head.step)
+            if op == "persist":
+                self.persist(slot)
+        except Exception as e:
+            self.send(event="error", op=op, slot=index, message=f"{type(e).__name__}: {e}")
+        finally:
+            slot.close()
+
+    def persist(self, slot: Slot) -> None:
+        head = slot.header()
+        step = head.step if head is not None else None
+        if self.storage is None or step is None:
+            self.send(event="skipped", slot=slot.index, step=step, why="no next level")
+            return
+        held = newest_step(self.storage)
+        if held is not None and held >= step:
+            self.send(event="skipped", slot=slot.index, step=step, why=f"next level has {held}")
+            return
+        t0 = time.perf_counter()
+        done = persist_slot(slot, self.storage, pool=self.pool)
+        if done is None:
+            self.send(event="skipped", slot=slot.index, step=step, why="busy or not committed")
+        else:
+            self.send(event="persisted", slot=slot.index, step=step, secs=time.perf_counter() - t0)
+
+    def finish(self, *, died: bool, unlink: bool = True, persist: bool = False) -> int:
+        """The training process died (or asked to stop): persist the newest snapshot if the
+        next level lacks it, then remove the job's segments (unless adopted) and exit."""
+        if died or persist:
+            slot = self._newest(seal_staged=died)
+            if slot is not None:
+                try:
+                    self.persist(slot)
+                except Exception as e:
+                    _log.warning("keeper: persisting the memory checkpoint failed: %r", e)
+                finally:
+                    slot.close()
+        if died and self.linger > 0 and self._adopted(time.monotonic() + self.linger):
+            unlink = False
+        if unlink:
+            for path in iter_slots(self.shm, self.job, self.rank):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.shm, lock_name(self.job, self.rank)))
+        os.close(self.lock_fd)
+        self.pool.shutdown(wait=True)
+        self.hashers.shutdown(wait=True)
+        return 0
+
+    def _newest(self, *, seal_staged: bool) -> Slot | None:
+        """The slot with the newest snapshot (a staged one newer than every committed one is
+        sealed first); None if there is none."""
+        found: list[tuple[SlotHeader, Slot]] = []
+        for path in iter_slots(self.shm, self.job, self.rank):
+            with contextlib.suppress(FileNotFoundError, CorruptCheckpointError):
+                slot = open_slot(path, job=self.job, rank=self.rank)
+                head = read_header(slot.fd)
+                if head is not None and head.state in (STAGED, COMMITTED):
+                    found.append((head, slot))
+                else:
+                    slot.close()
+        found.sort(key=lambda hs: hs[0].gen, reverse=True)
+        chosen = None
+        for head, slot in found:
+            if chosen is None and head.state == STAGED and seal_staged:
+                with contextlib.suppress(Exception):
+                    if seal(slot, pool=self.hashers) is not None:
+                        chosen = slot
+                        continue
+            if chosen is None and head.state == COMMITTED:
+                chosen = slot
+                continue
+            slot.close()
+        return chosen
+
+    def _adopted(self, deadline: float) -> bool:
+        """Whether a new training process of the job took the segments over before
+        ``deadline`` (its pid in the lock file, alive, not the dead parent)."""
+        path = os.path.join(self.shm, lock_name(self.job, self.rank))
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                with open(path, "rb") as f:
+                    owner = json.loads(f.read(512).strip() or b"{}")
+                pid = int(owner.get("pid", 0))
+                if pid and pid != self.parent and pid != os.getpid():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, 0)
+                        return True
+            time.sleep(0.05)
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pitstop.levels.keeper``: see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m pitstop.levels.keeper")
+    p.add_argument("--job", required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--shm-dir", default=SHM_DIR)
+    p.add_argument("--next", default=None, help="the next level's directory")
+    p.add_argument("--parent", type=int, required=True, help="the training process's pid")
+    p.add_argument("--fd", type=int, required=True, help="the command socket's fd")
+    p.add_argument("--linger-secs", type=float, default=0.0)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of the job: the parent decides
+    keeper = Keeper(args)
+
+    def on_term(*_: object) -> None:
+        keeper.term = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    return keeper.run()
+
+
+# ---------------------------------------------------------------------- the training side
+class KeeperHandle:
+    """The training process's end of a keeper (see the module docstring). Training thread."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.proc, self.sock = proc, sock
+        self.pid = proc.pid
+        self._buf = b""
+        self._events: list[dict[str, Any]] = []
+
+    def alive(self) -> bool:
+        """Whether the keeper still runs (False: it crashed or was killed; persist in-process)."""
+        return self.proc.poll() is None
+
+    def _send(self, op: str, **kw: Any) -> bool:
+        try:
+            self.sock.sendall(json.dumps({"op": op, **kw}).encode() + b"\n")
+        except OSError:
+            return False
+        return True
+
+    def request_seal(self, slot: int) -> bool:
+        """Hash and commit staged ``slot``; False if the keeper is gone."""
+        return self._send("seal", slot=slot)
+
+    def request_persist(self, slot: int) -> bool:
+        """Seal ``slot`` if needed and write it to the next level; False if the keeper is gone."""
+        return self._send("persist", slot=slot)
+
+    def _pump(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, TimeoutError):
+            return
+        except OSError:
+            data = b""
+        finally:
+            self.sock.settimeout(None)
+        if not data:
+            raise EOFError
+        self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self._events.append(json.loads(line))
+
+    def events(self) -> list[dict[str, Any]]:
+        """What the keeper reported since the last call (never waits)."""
+        with contextlib.suppress(EOFError):
+            while True:
+                before = len(self._events) + len(self._buf)
+                self._pump(0.0)
+                if len(self._events) + len(self._buf) == before:
+                    break
+        out, self._events = self._events, []
+        return out
+
+    def wait_for(self, event: str, *, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
+        """Wait for the next ``event`` whose fields equal ``match`` (tests, ``stop``); an
+        ``error`` event or the keeper's end raise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, e in enumerate(self._events):
+                if e.get("event") == "error":
+                    del self._events[i]
+                    raise RuntimeError(f"keeper: {e}")
+                if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
+                    del self._events[: i + 1]
+                    return e
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"keeper reported no {event} {match} in {timeout} s")
+            try:
+                self._pump(min(left, 0.5))
+            except EOFError:
+                raise RuntimeError(f"the keeper ended (exit {self.proc.poll()})") from None
+
+    def stop(self, *, unlink: bool = True, persist: bool = False, timeout: float = 30.0) -> int:
+        """Ask the keeper to end (``persist``: the newest committed slot first; ``unlink``:
+        remove the job's segments) and wait for it; returns its exit code."""
+        self._send("stop", args={"unlink": unlink, "persist": persist})
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.sock.close()
+        return code
+
+
+def start_keeper(
+    job: str,
+    *,
+    rank: int = 0,
+    shm_dir: str = SHM_DIR,
+    next_dir: str | None = None,
+    linger_secs: float = 0.0,
+    timeout: float = 30.0,
+    kill_at: str | None = None,
+) -> KeeperHandle:
+    """Start the keeper of (``job``, ``rank``) and wait until it is ready. Its environment
+    is the caller's without ``PITSTOP_KILL_AT`` (a training process's kill point is not
+    the keeper's); ``kill_at`` gives the keeper its own."""
+    ours, theirs = socket.socketpair()
+    env = {k: v for k, v in os.environ.items() if k != "PITSTOP_KILL_AT"}
+    if kill_at is not None:
+        env["PITSTOP_KILL_AT"] = kill_at
+    cmd = [
+        sys.executable, "-m", "pitstop.levels.keeper", "--job", job, "--rank", str(rank),
+        "--shm-dir", shm_dir, "--parent", str(os.getpid()), "--fd", str(theirs.fileno()),
+        "--linger-secs", str(linger_secs),
+    ]  # fmt: skip
+    if next_dir is not None:
+        cmd += ["--next", os.path.abspath(next_dir)]
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+    finally:
+        theirs.close()
+    handle = KeeperHandle(proc, ours)
+    try:
+        handle.wait_for("ready", timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        ours.close()
+        raise
+    return handle
+
+
+if __name__ == "__main__":
+    sys.exit(main())
