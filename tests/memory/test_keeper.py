@@ -1,0 +1,180 @@
+"""The keeper process: seals and persists on request, persists the newest snapshot when the
+training process is SIGKILLed, removes the job's segments, and a dead keeper is seen."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import pitstop
+from pitstop.engine.catalog import Catalog
+from pitstop.engine.verify import verify_checkpoint
+from pitstop.levels.keeper import start_keeper
+from pitstop.levels.memory import plan_state, stage_into
+from pitstop.levels.shm import SHM_DIR, SlotSet, segment_names
+from pitstop.storage.local import LocalStorage
+
+from .conftest import assert_same, small_state
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _wait_gone(pid: int, timeout: float = 20.0) -> None:
+    """Wait until process ``pid`` (not our child) no longer exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"process {pid} still runs after {timeout} s")
+
+
+def test_keeper_seals_and_persists_on_request(job: str, tmp_path: object) -> None:
+    root = os.path.join(str(tmp_path), "disk")
+    state = small_state(3)
+    _, plan = plan_state(state)
+    slots = SlotSet.create(job, data_bytes=plan.file_bytes)
+    keeper = start_keeper(job, next_dir=root)
+    try:
+        slot = stage_into(slots, 10, state)
+        assert slot is not None
+        assert keeper.request_seal(slot.index)
+        assert keeper.wait_for("sealed", step=10)["slot"] == slot.index
+        assert keeper.request_persist(slot.index)
+        keeper.wait_for("persisted", step=10)
+        assert keeper.request_persist(slot.index)  # the next level has it: not rewritten
+        assert "next level has 10" in keeper.wait_for("skipped", step=10)["why"]
+    finally:
+        assert keeper.stop(unlink=True) == 0
+        slots.close()
+    storage = LocalStorage(root)
+    (entry,) = Catalog(storage).committed()
+    assert entry.manifest is not None and entry.step == 10
+    assert verify_checkpoint(storage, entry.name, entry.manifest).ok
+    into = small_state(8)
+    assert pitstop.load(root, into) == 10
+    assert_same(state, into)
+    assert not keeper.alive()
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import torch
+    sys.path.insert(0, {here!r})
+    from conftest import small_state
+    from pitstop.levels.keeper import start_keeper
+    from pitstop.levels.memory import plan_state, stage_into
+    from pitstop.levels.shm import SlotSet
+
+    job, root, last = sys.argv[1], sys.argv[2], sys.argv[3]
+    _, plan = plan_state(small_state(0))
+    slots = SlotSet.create(job, data_bytes=plan.file_bytes)
+    keeper = start_keeper(job, next_dir=root)
+    for step in (1, 2):
+        slot = stage_into(slots, step, small_state(step))
+        keeper.request_seal(slot.index)
+        keeper.wait_for("sealed", step=step)
+    keeper.request_persist(0)  # step 1 on disk already: the keeper must write a newer one
+    keeper.wait_for("persisted", step=1)
+    expected = 2
+    if last == "staged":  # a consistent snapshot the keeper has not sealed yet
+        stage_into(slots, 3, small_state(3))
+        expected = 3
+    elif last == "staging":  # killed in the middle of a copy: step 2 is the newest whole one
+        slots.begin(3)
+    print(json.dumps({{"keeper": keeper.pid, "expected": expected}}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.parametrize("last", ["committed", "staged", "staging"])
+def test_a_sigkilled_trainer_leaves_its_newest_step_on_disk(
+    job: str, tmp_path: object, last: str
+) -> None:
+    root = os.path.join(str(tmp_path), "disk")
+    script = CHILD.format(here=HERE)
+    child = subprocess.run(
+        [sys.executable, "-c", script, job, root, last],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    info = json.loads(child.stdout.strip().splitlines()[-1])
+    _wait_gone(info["keeper"])  # it persists, removes the segments and exits
+    assert not segment_names(SHM_DIR, job)
+    into = small_state(9)
+    assert pitstop.load(root, into) == info["expected"]
+    assert_same(small_state(info["expected"]), into)
+    storage = LocalStorage(root)
+    assert [e.step for e in Catalog(storage).committed()] == [1, info["expected"]]
+
+
+def test_a_killed_keeper_is_seen_dead(job: str, tmp_path: object) -> None:
+    state = small_state(1)
+    _, plan = plan_state(state)
+    slots = SlotSet.create(job, data_bytes=plan.file_bytes)
+    keeper = start_keeper(job, next_dir=os.path.join(str(tmp_path), "disk"))
+    try:
+        assert keeper.alive()
+        os.kill(keeper.pid, signal.SIGKILL)
+        keeper.proc.wait(10)
+        assert not keeper.alive()
+        slot = stage_into(slots, 1, state)  # training goes on; it seals in-process
+        assert slot is not None
+        sent = [keeper.request_seal(slot.index) for _ in range(3)]
+        assert sent[-1] is False  # the socket's peer is gone
+        with pytest.raises(RuntimeError, match="ended"):
+            keeper.wait_for("sealed", timeout=5)
+    finally:
+        keeper.stop()
+        slots.close(unlink=True)
+
+
+def test_an_orphaned_keeper_with_nothing_to_do_exits_and_cleans_up(
+    job: str, tmp_path: object
+) -> None:
+    root = os.path.join(str(tmp_path), "disk")
+    script = textwrap.dedent(
+        f"""
+        import os
+        from pitstop.levels.keeper import start_keeper
+        from pitstop.levels.shm import SlotSet
+        SlotSet.create({job!r}, data_bytes=8192)
+        k = start_keeper({job!r}, next_dir={root!r})
+        print(k.pid, flush=True)
+        os._exit(0)  # a normal exit that never stops the keeper
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    _wait_gone(int(out.stdout.split()[-1]))
+    assert not segment_names(SHM_DIR, job)
+    assert not os.path.exists(root) or not os.listdir(root)
+
+
+def test_the_keeper_imports_no_torch(job: str) -> None:
+    slots = SlotSet.create(job, data_bytes=8192)
+    keeper = start_keeper(job)
+    try:
+        with open(f"/proc/{keeper.pid}/maps") as f:
+            maps = f.read()
+        assert "libtorch" not in maps
+        assert torch.__version__  # (the test process has it)
+    finally:
+        keeper.stop(unlink=True)
+        slots.close()
