@@ -39,9 +39,8 @@ from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointNotFoundError
 from pitstop.levels.flush import FlushRecord
-from pitstop.levels.root import RootLevel
 from pitstop.levels.spec import Local, Shared, check_levels
-from pitstop.levels.stack import LevelStack
+from pitstop.levels.stack import LevelStack, open_levels
 from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
 from pitstop.options import IOOptions, SaveOptions
@@ -423,10 +422,10 @@ class CheckpointManager:
         rollback: bool,
         fetch: bool = True,
     ) -> RestoreResult:
-        """The newest step any level can deliver (one root: its ``recover``; a list of
-        levels: ``LevelStack.recover``, the local level's step, rebuilt from redundancy where
-        a node lost it, first for a step several levels hold); ``fetch``: a step a shared
-        level served is copied into the local level."""
+        """The newest step any level can deliver: the one recovery walk over the list
+        (``LevelStack.recover``; a node-local level's step rebuilt from redundancy where a
+        node lost it; the fastest level first for a step several hold); ``fetch``: a step a
+        slower level served is copied into the node-local level."""
         return self._levels.recover(load, step, rollback=rollback, fetch=fetch)
 
     # ------------------------------------------------------------------ retention and gc
@@ -456,14 +455,14 @@ def _levels_of(
     knobs: dict[str, Any],
     topology: Mapping[int, str] | Sequence[str] | None,
     retention: RetentionPolicy | None,
-) -> tuple[IOOptions, Callable[[Group], LevelStack | RootLevel]]:
+) -> tuple[IOOptions, Callable[[Group], LevelStack]]:
     """The I/O options of ``root`` and how to open its levels once the group exists: a list
-    of levels (:class:`LevelStack`), or one root (:class:`RootLevel`, a list of one)."""
+    of levels, or one root (a list of one)."""
     if isinstance(root, (list, tuple)):
-        local, shared = check_levels(root)
+        check_levels(root)
         io = options.io if options else IOOptions.from_env(**knobs)
-        return io, lambda group: LevelStack(
-            local, shared, group, io, topology=topology, shared_retention=retention
+        return io, lambda group: open_levels(
+            root, group, io, topology=topology, retention=retention
         )
     if root is None:
         raise ValueError(
@@ -473,7 +472,7 @@ def _levels_of(
     if topology is not None:
         raise ValueError("topology= places ranks on nodes for a list of levels; a root has none")
     inner, io = open_root(root, options.io if options else None, **knobs)
-    return io, lambda group: RootLevel(inner, group, retention)
+    return io, lambda group: open_levels(root, group, io, inner=inner, retention=retention)
 
 
 def _deprecated(name: str) -> None:
@@ -525,8 +524,8 @@ class ManagerHooks:
       puts the state back later calls it once it has).
     * ``storage``, ``catalog``, ``identity``, ``levels``, ``group``: the root's storage, its
       catalog (statuses, pins, marks), the run's identity (run id, timeline), the levels
-      (:class:`~pitstop.levels.stack.LevelStack` for a list,
-      :class:`~pitstop.levels.root.RootLevel` for one root: ``flushers`` is empty) and
+      (:class:`~pitstop.levels.stack.LevelStack`; one root is a list of one, whose
+      ``flushers`` is empty) and
       pitstop's side group of the ranks (a null one in one process).
     """
 
@@ -552,7 +551,7 @@ class ManagerHooks:
         return self._m._identity
 
     @property
-    def levels(self) -> LevelStack | RootLevel:
+    def levels(self) -> LevelStack:
         return self._m._levels
 
     @property

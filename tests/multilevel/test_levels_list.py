@@ -200,3 +200,32 @@ def test_flush_waits_for_a_flush_its_schedule_already_started(tmp_path: Any) -> 
         assert record is not None and record.ok and record.step == 1
         assert [r.step for r in ckpt.flush_records] == [1]
     assert _steps(tmp_path / "shared") == [1]
+
+
+def test_a_list_may_start_with_a_shared_level(tmp_path: Any) -> None:
+    """No node-local level: every save commits to the first shared level, the next is
+    flushed on its schedule, and a restart walks both (the first level lost: the second)."""
+    model = torch.nn.Linear(4, 4)
+    levels = [
+        pitstop.Shared(tmp_path / "fast", keep_last=2, name="fast"),
+        pitstop.Shared(tmp_path / "slow", every=2, name="slow"),
+    ]
+    with pitstop.CheckpointManager(levels) as ckpt:
+        _train(ckpt, model, range(1, 6))
+        _drain(ckpt)
+        assert _steps(tmp_path / "fast") == [4, 5]
+        assert _steps(tmp_path / "slow") == [2, 4]
+    assert _steps(tmp_path / "slow") == [2, 4, 5]  # close() flushes the newest
+    fresh = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 5
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "fast"
+    assert torch.equal(fresh.weight, model.weight)
+    shutil.rmtree(tmp_path / "fast")
+    fresh = torch.nn.Linear(4, 4)
+    with pitstop.CheckpointManager(levels) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 5
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "slow"
+    assert torch.equal(fresh.weight, model.weight)
+    with pytest.raises(ValueError, match="first level of the list"):
+        pitstop.CheckpointManager([pitstop.Shared(tmp_path / "a", every=2), pitstop.Shared("b")])

@@ -1,32 +1,31 @@
 """The collective parts of a save of several ranks: describing what a rank holds, agreeing
-on an outcome, and the two-round commit through the store.
+on an outcome, and the commit round through the store: one transaction for every save and
+every copy between levels, whatever the topology.
 
 Call sequence (every rank, the same saves in the same order)::
 
     items = local_items(flat)                          # training thread, in async_save
     agree(gather(group, outcome, "plan"), ...)         # training thread: all ok, or all fail
-    result = commit_together(group, storage, d, seq, write, manifest)   # persist thread
+    result = commit_together(group, storage, d, seq, write, manifest, nodes)   # persist thread
 
-``commit_together``: rank 0 creates the step directory and posts ``prepared``; every
-rank writes its files and posts its outcome (a :class:`~pitstop.ranks.outcome.Outcome`:
-its result, or its error); rank 0 gathers them, commits one manifest if all succeeded
-(aborts the directory otherwise) and posts the outcome (ok, or every failed rank's), which
-every other rank waits for: one whose own part failed too, which then raises its own error
-with the others' failures added. Every word in the store is outcomes in their bytes
-(``pitstop.ranks.outcome.dumps``).
-
-With ``nodes`` (a :class:`NodeCommit`: the ranks write to one storage per node, the
-node-local level of :mod:`pitstop.levels`) the leader of each node (its lowest rank)
-creates and later commits that node's directory, and two rounds come between: rank 0
-posts the manifest; every rank runs ``nodes.replicate`` (partner copies, parity) and
-posts that it is done; rank 0 posts ``nodes.decide()``'s word once every rank is, and
-only then does each leader write the manifest into its node's directory (and tell its
-node's other ranks, which return only then: committed on their node). A kill before
-that leaves no manifest on any node; a kill during it leaves some nodes committed, which
-is enough: their manifest proves that every rank's files and redundancy were complete. Only the store is used: the background threads never
+``commit_together``, with ``nodes`` (a :class:`NodeCommit`) saying who leads each rank's
+directory: one directory for every rank (a root, a shared level, a flush:
+``NodeCommit.single``: rank 0 leads), or one per node (the node-local level of
+:mod:`pitstop.levels`: each node's lowest rank). Each leader creates its directory and posts
+``prepared``; every rank writes its files into it and posts its outcome (a
+:class:`~pitstop.ranks.outcome.Outcome`: its result, or its error); rank 0 gathers them
+and posts the manifest (or every failed rank's outcome: all raise); every rank runs
+``nodes.replicate`` (partner copies, parity; nothing for one copy) and posts that it is
+done; rank 0 posts ``nodes.decide()``'s word once every rank is, and only then does each
+leader write the manifest into its directory (and tell the other ranks it leads, which
+return only then: committed). A kill before that leaves no manifest anywhere; a kill during
+it leaves some nodes committed, which is enough: their manifest proves that every rank's
+files and redundancy were complete. Every word in the store is outcomes in their bytes
+(``pitstop.ranks.outcome.dumps``). Only the store is used: the background threads never
 issue collectives on a process group. A rank that dies or hangs makes the others fail
 after ``dist_timeout_secs`` with DistributedCheckpointError naming it; nothing is
-committed unless every rank's files are durable.
+committed unless every rank's files are durable. One process runs the same rounds on the
+null group, in-process.
 """
 
 from __future__ import annotations
@@ -59,6 +58,23 @@ class NodeCommit:
     replicate: Callable[[str, bytes], None]
     decide: Callable[[], Any]
     decided: Callable[[Any], None]
+
+    @classmethod
+    def single(cls, size: int) -> NodeCommit:
+        """One directory for every rank: rank 0 leads; nothing to replicate or decide."""
+        return cls((0,) * size, _nothing, _no_word, _ignore)
+
+
+def _nothing(directory: str, manifest: bytes) -> None:
+    pass
+
+
+def _no_word() -> None:
+    return None
+
+
+def _ignore(word: Any) -> None:
+    pass
 
 
 def local_items(flat: Flat, *, overlap: bool) -> list[LocalItem]:
@@ -137,14 +153,14 @@ def commit_together(
     seq: int | str,
     write: Callable[[], PersistResult],
     manifest: Callable[[list[PersistResult], list[str]], bytes],
-    nodes: NodeCommit | None = None,
+    nodes: NodeCommit,
 ) -> PersistResult:
     """Write this rank's part and commit the checkpoint with every other rank (see above).
     A rank whose part failed raises its own error once rank 0 has heard every rank (the
     others' failures added to it); the others raise a DistributedCheckpointError naming
     every failed rank with its message."""
     key, what = f"save/{seq}", f"save of {directory}"
-    leader = nodes.leaders[group.rank] if nodes is not None else 0
+    leader = nodes.leaders[group.rank]
     token = _prepare(group, storage, directory, key, leader)
     result: PersistResult | None = None
     try:
@@ -161,21 +177,19 @@ def commit_together(
         if not isinstance(e, Exception) and not group.coordinator:  # interrupted: at once
             group.post(f"{key}/result/{group.rank}", dumps([mine]))
             raise
-    told = f"{key}/commit" if nodes is None else f"{key}/manifest"
     if group.coordinator:
         try:
-            data = _coordinate(group, storage, directory, key, mine, manifest, nodes is None)
+            data = _coordinate(group, key, directory, mine, manifest)
         except BaseException:
             if mine.error is not None:  # the others were told; this rank (one process: the
                 raise mine.error from None  # only one) raises what it met, as all that failed
             raise
     else:
         group.post(f"{key}/result/{group.rank}", dumps([mine]))
-        heard = _heard(group, told, "commit", 0, what, mine)
-        data = str(heard.value).encode("latin-1") if nodes is not None else b""
+        heard = _heard(group, f"{key}/manifest", "commit", 0, what, mine)
+        data = str(heard.value).encode("latin-1")
     assert result is not None
-    if nodes is not None:
-        _commit_nodes(group, storage, directory, key, data, nodes, leader)
+    _commit_nodes(group, storage, directory, key, data, nodes, leader)
     return result
 
 
@@ -232,17 +246,15 @@ def _commit_nodes(
 
 def _coordinate(
     group: Group,
-    storage: Storage,
-    directory: str,
     key: str,
+    directory: str,
     mine: Outcome,
     manifest: Callable[[list[PersistResult], list[str]], bytes],
-    commit: bool,
 ) -> bytes:
-    """Rank 0: gather every rank's result, commit (or, for ``NodeCommit``, post the manifest)
-    or abort, and tell everyone. Returns the manifest."""
+    """Rank 0: gather every rank's result, build the manifest and post it (or every failed
+    rank's outcome). Returns the manifest."""
     group.post(f"{key}/result/0", dumps([mine]))
-    told = f"{key}/commit" if commit else f"{key}/manifest"
+    told = f"{key}/manifest"
     try:
         outcomes = _gathered(group, f"{key}/result", "persist", mine)
     except BaseException as e:  # a rank that did not report: named by the group
@@ -250,13 +262,10 @@ def _coordinate(
         raise
     out: list[bytes] = []
 
-    def build() -> str | None:
+    def build() -> str:
         results = [result_from_json(o.value) for o in outcomes]
         hosts = sorted({str(o.value.get("host")) for o in outcomes})
         out.append(manifest(results, hosts))
-        if commit:
-            storage.commit(directory, out[0])
-            return None
         return out[0].decode("latin-1")  # the manifest's bytes, as they are, in JSON
 
     _decide(group, told, "commit", outcomes, f"save of {directory}", build)

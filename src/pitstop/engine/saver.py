@@ -104,9 +104,9 @@ class Saver:
         nodes: NodeCommit | None = None,
     ) -> None:
         self.storage = storage
-        self.nodes = nodes  # one storage per node (the multi-level local level)
         self.options = options
         self.group = group if group is not None else Group()
+        self.nodes = nodes or NodeCommit.single(self.group.size)  # who leads which directory
         self._seq = 0  # saves started; every rank counts the same (saves are collective)
         self.algorithm = algorithm or default_algorithm()
         self._on_commit = on_commit

@@ -29,22 +29,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pitstop.engine.catalog import Catalog
-from pitstop.engine.collective import commit_together
+from pitstop.engine.collective import NodeCommit, commit_together
 from pitstop.engine.persist import PersistResult
 from pitstop.engine.transfer import copy_files
 from pitstop.errors import CheckpointNotFoundError, CorruptCheckpointError
 from pitstop.faults import killpoint
-from pitstop.levels.redundancy import Member
+from pitstop.format.manifest import Manifest
+from pitstop.levels.root import RootLevel
 from pitstop.levels.spec import Shared
 from pitstop.log import get_logger
 from pitstop.policy import CheckpointPolicy, PolicyContext, RetentionPolicy
 from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage
 
-__all__ = ["FlushRecord", "FlushTarget", "Flusher"]
+__all__ = ["FlushJob", "FlushRecord", "FlushTarget", "Flusher"]
 
 _log = get_logger("pitstop.levels")
 
@@ -59,6 +60,16 @@ class FlushRecord:
     error: str | None = None
     nbytes: int = 0
     secs: float = 0.0
+
+
+@dataclass(frozen=True)
+class FlushJob:
+    """One rank's part of a flush: its files of ``directory`` (``manifest``) on ``storage``."""
+
+    storage: Storage
+    directory: str
+    manifest: Manifest
+    rank: int
 
 
 class Flusher:
@@ -91,7 +102,7 @@ class Flusher:
         with self._lock:
             return self._lock.wait_for(lambda: self._pending == 0, timeout_secs)
 
-    def submit(self, member: Member) -> None:
+    def submit(self, member: FlushJob) -> None:
         """Pin the step now (retention must not take it while the flush waits its turn). A
         pin that fails makes this rank's part of the flush fail (the others learn it in the
         flush's commit round, not after a timeout)."""
@@ -124,7 +135,7 @@ class Flusher:
             self.on_done(record)
 
     def _run(
-        self, m: Member, pin: contextlib.ExitStack, seq: int, error: BaseException | None
+        self, m: FlushJob, pin: contextlib.ExitStack, seq: int, error: BaseException | None
     ) -> None:
         record = FlushRecord(m.manifest.step, self.name)
         t0 = time.perf_counter()
@@ -145,7 +156,7 @@ class Flusher:
                 self._pending -= 1
                 self._lock.notify_all()
 
-    def _copy(self, m: Member, seq: int, error: BaseException | None) -> int:
+    def _copy(self, m: FlushJob, seq: int, error: BaseException | None) -> int:
         data = m.manifest.dumps()
 
         def write() -> PersistResult:  # read, verify and write inside the round: a failure
@@ -164,7 +175,7 @@ class Flusher:
         try:  # one process: on the null group, in-process
             result = commit_together(
                 self.group, self.shared, m.directory, f"flush-{self.name}-{seq}", write,
-                lambda results, hosts: data,
+                lambda results, hosts: data, NodeCommit.single(self.group.size),
             )  # fmt: skip
         except BaseException:
             self.shared.abort(m.directory)
@@ -175,27 +186,43 @@ class Flusher:
         self._pool.shutdown(wait=True)
 
 
-@dataclass
-class FlushTarget:
-    """One level after the local one: its storage and catalog, the flusher that copies to
-    it, its schedule and retention, and what rank 0 counts for its schedule."""
+class FlushTarget(RootLevel):
+    """A level after the first one: a plain level (its storage, catalog and retention; the
+    restart walks it like a root) with the flusher that copies to it, its schedule, and
+    what rank 0 counts for its schedule."""
 
-    name: str
-    level: Shared
-    storage: Storage
-    catalog: Catalog
-    flusher: Flusher
-    schedule: CheckpointPolicy
-    retention: RetentionPolicy | None
-    since: int = 0  # rank 0: local commits since this level's last flush
-    last_secs: float = field(default_factory=time.monotonic)  # rank 0: when it last flushed
-    due: bool = False  # rank 0: flush the next commit (a restart from a step it lacks)
-    flushed: int = -1  # the newest step this process submitted to its flusher
+    def __init__(
+        self,
+        name: str,
+        spec: Shared,
+        storage: Storage,
+        group: Group,
+        flusher: Flusher,
+        schedule: CheckpointPolicy,
+        retention: RetentionPolicy | None,
+    ) -> None:
+        super().__init__(storage, group, retention, name)
+        self.spec, self.flusher, self.schedule = spec, flusher, schedule
+        self.since = 0  # rank 0: commits since this level's last flush
+        self.last_secs = time.monotonic()  # rank 0: when it last flushed
+        self.due = False  # rank 0: flush the next commit (a restart from a step it lacks)
+        self.flushed = -1  # the newest step this process submitted to its flusher
 
     def context(self, step: int) -> PolicyContext:
-        """What the schedule decides on after a local commit of ``step``."""
+        """What the schedule decides on after a commit of ``step`` on the first level."""
         secs = time.monotonic() - self.last_secs
         return PolicyContext(
             step=step, elapsed_secs=secs, steps_since_checkpoint=self.since,
             secs_since_checkpoint=secs, in_flight=self.flusher.pending, max_in_flight=2,
         )  # fmt: skip
+
+    def restarted(self, holds: bool) -> None:
+        """After a restart: count from now; a level that lacks the restored step gets the
+        next commit."""
+        self.since, self.last_secs, self.due = 0, time.monotonic(), not holds
+
+    def close(self) -> None:
+        try:
+            self.flusher.close()
+        finally:
+            super().close()

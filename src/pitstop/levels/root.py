@@ -1,20 +1,17 @@
-"""RootLevel: the levels of ``CheckpointManager("ckpts")``: a list of one level, the directory
-(or :class:`~pitstop.storage.Storage`) every rank writes into.
+"""RootLevel: a level every rank writes into as one directory (or
+:class:`~pitstop.storage.Storage`): ``CheckpointManager("ckpts")`` is a list of this one
+level; a list of levels may also start with one (``pitstop.Shared(...)`` first).
 
-It answers the calls the manager makes of any list of levels (:class:`LevelStack` for a
-node-local level and shared levels after it)::
+Call sequence (every rank; :class:`~pitstop.levels.stack.LevelStack` makes these calls)::
 
-    levels = RootLevel(storage, group, retention)      # training thread, every rank
-    levels.bind(identity)                              # the run's identity (retention)
-    saver = Saver(levels.storage, ..., nodes=levels.node_commit())   # None: one commit
-    levels.committed(step)          # persist thread, after each commit: retention (rank 0)
-    result = levels.recover(load, step, rollback=..., fetch=...)     # training thread,
-                                    #   collective: this level's recover
-    levels.flush(); levels.flush_records()    # nothing to flush: None, []
-    levels.close()
-
-With one level there is nothing to interleave: its restart is
-:func:`~pitstop.engine.recovery.recover` (newest first, fall back on damage, rollback).
+    level = RootLevel(storage, group, retention)   # training thread
+    level.replicate(directory, manifest)   # persist thread, inside each commit: nothing
+    level.committed(step, identity)        # persist thread, after a commit: retention (rank 0;
+                                           #   the retired stop being checkpoints now, their
+                                           #   files go in the background)
+    level.lists(group); level.held(words)  # the restart's survey (rank 0 lists it)
+    level.serve(walk, load, s, window, ...)   # collective: recover over the window
+    level.close()
 """
 
 from __future__ import annotations
@@ -23,65 +20,78 @@ from collections.abc import Callable
 from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry, RunIdentity
-from pitstop.engine.collective import NodeCommit
-from pitstop.engine.recovery import RestoreResult, recover
-from pitstop.levels.flush import Flusher, FlushRecord
+from pitstop.engine.recovery import RestoreResult
+from pitstop.format.manifest import Manifest
+from pitstop.levels.walk import Walk, left_by_rollback, serve_window
 from pitstop.policy import RetentionPolicy
 from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage
 from pitstop.storage.retry import RetryingStorage
 
-__all__ = ["RootLevel"]
+__all__ = ["CANDIDATES", "RootLevel"]
+
+CANDIDATES = ("committed", "damaged", "newer")  # a plain level's steps a restore looks at
+"""(damaged: skipped with its reason; newer: a newer format is raised, never passed over)"""
 
 
 class RootLevel:
     """See the module docstring."""
 
-    flusher: Flusher | None = None
+    exact = False  # serves a window of steps, falling back by itself
 
-    def __init__(self, inner: Storage, group: Group, retention: RetentionPolicy | None) -> None:
-        self.group, self.retention = group, retention
+    def __init__(
+        self, inner: Storage, group: Group, retention: RetentionPolicy | None, name: str = "root"
+    ) -> None:
+        self.group, self.retention, self.name = group, retention, name
         self.storage: Storage = RetryingStorage(inner)  # type: ignore[assignment]
         self.catalog = Catalog(self.storage)
-        self.identity: RunIdentity | None = None
 
     @property
-    def flushers(self) -> list[Flusher]:
-        return []
+    def leaders(self) -> tuple[int, ...]:
+        """Rank 0 creates and commits every step directory."""
+        return (0,) * self.group.size
 
-    def bind(self, identity: RunIdentity) -> None:
-        """The run whose checkpoints retention retires (rank 0 applies it)."""
-        self.identity = identity
+    def replicate(self, directory: str, manifest: bytes) -> None:
+        """One copy: nothing to protect."""
 
-    def node_commit(self) -> NodeCommit | None:
-        return None
-
-    def committed(self, step: int) -> None:
-        """Persist thread, after ``step`` committed: the retention policy, on rank 0 (the
-        retired stop being checkpoints now; their files go in the background)."""
-        if self.retention is not None and self.group.coordinator and self.identity is not None:
-            retired = self.catalog.retire(self.retention, newest=step, identity=self.identity)
+    def committed(self, step: int, identity: RunIdentity | None) -> None:
+        """Persist thread, after ``step`` committed: the retention policy, on rank 0."""
+        if self.retention is not None and self.group.coordinator and identity is not None:
+            retired = self.catalog.retire(self.retention, newest=step, identity=identity)
             self.catalog.purge_later(retired)
 
-    def flush(self) -> FlushRecord | None:
+    def describe(self) -> dict[str, Any] | None:
+        """None: no ``levels.json`` (``pitstop ls`` reads each plain level as a root)."""
         return None
 
-    def flush_records(self) -> list[FlushRecord]:
+    def levels_file(self) -> list[tuple[str, dict[str, Any]]]:
         return []
 
-    def recover(
+    # ------------------------------------------------------------------ restart
+    def lists(self, group: Group) -> bool:
+        return group.coordinator
+
+    def held(self, words: list[Any], marks: list[dict[str, Any]]) -> tuple[set[int], None]:
+        """The steps rank 0 listed that a restore looks at (a rollback's leftovers: not)."""
+        left = left_by_rollback(marks)
+        return {b[0] for w in words for b in w if b[1] in CANDIDATES and not left(b)}, None
+
+    def serve(
         self,
+        walk: Walk,
         load: Callable[[Storage, Entry], Any],
-        step: int | None = None,
-        *,
-        rollback: bool = False,
-        fetch: bool = True,
-    ) -> RestoreResult:
-        """Collective: the newest checkpoint that verifies (or ``step``), loaded."""
-        return recover(
-            self.catalog, lambda e: load(self.storage, e), step=step, rollback=rollback,
-            group=self.group,
-        )  # fmt: skip
+        s: int,
+        window: tuple[int | None, int] | None,
+        view: Any,
+        rollback: bool,
+    ) -> RestoreResult | None:
+        """Collective: the newest checkpoint of ``window`` that verifies, loaded."""
+        return serve_window(
+            walk, self.group, self.name, self.catalog, load, window=window, rollback=rollback
+        )
+
+    def fetch(self, manifest: Manifest, view: Any, storage: Storage) -> None:
+        """A step a slower level served stays there (no copy into a plain first level)."""
 
     def close(self) -> None:
         self.catalog.close()

@@ -219,34 +219,42 @@ class Shared:
         return self.every if self.every is not None else DEFAULT_EVERY
 
 
-def check_levels(levels: Sequence[Any]) -> tuple[Local, list[Shared]]:
-    """The local level and the shared levels in order, of a list of levels
-    (``CheckpointManager([...])``): one :class:`Local` first, then any number of
-    :class:`Shared` levels, fastest first; no directory twice, no name twice, no URL (each
-    path goes through ``local_path``: refused before any directory is made)."""
+def check_levels(levels: Sequence[Any]) -> tuple[Local | Shared, list[Shared]]:
+    """The first level and the levels after it, in order, of a list of levels
+    (``CheckpointManager([...])``): a :class:`Local` or a :class:`Shared` first (every save
+    commits there; a first ``Shared`` takes no schedule), then any number of :class:`Shared`
+    levels, fastest first; no directory twice, no name twice, no URL (each path goes
+    through ``local_path``: refused before any directory is made)."""
     levels = list(levels)
-    if not levels or not isinstance(levels[0], Local):
+    if not levels or not isinstance(levels[0], (Local, Shared)):
         raise ValueError(
-            "a list of levels starts with one pitstop.Local(...) (every save goes there first), "
-            f"then pitstop.Shared(...) levels, fastest first; got {levels!r}"
+            "a list of levels starts with pitstop.Local(...) or pitstop.Shared(...) (every save "
+            f"goes there first), then pitstop.Shared(...) levels, fastest first; got {levels!r}"
         )
-    shared = levels[1:]
+    first, shared = levels[0], levels[1:]
     if any(isinstance(lv, Local) for lv in shared):
-        raise ValueError(f"a list of levels holds at most one pitstop.Local(...); got {levels!r}")
+        raise ValueError(
+            f"a list of levels holds at most one pitstop.Local(...), first; got {levels!r}"
+        )
     if not all(isinstance(lv, Shared) for lv in shared):
         raise ValueError(
-            "a list of levels holds one pitstop.Local(...), then at most pitstop.Shared(...) "
-            f"levels; got {levels!r}"
+            "a list of levels holds one pitstop.Local(...) or pitstop.Shared(...), then "
+            f"pitstop.Shared(...) levels; got {levels!r}"
         )
-    _check_apart(levels[0], shared)
-    names = level_names(shared)
+    if isinstance(first, Shared) and (first.every is not None or first.schedule is not None):
+        raise ValueError(
+            f"{first!r} is the first level of the list: every save commits there (the manager's "
+            "policy says when), so it takes no every= or schedule="
+        )
+    _check_apart(first, shared)
+    names = level_names(levels if isinstance(first, Shared) else shared)
     bad = [n for n in names if not _NAME.fullmatch(n) or n.lower() == "local"]
     if bad or len({n.lower() for n in names}) != len(names):
         raise ValueError(
             "the levels of a list need distinct names of letters, digits, '.', '_' and '-', "
             f"other than 'local': {names}"
         )
-    return levels[0], shared
+    return first, shared
 
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -257,13 +265,17 @@ def level_names(shared: Sequence[Shared]) -> list[str]:
     return [lv.name or ("shared" if i == 0 else f"shared-{i + 1}") for i, lv in enumerate(shared)]
 
 
-def _check_apart(local: Local, shared: list[Shared]) -> None:
+def _check_apart(first: Local | Shared, shared: list[Shared]) -> None:
     """No directory of one level lies in (or is) another level's: the local level's
     directories (up to ``{node}``) and each shared directory (one level's commit would meet
     another's step, and a copy on "two levels" would be one copy)."""
-    base = os.fspath(local.path)
-    base = base[: base.index("{node}")] if "{node}" in base else base
-    dirs = [("the local level", _real(base or "."))]
+    dirs = []
+    if isinstance(first, Local):
+        base = os.fspath(first.path)
+        base = base[: base.index("{node}")] if "{node}" in base else base
+        dirs.append(("the local level", _real(base or ".")))
+    else:
+        shared = [first, *shared]
     dirs += [(f"Shared({os.fspath(lv.path)!r})", _real(lv.path)) for lv in shared
              if isinstance(lv.path, (str, os.PathLike)) and object_url(lv.path) is None]  # fmt: skip
     dirs += [(f"Shared({lv.path!r})", lv.path.rstrip("/")) for lv in shared
