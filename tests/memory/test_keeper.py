@@ -25,15 +25,19 @@ from pitstop.storage.local import LocalStorage
 from .conftest import assert_same, small_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 
 
 def _wait_gone(pid: int, timeout: float = 20.0) -> None:
-    """Wait until process ``pid`` (not our child) no longer exists."""
+    """Wait until process ``pid`` (not our child) has exited (a zombie that its new parent
+    has not reaped yet has exited)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
             return
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)
@@ -178,3 +182,49 @@ def test_the_keeper_imports_no_torch(job: str) -> None:
     finally:
         keeper.stop(unlink=True)
         slots.close()
+
+
+def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
+    job: str, tmp_path: object
+) -> None:
+    from pitstop.levels.memory import SlotStorage, restore_from_memory
+
+    root = os.path.join(str(tmp_path), "disk")
+    script = textwrap.dedent(
+        f"""
+        import json, os, signal, sys
+        sys.path.insert(0, {HERE!r})
+        from conftest import small_state
+        from pitstop.levels.keeper import start_keeper
+        from pitstop.levels.memory import plan_state, stage_into
+        from pitstop.levels.shm import SlotSet
+
+        _, plan = plan_state(small_state(0))
+        slots = SlotSet.create({job!r}, data_bytes=plan.file_bytes)
+        keeper = start_keeper({job!r}, next_dir={root!r}, linger_secs=20)
+        slot = stage_into(slots, 4, small_state(4))
+        keeper.request_seal(slot.index)
+        keeper.wait_for("sealed", step=4)
+        print(keeper.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    # read its stdout, then wait for it: the lingering keeper holds its stderr open
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    keeper_pid = int(child.stdout.readline())
+    assert child.wait(60) == -signal.SIGKILL
+    child.stdout.close()
+    slots = SlotSet.attach(job)  # the restarted process, within the keeper's linger time
+    assert slots is not None
+    try:
+        _wait_gone(keeper_pid)  # it saw the adoption and left the segments
+        assert len(segment_names(SHM_DIR, job)) == 3
+        into = small_state(9)
+        with SlotStorage(SHM_DIR, job) as storage:
+            result = restore_from_memory(storage, into)
+        assert result.step == 4 and result.level == "memory"
+        assert_same(small_state(4), into)
+        assert pitstop.load(root, small_state(9)) == 4  # and it was persisted first
+    finally:
+        slots.close(unlink=True)

@@ -204,6 +204,7 @@ def test_two_jobs_never_open_each_others_segments(job: str) -> None:
     assert not segment_names(SHM_DIR, other)
 
 
+@pytest.mark.fault
 def test_stale_segments_of_a_dead_process_are_removed(job: str) -> None:
     dead = "t" + new_job_token()
     script = textwrap.dedent(

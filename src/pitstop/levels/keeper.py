@@ -448,7 +448,11 @@ def start_keeper(
     if next_dir is not None:
         cmd += ["--next", os.path.abspath(next_dir)]
     try:
-        proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(  # stdout: nothing (a launcher reading the trainer's output
+            # until EOF must not wait for the keeper); stderr: its warnings, inherited
+            cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
     finally:
         theirs.close()
     handle = KeeperHandle(proc, ours)

@@ -404,6 +404,7 @@ class SlotSet:
         if not paths:
             return None
         lock_fd = hold_job_lock(directory, job, rank)
+        os.pwrite(lock_fd, json.dumps(_owner(job)).encode().ljust(512), 0)  # adopted: ours now
         slots: list[Slot] = []
         try:
             for p in paths:
