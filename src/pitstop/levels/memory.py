@@ -277,6 +277,7 @@ class SlotStorage:
         slot, head = self._find(directory)
         if name != data_file_name(self.rank):
             raise CorruptCheckpointError(f"{name} is missing", path=f"{self.url}/{directory}")
+        slot.populate(head.file_bytes)  # only the slot read, only its data file
         return _SlotReader(slot.view, head.file_bytes)
 
     def data_view(self, directory: str) -> memoryview:

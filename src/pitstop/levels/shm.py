@@ -256,21 +256,27 @@ class Slot:
     def __init__(
         self, path: str, fd: int, index: int, data_bytes: int, *, writable: bool = True
     ) -> None:
-        self.path, self.fd, self.index = path, fd, index
+        self.path, self.fd, self.index, self.writable = path, fd, index, writable
         self.pinned = False
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self._mm: mmap.mmap | None = mmap.mmap(
             fd, DATA_OFFSET + data_bytes, flags=mmap.MAP_SHARED, prot=prot
         )
-        advice = _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ
-        with contextlib.suppress(OSError, ValueError):  # kernels before 5.14: first touch
-            self._mm.madvise(advice, DATA_OFFSET, data_bytes)
+        if writable:  # a slot staged into: every page mapped now, not at each first copy
+            self.populate(data_bytes)
         self.nbytes = data_bytes
         self.view = memoryview(self._mm)[DATA_OFFSET : DATA_OFFSET + data_bytes]
 
     @property
     def closed(self) -> bool:
         return self._mm is None
+
+    def populate(self, nbytes: int) -> None:
+        """Map the first ``nbytes`` of the data region now (one call, not a fault a page)."""
+        advice = _MADV_POPULATE_WRITE if self.writable else _MADV_POPULATE_READ
+        if self._mm is not None and nbytes > 0:
+            with contextlib.suppress(OSError, ValueError):  # kernels before 5.14: faults
+                self._mm.madvise(advice, DATA_OFFSET, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
 
     def header(self) -> SlotHeader | None:
         return read_header(self.fd)

@@ -1,0 +1,204 @@
+"""The memory level's building blocks, timed against a plain memcpy of the same bytes.
+
+    python benchmarks/memory_level.py            # 512 MiB of state, 7 rounds
+    python benchmarks/memory_level.py --quick    # 512 MiB, 3 rounds (under a minute)
+
+One run, interleaved rounds (this machine's speed drifts: compare within a run, as
+ratios). The state is ``--mib`` MiB of float32 tensors (16 of them). Per round:
+
+* ``memcpy``: ``dst.copy_(src)`` of every tensor into a reused, already-touched anonymous
+  buffer laid out as the data file: the floor of any staging.
+* ``stage arena``: the engine's ``stage`` into a pre-faulted anonymous ``Arena`` (what the
+  saver does today).
+* ``stage slot``: the same ``stage`` into a shared-memory slot (``levels.shm``; the slot is
+  the memory checkpoint, no second copy), plus ``slots.staged`` (record and objects).
+* ``seal``: hashing every segment and writing the manifest (the keeper's work, not the
+  training process's), 2 hash threads.
+* ``read memcpy``: copying the slot's data back into live tensors (no verification).
+* ``restore slot``: ``restore_from_memory`` (recover + load_entry through a SlotStorage):
+  verify every checksum and land the bytes in the live tensors, bit for bit.
+* ``verify+copy direct``: hash each segment in place in the slot and copy it to its tensor
+  (no read buffers): what a zero-copy reader of a slot would cost.
+* ``restore disk``: ``pitstop.load`` of the same step persisted to a local directory by
+  ``keeper.persist_slot`` (page cache warm).
+
+Prints medians and ratios, then a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+import pitstop
+from pitstop.engine.persist import encode_objects
+from pitstop.engine.stage import arena_tensor, stage
+from pitstop.format.checksum import get_checksum, segments
+from pitstop.io.arena import Arena
+from pitstop.levels.keeper import persist_slot
+from pitstop.levels.memory import SlotStorage, plan_state, record_for, restore_from_memory
+from pitstop.levels.shm import SHM_DIR, SlotSet, new_job_token, seal
+from pitstop.storage.local import LocalStorage
+
+
+def _state(mib: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    n = 16
+    per = mib * (1 << 20) // 4 // n
+    return {"w": {f"t{i:02d}": torch.randn(per, generator=g) for i in range(n)}}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Bench:
+    """The state, its slots, arena and target tensors; one method per timed operation."""
+
+    def __init__(self, mib: int) -> None:
+        self.state = _state(mib)
+        self.into = {"w": {k: torch.empty_like(v) for k, v in self.state["w"].items()}}
+        self.flat, self.plan = plan_state(self.state)
+        self.nbytes = self.plan.file_bytes
+        self.job = "bench" + new_job_token()
+        self.slots = SlotSet.create(self.job, data_bytes=self.nbytes)
+        self.arena = Arena(self.nbytes)
+        self.abuf = arena_tensor(self.arena)
+        self.copier = ThreadPoolExecutor(1)
+        self.hashers = ThreadPoolExecutor(2)
+        self.root = tempfile.mkdtemp(prefix="pitstop-memlevel-")
+        self.items = list(self.plan.items)
+        self.srcs = [self.flat.tensors[it.key] for it in self.items]
+        self.dsts = [self.into["w"][it.key.rsplit("/", 1)[-1]] for it in self.items]
+        self.views = [
+            self.abuf[it.offset : it.offset + it.nbytes].view(torch.float32) for it in self.items
+        ]
+        self.objects = encode_objects(self.flat.tree, rank=0)
+        self.slot: Any = None
+        self.step = 0
+        self.hash = get_checksum("xxh3_64")
+
+    def close(self) -> None:
+        self.slots.close(unlink=True)
+        self.arena.close()
+        self.copier.shutdown()
+        self.hashers.shutdown()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def memcpy(self) -> None:
+        for dst, src in zip(self.views, self.srcs, strict=True):
+            dst.copy_(src)
+
+    def stage_arena(self) -> None:
+        stage(self.flat, self.plan, self.abuf, overlap=False, copier=self.copier).wait_copied()
+
+    def stage_slot(self) -> None:
+        self.step += 1
+        slot = self.slots.begin(self.step)
+        assert slot is not None
+        buf = arena_tensor(slot)
+        stage(self.flat, self.plan, buf, overlap=False, copier=self.copier).wait_copied()
+        self.slots.staged(slot, record_for(self.plan, self.step), self.objects, self.nbytes)
+        self.slot = slot
+
+    def seal(self) -> None:
+        assert seal(self.slot, pool=self.hashers) is not None
+
+    def read_memcpy(self) -> None:
+        data = self.slot.view
+        for it, dst in zip(self.items, self.dsts, strict=True):
+            piece = data[it.offset : it.offset + it.nbytes]
+            dst.view(-1).view(torch.uint8).copy_(torch.frombuffer(piece, dtype=torch.uint8))
+
+    def restore_slot(self) -> None:
+        with SlotStorage(SHM_DIR, self.job) as storage:
+            result = restore_from_memory(storage, self.into)
+        assert result.step == self.step, result
+
+    def direct(self) -> None:
+        data = self.slot.view
+
+        def one(k: int) -> None:
+            it, dst = self.items[k], self.dsts[k].view(-1).view(torch.uint8)
+            for a, n in segments(it.offset, it.nbytes, self.plan.segment_bytes):
+                piece = data[a : a + n]
+                self.hash(piece)
+                dst[a - it.offset : a - it.offset + n].copy_(
+                    torch.frombuffer(piece, dtype=torch.uint8)
+                )
+
+        list(self.hashers.map(one, range(len(self.items))))
+
+    def restore_disk(self) -> None:
+        assert pitstop.load(self.root, self.into, step=self.step) == self.step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--mib", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=None)
+    args = p.parse_args()
+    rounds = args.rounds or (3 if args.quick else 7)
+    b = Bench(args.mib)
+    times: dict[str, list[float]] = {}
+    stages = [("memcpy", b.memcpy), ("stage arena", b.stage_arena), ("stage slot", b.stage_slot)]
+    reads = [("read memcpy", b.read_memcpy), ("restore slot", b.restore_slot),
+             ("verify+copy direct", b.direct)]  # fmt: skip
+    try:
+        for r in range(rounds):
+            for name, fn in stages if r % 2 == 0 else stages[::-1]:
+                times.setdefault(name, []).append(_timed(fn))
+            times.setdefault("seal", []).append(_timed(b.seal))
+            for name, fn in reads if r % 2 == 0 else reads[::-1]:
+                times.setdefault(name, []).append(_timed(fn))
+            persist_slot(b.slot, LocalStorage(b.root), pool=b.hashers)
+            times.setdefault("restore disk", []).append(_timed(b.restore_disk))
+            shutil.rmtree(b.root, ignore_errors=True)
+            if r == 0:
+                for k, v in b.state["w"].items():
+                    assert torch.equal(v, b.into["w"][k]), k
+            print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    finally:
+        b.close()
+    report(times, b.nbytes, len(b.items), rounds)
+
+
+def report(times: dict[str, list[float]], nbytes: int, count: int, rounds: int) -> None:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base, rbase = med["memcpy"], med["read memcpy"]
+    gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+    print(f"state: {nbytes / 2**20:.0f} MiB in {count} tensors; {rounds} rounds, medians")
+    for k, v in med.items():
+        ref = rbase if k in ("restore slot", "verify+copy direct", "restore disk") else base
+        print(f"{k:20s} {v * 1e3:8.1f} ms  {gbps[k]:6.2f} GB/s  {ref / v:5.2f}x a memcpy")
+    out = {
+        "bytes": nbytes,
+        "rounds": rounds,
+        "median_secs": {k: round(v, 5) for k, v in med.items()},
+        "stage_slot_vs_memcpy": round(base / med["stage slot"], 3),
+        "stage_arena_vs_memcpy": round(base / med["stage arena"], 3),
+        "restore_slot_vs_memcpy": round(rbase / med["restore slot"], 3),
+        "direct_vs_memcpy": round(rbase / med["verify+copy direct"], 3),
+        "restore_disk_vs_memcpy": round(rbase / med["restore disk"], 3),
+        "seal_gbps": round(gbps["seal"], 2),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PITSTOP_LOG", "warning")
+    main()
