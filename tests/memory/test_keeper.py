@@ -228,3 +228,33 @@ def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
         assert pitstop.load(root, small_state(9)) == 4  # and it was persisted first
     finally:
         slots.close(unlink=True)
+
+
+def test_a_keeper_killed_mid_persist_leaves_no_step_and_training_persists_itself(
+    job: str, tmp_path: object
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pitstop.levels.keeper import persist_slot
+
+    root = os.path.join(str(tmp_path), "disk")
+    state = small_state(6)
+    _, plan = plan_state(state)
+    slots = SlotSet.create(job, data_bytes=plan.file_bytes)
+    keeper = start_keeper(job, next_dir=root, kill_at="commit.before_rename")
+    try:
+        slot = stage_into(slots, 6, state)
+        assert slot is not None
+        keeper.request_persist(slot.index)
+        keeper.wait_for("sealed", step=6)
+        assert keeper.proc.wait(20) == -signal.SIGKILL  # killed with the manifest unlinked
+        assert not keeper.alive()
+        assert Catalog(LocalStorage(root)).committed() == []
+        with ThreadPoolExecutor(2) as pool:  # the in-process fallback, from the sealed slot
+            assert persist_slot(slot, LocalStorage(root), pool=pool) is not None
+    finally:
+        keeper.stop()
+        slots.close(unlink=True)
+    into = small_state(9)
+    assert pitstop.load(root, into) == 6
+    assert_same(state, into)
