@@ -258,3 +258,25 @@ def test_a_keeper_killed_mid_persist_leaves_no_step_and_training_persists_itself
     into = small_state(9)
     assert pitstop.load(root, into) == 6
     assert_same(state, into)
+
+
+def test_sigterm_to_the_keeper_persists_and_leaves_a_living_trainers_slots(
+    job: str, tmp_path: object
+) -> None:
+    root = os.path.join(str(tmp_path), "disk")
+    state = small_state(7)
+    _, plan = plan_state(state)
+    slots = SlotSet.create(job, data_bytes=plan.file_bytes)
+    keeper = start_keeper(job, next_dir=root)
+    try:
+        slot = stage_into(slots, 7, state)
+        assert slot is not None
+        keeper.request_seal(slot.index)
+        keeper.wait_for("sealed", step=7)
+        os.kill(keeper.pid, signal.SIGTERM)
+        assert keeper.proc.wait(20) == 0
+        assert len(segment_names(SHM_DIR, job)) == 3  # the trainer still uses them
+        assert pitstop.load(root, small_state(9)) == 7
+    finally:
+        keeper.stop()
+        slots.close(unlink=True)

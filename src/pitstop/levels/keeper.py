@@ -207,8 +207,10 @@ class Keeper:
                     if cmd.get("op") == "stop":
                         return self.finish(died=False, **cmd.get("args", {}))
                     self.handle(cmd)
-            if self.term or (self.watch_ppid and os.getppid() != self.parent):
+            if self.watch_ppid and os.getppid() != self.parent:
                 return self.finish(died=True)
+            if self.term:  # persist, but leave a living trainer's segments alone
+                return self.finish(died=True, unlink=not _alive(self.parent))
 
     def handle(self, cmd: dict[str, Any]) -> None:
         op, index = cmd.get("op"), int(cmd.get("slot", -1))
@@ -310,6 +312,16 @@ class Keeper:
                         return True
             time.sleep(0.05)
         return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
