@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -46,9 +47,9 @@ from pitstop.engine.persist import encode_objects
 from pitstop.engine.stage import arena_tensor, stage
 from pitstop.format.checksum import get_checksum, segments
 from pitstop.io.arena import Arena
-from pitstop.levels.keeper import persist_slot
+from pitstop.levels.keeper import persist_slot, start_keeper
 from pitstop.levels.memory import SlotStorage, plan_state, record_for, restore_from_memory
-from pitstop.levels.shm import SHM_DIR, SlotSet, new_job_token, seal
+from pitstop.levels.shm import DATA_OFFSET, SHM_DIR, SlotSet, new_job_token, seal
 from pitstop.storage.local import LocalStorage
 
 
@@ -59,10 +60,46 @@ def _state(mib: int) -> dict[str, Any]:
     return {"w": {f"t{i:02d}": torch.randn(per, generator=g) for i in range(n)}}
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return r.ru_utime + r.ru_stime
+
+
+def _timed(
+    fn: Callable[[], object], cpu: dict[str, list[float]] | None = None, name: str = ""
+) -> float:
+    c0, t0 = _cpu(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.setdefault(name, []).append(_cpu() - c0)
+    return wall
+
+
+def keeper_run(b: Bench) -> dict[str, float]:
+    """The real keeper: seal and persist one 512 MiB slot to a local directory; its RSS."""
+    keeper = start_keeper(b.job, next_dir=b.root)
+    try:
+        b.stage_slot()
+        t0 = time.perf_counter()
+        keeper.request_persist(b.slot.index)
+        keeper.wait_for("sealed", step=b.step, timeout=120)
+        sealed = time.perf_counter() - t0
+        done = keeper.wait_for("persisted", step=b.step, timeout=300)
+        status = open(f"/proc/{keeper.pid}/status").read()
+        rss = {
+            line.split(":")[0]: int(line.split()[1]) * 1024
+            for line in status.splitlines()
+            if line.startswith(("VmRSS", "RssAnon", "RssShmem"))
+        }
+        return {
+            "seal_secs": sealed,
+            "persist_secs": done["secs"],
+            **{f"keeper_{k}": v for k, v in rss.items()},
+        }
+    finally:
+        keeper.stop(unlink=False)
+        shutil.rmtree(b.root, ignore_errors=True)
 
 
 class Bench:
@@ -89,6 +126,7 @@ class Bench:
         self.objects = encode_objects(self.flat.tree, rank=0)
         self.slot: Any = None
         self.step = 0
+        self.staged_secs: list[float] = []
         self.hash = get_checksum("xxh3_64")
 
     def close(self) -> None:
@@ -111,7 +149,9 @@ class Bench:
         assert slot is not None
         buf = arena_tensor(slot)
         stage(self.flat, self.plan, buf, overlap=False, copier=self.copier).wait_copied()
+        t0 = time.perf_counter()
         self.slots.staged(slot, record_for(self.plan, self.step), self.objects, self.nbytes)
+        self.staged_secs.append(time.perf_counter() - t0)
         self.slot = slot
 
     def seal(self) -> None:
@@ -155,13 +195,14 @@ def main() -> None:
     rounds = args.rounds or (3 if args.quick else 7)
     b = Bench(args.mib)
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     stages = [("memcpy", b.memcpy), ("stage arena", b.stage_arena), ("stage slot", b.stage_slot)]
     reads = [("read memcpy", b.read_memcpy), ("restore slot", b.restore_slot),
              ("verify+copy direct", b.direct)]  # fmt: skip
     try:
         for r in range(rounds):
             for name, fn in stages if r % 2 == 0 else stages[::-1]:
-                times.setdefault(name, []).append(_timed(fn))
+                times.setdefault(name, []).append(_timed(fn, cpu, name))
             times.setdefault("seal", []).append(_timed(b.seal))
             for name, fn in reads if r % 2 == 0 else reads[::-1]:
                 times.setdefault(name, []).append(_timed(fn))
@@ -172,12 +213,22 @@ def main() -> None:
                 for k, v in b.state["w"].items():
                     assert torch.equal(v, b.into["w"][k]), k
             print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+        keeper = keeper_run(b)
     finally:
         b.close()
-    report(times, b.nbytes, len(b.items), rounds)
+    extra = {
+        "trainer_cpu_memcpy_secs": statistics.median(cpu["memcpy"]),
+        "trainer_cpu_stage_slot_secs": statistics.median(cpu["stage slot"]),
+        "staged_meta_secs": statistics.median(b.staged_secs),
+        "shm_bytes": 2 * (DATA_OFFSET + b.nbytes),
+        **keeper,
+    }
+    report(times, b.nbytes, len(b.items), rounds, extra)
 
 
-def report(times: dict[str, list[float]], nbytes: int, count: int, rounds: int) -> None:
+def report(
+    times: dict[str, list[float]], nbytes: int, count: int, rounds: int, extra: dict[str, float]
+) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     base, rbase = med["memcpy"], med["read memcpy"]
     gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
@@ -195,7 +246,20 @@ def report(times: dict[str, list[float]], nbytes: int, count: int, rounds: int) 
         "direct_vs_memcpy": round(rbase / med["verify+copy direct"], 3),
         "restore_disk_vs_memcpy": round(rbase / med["restore disk"], 3),
         "seal_gbps": round(gbps["seal"], 2),
+        **{k: round(v, 5) if isinstance(v, float) else v for k, v in extra.items()},
     }
+    c = extra
+    print(
+        f"trainer CPU per checkpoint: memcpy {c['trainer_cpu_memcpy_secs'] * 1e3:.1f} ms, stage "
+        f"into a slot {c['trainer_cpu_stage_slot_secs'] * 1e3:.1f} ms (of which the staged "
+        f"record + objects write {c['staged_meta_secs'] * 1e3:.2f} ms wall)"
+    )
+    print(
+        f"keeper: seal {c['seal_secs']:.3f} s, persist to disk {c['persist_secs']:.3f} s; RSS "
+        f"{c.get('keeper_VmRSS', 0) / 2**20:.0f} MiB (anon {c.get('keeper_RssAnon', 0) / 2**20:.0f}"
+        f" MiB, shmem {c.get('keeper_RssShmem', 0) / 2**20:.0f} MiB); /dev/shm used "
+        f"{c['shm_bytes'] / 2**20:.0f} MiB"
+    )
     print(json.dumps(out))
 
 
