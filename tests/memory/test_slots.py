@@ -307,3 +307,52 @@ def test_a_slot_is_arena_like_and_the_view_is_the_data_file(job: str) -> None:
             assert storage.file_size(entry.name, "rank-00000.bin") == entry.manifest.files[0].nbytes
     finally:
         slots.close(unlink=True)
+
+
+def test_a_slot_torn_twice_is_skipped_and_the_other_serves(job: str) -> None:
+    slots = _slots(job)
+    try:
+        state = small_state(1)
+        a = stage_into(slots, 1, state)
+        assert a is not None and seal(a)
+        b = stage_into(slots, 2, small_state(2))
+        assert b is not None and seal(b)
+        for page in (0, 1):
+            _flip(b.path, page * HEADER_PAGE + 40)
+        step, into, _ = _restore(job)
+        assert step == 1
+        assert_same(state, into)
+        again = SlotSet.attach(job)  # a restarted process: the torn slot is left out
+        assert again is not None and [s.index for s in again.slots] == [a.index]
+        again.close()
+    finally:
+        slots.close(unlink=True)
+
+
+def test_a_damaged_record_is_never_sealed(job: str) -> None:
+    slots = _slots(job)
+    try:
+        a = stage_into(slots, 1, small_state(1))
+        assert a is not None
+        head = a.header()
+        assert head is not None
+        _flip(a.path, head.meta_offset + 10)
+        with pytest.raises(CorruptCheckpointError, match="metadata of slot"):
+            seal(a)
+        h = a.header()
+        assert h is not None and h.state == STAGED  # not committed
+        assert a.try_lock(exclusive=True)  # and seal let go of it
+        a.unlock()
+    finally:
+        slots.close(unlink=True)
+
+
+def test_a_state_larger_than_the_slots_is_refused_and_the_slot_freed(job: str) -> None:
+    slots = SlotSet.create(job, data_bytes=4096)
+    try:
+        with pytest.raises(CheckpointError, match="memory slots hold 4096"):
+            stage_into(slots, 1, small_state(1))
+        assert all(h is not None and h.state == "empty" for h in slots.headers())
+        assert slots.begin(1) is not None  # nothing left held
+    finally:
+        slots.close(unlink=True)

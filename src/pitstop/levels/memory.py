@@ -31,7 +31,6 @@ Call sequence (training thread)::
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -51,7 +50,12 @@ from pitstop.engine.plan import SavePlan, plan_from_layout
 from pitstop.engine.recovery import RestoreResult, recover
 from pitstop.engine.restore import load_entry
 from pitstop.engine.stage import arena_tensor, stage
-from pitstop.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedSetupError
+from pitstop.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedSetupError,
+)
 from pitstop.format.checksum import default_algorithm
 from pitstop.format.jsonsafe import load_json
 from pitstop.format.manifest import Lineage
@@ -70,12 +74,15 @@ from pitstop.levels.shm import (
     read_header,
     read_meta,
 )
+from pitstop.log import get_logger
 from pitstop.options import IOOptions, SaveOptions
 from pitstop.ranks.group import Group
 from pitstop.ranks.sharding import assign
 from pitstop.state.tree import Flat, flatten
 
 __all__ = ["SlotStorage", "plan_state", "record_for", "restore_from_memory", "stage_into"]
+
+_log = get_logger("pitstop.levels")
 
 
 def record_for(
@@ -203,8 +210,12 @@ class SlotStorage:
         self.io = io if io is not None else IOOptions.from_env()
         self._slots: list[Slot] = []
         for path in iter_slots(directory, job, rank):
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self._slots.append(open_slot(path, job=job, rank=rank, writable=False))
+            except FileNotFoundError:
+                continue
+            except CheckpointError as e:  # no valid header (torn twice): holds no checkpoint
+                _log.warning("memory slot skipped: %s", e, phase="restore")
         self._marks: dict[str, dict[str, str]] = {}
 
     def close(self) -> None:

@@ -413,8 +413,8 @@ class SlotSet:
         os.pwrite(lock_fd, json.dumps(_owner(job)).encode().ljust(512), 0)  # adopted: ours now
         slots: list[Slot] = []
         try:
-            for p in paths:
-                with contextlib.suppress(FileNotFoundError):
+            for p in paths:  # a slot without a valid header (torn twice) is left out
+                with contextlib.suppress(FileNotFoundError, CheckpointError):
                     slots.append(open_slot(p, job=job, rank=rank))
         except BaseException:
             for s in slots:
