@@ -40,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import typing
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -166,6 +167,10 @@ class Keeper:
         self.storage: Storage | None = LocalStorage(args.next, io) if args.next else None
         self.pool = ThreadPoolExecutor(io.threads, thread_name_prefix="pitstop-keeper-io")
         self.hashers = ThreadPoolExecutor(2, thread_name_prefix="pitstop-keeper-hash")
+        self.persister = ThreadPoolExecutor(1, thread_name_prefix="pitstop-keeper-persist")
+        self.send_lock = threading.Lock()
+        self.main_slots: dict[int, Slot] = {}  # mapped once: the main thread's
+        self.persist_slots: dict[int, Slot] = {}  # the persist thread's
         self.pidfd = -1
         with contextlib.suppress(AttributeError, OSError):  # Linux >= 5.3
             self.pidfd = os.pidfd_open(self.parent)
@@ -173,14 +178,23 @@ class Keeper:
         self.watch_ppid = os.getppid() == self.parent  # started by the training process
 
     def send(self, **event: Any) -> None:
-        with contextlib.suppress(OSError):
+        with self.send_lock, contextlib.suppress(OSError):  # the main and the persist thread
             self.sock.sendall(json.dumps(event).encode() + b"\n")
 
-    def _slot(self, index: int) -> Slot | None:
+    def _slot(self, index: int, cache: dict[int, Slot]) -> Slot | None:
+        """Slot ``index``, mapped once per thread (flocks belong to an open file: the main
+        thread's and the persist thread's must not be one) and again if it was replaced."""
         for path in iter_slots(self.shm, self.job, self.rank):
-            if path.endswith(f"-s{index}"):
-                with contextlib.suppress(FileNotFoundError):
-                    return open_slot(path, job=self.job, rank=self.rank)
+            if not path.endswith(f"-s{index}"):
+                continue
+            slot = cache.get(index)
+            with contextlib.suppress(FileNotFoundError):
+                if slot is not None and os.stat(path).st_ino == os.fstat(slot.fd).st_ino:
+                    return slot
+                if slot is not None:
+                    slot.close()
+                cache[index] = open_slot(path, job=self.job, rank=self.rank, populate=False)
+                return cache[index]
         return None
 
     def run(self) -> int:
@@ -214,7 +228,7 @@ class Keeper:
 
     def handle(self, cmd: dict[str, Any]) -> None:
         op, index = cmd.get("op"), int(cmd.get("slot", -1))
-        slot = self._slot(index)
+        slot = self._slot(index, self.main_slots)
         if slot is None:
             self.send(event="error", op=op, slot=index, message="no such slot")
             return
@@ -222,12 +236,21 @@ class Keeper:
             head = seal(slot, pool=self.hashers)
             if head is not None:
                 self.send(event="sealed", slot=index, step=head.step)
-            if op == "persist":
-                self.persist(slot)
+            if op == "persist":  # on the persist thread: seals go on meanwhile
+                self.persister.submit(self._persist_index, index)
         except Exception as e:
             self.send(event="error", op=op, slot=index, message=f"{type(e).__name__}: {e}")
-        finally:
-            slot.close()
+
+    def _persist_index(self, index: int) -> None:
+        """The persist thread: slot ``index`` as it is now, to the next level."""
+        slot = self._slot(index, self.persist_slots)
+        if slot is None:
+            self.send(event="error", op="persist", slot=index, message="no such slot")
+            return
+        try:
+            self.persist(slot)
+        except Exception as e:
+            self.send(event="error", op="persist", slot=index, message=f"{type(e).__name__}: {e}")
 
     def persist(self, slot: Slot) -> None:
         head = slot.header()
@@ -243,21 +266,24 @@ class Keeper:
         done = persist_slot(slot, self.storage, pool=self.pool)
         if done is None:
             self.send(event="skipped", slot=slot.index, step=step, why="busy or not committed")
-        else:
-            self.send(event="persisted", slot=slot.index, step=step, secs=time.perf_counter() - t0)
+        else:  # (the step pinned: the slot may have been staged into since the look above)
+            secs = time.perf_counter() - t0
+            self.send(event="persisted", slot=slot.index, step=done.step, secs=secs)
 
     def finish(self, *, died: bool, unlink: bool = True, persist: bool = False) -> int:
         """The training process died (or asked to stop): persist the newest snapshot if the
         next level lacks it, then remove the job's segments (unless adopted) and exit."""
-        if died or persist:
-            slot = self._newest(seal_staged=died)
-            if slot is not None:
-                try:
-                    self.persist(slot)
-                except Exception as e:
-                    _log.warning("keeper: persisting the memory checkpoint failed: %r", e)
-                finally:
-                    slot.close()
+        self.persister.shutdown(wait=True)  # a persist under way ends first
+        for cached in [*self.main_slots.values(), *self.persist_slots.values()]:
+            cached.close()
+        newest = self._newest(seal_staged=died) if died or persist else None
+        if newest is not None:
+            try:
+                self.persist(newest)
+            except Exception as e:
+                _log.warning("keeper: persisting the memory checkpoint failed: %r", e)
+            finally:
+                newest.close()
         if died and self.linger > 0 and self._adopted(time.monotonic() + self.linger):
             unlink = False
         if unlink:
@@ -277,7 +303,7 @@ class Keeper:
         found: list[tuple[SlotHeader, Slot]] = []
         for path in iter_slots(self.shm, self.job, self.rank):
             with contextlib.suppress(FileNotFoundError, CorruptCheckpointError):
-                slot = open_slot(path, job=self.job, rank=self.rank)
+                slot = open_slot(path, job=self.job, rank=self.rank, populate=False)
                 head = read_header(slot.fd)
                 if head is not None and head.state in (STAGED, COMMITTED):
                     found.append((head, slot))

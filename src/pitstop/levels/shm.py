@@ -254,7 +254,14 @@ class Slot:
     engine stages into ``view`` exactly as into an arena."""
 
     def __init__(
-        self, path: str, fd: int, index: int, data_bytes: int, *, writable: bool = True
+        self,
+        path: str,
+        fd: int,
+        index: int,
+        data_bytes: int,
+        *,
+        writable: bool = True,
+        populate: bool = True,
     ) -> None:
         self.path, self.fd, self.index, self.writable = path, fd, index, writable
         self.pinned = False
@@ -262,7 +269,7 @@ class Slot:
         self._mm: mmap.mmap | None = mmap.mmap(
             fd, DATA_OFFSET + data_bytes, flags=mmap.MAP_SHARED, prot=prot
         )
-        if writable:  # a slot staged into: every page mapped now, not at each first copy
+        if writable and populate:  # staged into: every page mapped now, not at first copies
             self.populate(data_bytes)
         self.nbytes = data_bytes
         self.view = memoryview(self._mm)[DATA_OFFSET : DATA_OFFSET + data_bytes]
@@ -305,9 +312,12 @@ class Slot:
         return f"Slot({self.path!r}, nbytes={self.nbytes})"
 
 
-def open_slot(path: str, *, job: str, rank: int, writable: bool = True) -> Slot:
+def open_slot(
+    path: str, *, job: str, rank: int, writable: bool = True, populate: bool = True
+) -> Slot:
     """Map an existing slot file; its header must name ``job`` and ``rank`` (else
-    CheckpointError: never another job's segment)."""
+    CheckpointError: never another job's segment). ``populate=False``: pages are mapped as
+    they are first touched (a reader that may touch only part of it)."""
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW
     fd = os.open(path, flags)
     try:
@@ -316,7 +326,7 @@ def open_slot(path: str, *, job: str, rank: int, writable: bool = True) -> Slot:
             raise CheckpointError(
                 f"{path} is not a slot of job {job} rank {rank}", path=path, phase="restore"
             )
-        return Slot(path, fd, header.index, header.data_bytes, writable=writable)
+        return Slot(path, fd, header.index, header.data_bytes, writable=writable, populate=populate)
     except BaseException:
         os.close(fd)
         raise
