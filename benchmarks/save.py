@@ -68,6 +68,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -125,6 +126,104 @@ TARGETS = {
     "restore_peak_rss_mib": "<= 256",
     "save_peak_rss_x_state": "<= 1.1",
 }
+
+# --------------------------------------------------------------------------- phases
+# Where a pitstop save's or restore's time goes. Each entry: metric name -> (module or
+# class, attribute, how it is counted). "wall" phases run one after another on the
+# critical path; "thread" phases run in several threads at once (their seconds are
+# summed over the threads: the CPU or I/O work done, not wall time); "span" also records
+# when the first call started and the last one ended (the I/O's start and end).
+SAVE_PHASES: list[tuple[str, str, str, str]] = [
+    ("dir_prepare", "pitstop.storage.local:LocalStorage", "prepare", "wall"),
+    ("objects_encode", "pitstop.engine.saver", "encode_objects", "wall"),
+    ("data_file", "pitstop.storage.local:LocalStorage", "write_data", "wall"),
+    ("wait_copy_thr", "pitstop.engine.stage:StageJob", "wait_items", "thread"),
+    ("pwrite_thr", "pitstop.io.parallel", "_pwrite_all", "span"),
+    ("hash_thr", "pitstop.engine.persist", "get_checksum", "hasher"),
+    ("fsync_all", "os", "fsync", "thread"),
+    ("objects_file", "pitstop.storage.local:LocalStorage", "write_object", "wall"),
+    ("manifest_build", "pitstop.engine.saver", "manifest_for", "wall"),
+    ("manifest_commit", "pitstop.storage.local:LocalStorage", "commit", "wall"),
+]
+RESTORE_PHASES: list[tuple[str, str, str, str]] = [
+    ("load_entry", "pitstop.manager", "load_entry", "wall"),
+    ("check_sizes", "pitstop.engine.restore", "check_sizes", "wall"),
+    ("objects_read", "pitstop.engine.restore", "read_objects", "wall"),
+    ("plan_restore", "pitstop.engine.restore", "plan_restore", "wall"),
+    ("landing", "pitstop.engine.restore:Landing", "__init__", "wall"),
+    ("read_buffers", "pitstop.engine.restore", "read_buffers", "wall"),
+    ("read_all", "pitstop.engine.restore", "read_all", "wall"),
+    ("buffer_touch_thr", "pitstop.engine.verify", "Arena", "thread"),
+    ("pread_thr", "pitstop.io.parallel:FileReader", "read_into", "span"),
+    ("hash_thr", "pitstop.engine.verify", "get_checksum", "hasher"),
+    ("copy_thr", "pitstop.engine.restore:Landing", "deliver", "thread"),
+    ("apply", "pitstop.engine.restore", "_apply", "wall"),
+]
+
+
+class PhaseClock:
+    """Times the phases of ``SAVE_PHASES`` or ``RESTORE_PHASES`` while it is entered, by
+    wrapping those pitstop functions (a few hundred calls per save, microseconds each;
+    installed only around the pitstop rows' repetitions). ``metrics()``: seconds per
+    phase, and for "span" phases ``<name>_first`` / ``<name>_last``: when the first call
+    started and the last one ended, from ``t0``."""
+
+    def __init__(self, phases: list[tuple[str, str, str, str]]) -> None:
+        self.phases = phases
+        self.t0 = perf()
+        self.secs: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _add(self, key: str, start: float, end: float, span: bool) -> None:
+        with self._lock:
+            self.secs[key] = self.secs.get(key, 0.0) + end - start
+            if span:
+                first = self.secs.get(f"{key}_first", math.inf)
+                self.secs[f"{key}_first"] = min(first, start - self.t0)
+                self.secs[f"{key}_last"] = max(self.secs.get(f"{key}_last", 0.0), end - self.t0)
+
+    def _timed(self, key: str, fn: Callable[..., Any], span: bool) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(key, start, perf(), span)
+
+        return timed
+
+    def _hasher(self, key: str, get: Callable[..., Any]) -> Callable[..., Any]:
+        def get_timed(*args: Any, **kwargs: Any) -> Any:
+            return self._timed(key, get(*args, **kwargs), False)
+
+        return get_timed
+
+    def __enter__(self) -> PhaseClock:
+        import importlib
+
+        self.t0 = perf()
+        for key, where, attr, kind in self.phases:
+            module, _, cls = where.partition(":")
+            owner = importlib.import_module(module)
+            if cls:
+                owner = getattr(owner, cls)
+            fn = owner.__dict__[attr] if cls else getattr(owner, attr)
+            self._saved.append((owner, attr, fn))
+            if kind == "hasher":
+                setattr(owner, attr, self._hasher(key, fn))
+            else:
+                setattr(owner, attr, self._timed(key, fn, kind == "span"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+        self._saved.clear()
+
+    def metrics(self) -> Metrics:
+        return {f"ph_{k}": v for k, v in self.secs.items()}
+
 
 # Rows measured in a fresh process (``--child KIND``): kind -> key, label, note.
 PROCESS_ROWS = {
@@ -267,10 +366,13 @@ class Bench:
     # ------------------------------------------------------------------ pitstop
     def _pitstop_run(self, mgr: Any, *, sync: bool) -> Callable[[], Metrics]:
         def run() -> Metrics:
+            phases: Metrics = {}
             t0 = perf()
             if sync:
-                h = mgr.save(self.next_step(), self.state)
+                with PhaseClock(SAVE_PHASES) as clock:
+                    h = mgr.save(self.next_step(), self.state)
                 stall = wall = perf() - t0
+                phases = clock.metrics()
             else:
                 h = mgr.async_save(self.next_step(), self.state)
                 stall = perf() - t0
@@ -286,6 +388,8 @@ class Bench:
                 "committed": s.total_secs,
                 "after_commit": wall - s.total_secs,
                 "direct_io": float(s.direct_io),
+                "alloc": s.alloc_secs,
+                **phases,
             }
 
         return run
@@ -1113,6 +1217,8 @@ def report(bench: Bench) -> dict[str, Any]:
         if "verified" in row.info and not row.info["verified"]:
             out(f"  WARNING: {row.label} did not restore the saved values in the warm-up check")
 
+    phases = phase_report(rows, disk_w, out)
+
     # ratios and checks
     ps, ts = rows.get("pitstop_save"), rows.get("torch_save")
     pa, da = rows.get("pitstop_async"), rows.get("dcp_async")
@@ -1325,12 +1431,89 @@ def report(bench: Bench) -> dict[str, Any]:
             for r in bench.rows
         },
         "orders": bench.orders,
+        "phases": phases,
         "ratios": ratios,
         "paired_ratios": paired,
         "extra_ratios": extra,
         "checks": checks,
         "notes": notes,
     }
+
+
+def phase_report(
+    rows: dict[str, Row], disk_w: Row | None, out: Callable[..., None]
+) -> dict[str, dict[str, float]]:
+    """Where the time of a durable save and of a fresh-process restore goes (medians of the
+    PhaseClock metrics), beside the raw O_DIRECT write and read of the same bytes. Returns
+    the figures printed."""
+    result: dict[str, dict[str, float]] = {}
+
+    def med(row: Row, key: str) -> float:
+        return row.med(key) if row.samples.get(key) else math.nan
+
+    def line(label: str, secs: float, note: str = "") -> None:
+        out(f"    {label:46s} {_fmt(secs):>7s}  {note}")
+
+    ps, rp, pp = (
+        rows.get("pitstop_save"),
+        rows.get("raw_read_process"),
+        rows.get("pitstop_restore_process"),
+    )
+    out()
+    out("where the time goes (medians, s; 'thread-s': summed over threads working at once)")
+    if ps is not None and ps.samples.get("ph_pwrite_thr"):
+        m = {k[3:]: med(ps, k) for k in ps.samples if k.startswith("ph_")}
+        m.update({k: med(ps, k) for k in ("secs", "stats_stall", "staged", "after_commit")})
+        m["raw_write"] = disk_w.med() if disk_w else math.nan
+        first, last = m["pwrite_thr_first"], m["pwrite_thr_last"]
+        result["save"] = m
+        out(f"  pitstop save {_fmt(m['secs'])} s vs raw O_DIRECT write {_fmt(m['raw_write'])} s "
+            f"({disk_w.key if disk_w else '-'})")  # fmt: skip
+        line("until the first data byte is written", first,
+             "= plan + eager copy (stall) + objects encode + dir prepare + copy of 1st extent")  # fmt: skip
+        line("  plan + eager copy (returned from async part)", m["stats_stall"])
+        line("  objects file encoded", m.get("objects_encode", math.nan))
+        line("  step directory prepared", m.get("dir_prepare", math.nan))
+        line("data written (first pwrite start -> last end)", last - first,
+             f"vs raw {_fmt(m['raw_write'])}")  # fmt: skip
+        line("  every byte copied into the arena at", m["staged"], "(from the call)")
+        line("  pwrite, thread-s", m.get("pwrite_thr", math.nan))
+        line("  hashing, thread-s", m.get("hash_thr", math.nan))
+        line("  writers waiting for the copy, thread-s", m.get("wait_copy_thr", math.nan))
+        line("after the last data byte", m["secs"] - last, "= the rest below")
+        line("  fsyncs (data, objects, manifest, dirs), total", m.get("fsync_all", math.nan))
+        line("  objects file written + fsync", m.get("objects_file", math.nan))
+        line("  manifest built + checked", m.get("manifest_build", math.nan))
+        line(
+            "  manifest committed (write, fsync, link, dir fsyncs)",
+            m.get("manifest_commit", math.nan),
+        )
+        line("  after commit (retention, return)", m["after_commit"])
+    if pp is not None and pp.samples.get("ph_pread_thr"):
+        m = {k[3:]: med(pp, k) for k in pp.samples if k.startswith("ph_")}
+        m["secs"] = pp.med()
+        m["raw_read"] = rp.med() if rp else math.nan
+        result["restore_process"] = m
+        first, last = m["pread_thr_first"], m["pread_thr_last"]
+        out(f"  pitstop restore in a new process {_fmt(m['secs'])} s vs raw O_DIRECT read "
+            f"{_fmt(m['raw_read'])} s (new process, prefaulted buffer)")  # fmt: skip
+        line("manager created", m["manager"])
+        line("catalog: list, manifest read + verified, locks", m["restore"] - m["load_entry"])
+        line("sizes checked", m.get("check_sizes", math.nan))
+        line("objects file read + verified", m.get("objects_read", math.nan))
+        line("state paired with the checkpoint (plan)", m.get("plan_restore", math.nan))
+        line("landing prepared", m.get("landing", math.nan))
+        line("reader threads started", m.get("read_buffers", math.nan))
+        line("first read issued at (from the manager's creation)", first)
+        line("data read (first pread start -> last end)", last - first,
+             f"vs raw {_fmt(m['raw_read'])}")  # fmt: skip
+        line("  read buffers first touched, thread-s", m.get("buffer_touch_thr", math.nan))
+        line("  pread, thread-s", m.get("pread_thr", math.nan))
+        line("  hashing, thread-s", m.get("hash_thr", math.nan))
+        line("  copy into the live tensors, thread-s", m.get("copy_thr", math.nan))
+        line("after the last read (hash, copy, apply)", m["secs"] - last)
+        line("  state loaded (load_state_dict & co.)", m.get("apply", math.nan))
+    return result
 
 
 # --------------------------------------------------------------------------- children
@@ -1363,11 +1546,13 @@ def _child_restore(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         if kind == "pitstop":
 
             def restore() -> Metrics:
-                mgr = pitstop.CheckpointManager(spec["path"])
-                managers.append(mgr)
-                if mgr.restore(state) is None:
-                    raise RuntimeError(f"nothing to restore in {spec['path']}")
-                return {}
+                with PhaseClock(RESTORE_PHASES) as clock:
+                    mgr = pitstop.CheckpointManager(spec["path"])
+                    managers.append(mgr)
+                    t1 = perf()
+                    if mgr.restore(state) is None:
+                        raise RuntimeError(f"nothing to restore in {spec['path']}")
+                return {**clock.metrics(), "ph_manager": t1 - clock.t0, "ph_restore": perf() - t1}
 
         elif kind == "torch":
 

@@ -5,8 +5,13 @@ Call sequence (persist thread of the saver; io pool threads run the extents)::
     result = persist(storage, directory, plan, view, objects, ...)   # every writing rank
     commit(storage, directory, manifest_for(...))                      # coordinator
 
-The writer threads hash each checksum segment of an extent just before they
-write it, so every stored byte is covered and no extra pass reads the arena.
+Every checksum segment is hashed while its extent is being written: as a writer thread
+starts an extent (its bytes staged), it hands the extent to a hashing thread and issues
+the write, so the disk always has every writer's request in flight (hashing in the
+writer, after its write, left the disk one request short for the hash's time: 15 % of the
+writers' time at 1.2 GB here) and the last extent's hash ends before its write does. The
+objects file is written beside the data file too, once the first extent starts. Every
+stored byte is covered and no extra pass reads the arena.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +56,76 @@ class PersistResult:
     direct: bool
 
 
+class _Beside:
+    """The work of one persist that runs beside its writer threads: hashing each extent
+    while it is written, and writing the objects file. Its two threads are started from a
+    writer thread (a thread inherits its creator's lowered priority on Linux), and run
+    nothing that waits on the writers or the stager, so :meth:`close` always returns.
+
+    ``after_extent`` (a ring's release) runs once an extent is both written and hashed."""
+
+    def __init__(
+        self,
+        view: memoryview,
+        algorithm: str,
+        after_extent: Callable[[Extent], None] | None,
+        write_objects: Callable[[], None],
+    ) -> None:
+        self._view, self._after = view, after_extent
+        self._hasher = get_checksum(algorithm)
+        self._write_objects = write_objects
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="pitstop-hash")
+        self._lock = threading.Lock()
+        self._futures: list[Future[None]] = []
+        self._objects: Future[None] | None = None
+        self._hashed: set[int] = set()
+        self._done: dict[int, int] = {}  # extent start -> parts done (written, hashed)
+        self.sums: dict[object, str] = {}
+
+    def start(self, extent: Extent) -> None:
+        """Writer thread, once ``extent`` is staged and before it is written."""
+        with self._lock:
+            if self._objects is None:  # after write_data began: its storage call comes first
+                self._objects = self._pool.submit(self._write_objects)
+            if extent.start in self._hashed:
+                return  # written again (a fallback to buffered I/O): hashed once
+            self._hashed.add(extent.start)
+            self._futures.append(self._pool.submit(self._hash, extent))
+
+    def _hash(self, extent: Extent) -> None:
+        try:
+            view = self._view
+            local = {tag: self._hasher(view[s : s + n]) for s, n, tag in extent.segments}
+            with self._lock:
+                self.sums.update(local)
+        finally:  # a ring must not wait for ever for a place whose hash failed
+            self._part_done(extent)
+
+    def written(self, extent: Extent) -> None:
+        """Writer thread, once ``extent`` is written (once per extent)."""
+        self._part_done(extent)
+
+    def _part_done(self, extent: Extent) -> None:
+        with self._lock:
+            parts = self._done[extent.start] = self._done.get(extent.start, 0) + 1
+        if parts == 2 and self._after is not None:
+            self._after(extent)
+
+    def finish(self) -> None:
+        """Persist thread, once the data file is durable: the objects file too (written
+        now if no extent started it) and every hash; raises the first error."""
+        with self._lock:
+            if self._objects is None:
+                self._objects = self._pool.submit(self._write_objects)
+            futures = [self._objects, *self._futures]
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        """Wait until nothing runs any more (whatever the outcome)."""
+        self._pool.shutdown(wait=True)
+
+
 def persist(
     storage: Storage,
     directory: str,
@@ -69,36 +144,42 @@ def persist(
     manifest entries.
 
     ``before_extent`` runs in the writer thread before an extent is written (the saver
-    waits there for the extent's tensors to be copied into the arena); the extent is
-    hashed after its write is done, while the other writers' requests are in flight, and
-    then ``after_extent`` runs (its bytes in ``view`` may be reused)."""
+    waits there for the extent's tensors to be copied into the arena); the extent is then
+    hashed in a thread of its own while it is written, and once both are done
+    ``after_extent`` runs (its bytes in ``view`` may be reused). Storage calls come in
+    the same order as ever: ``write_data``, then ``write_object`` (which runs beside the
+    data's writes once the first extent starts)."""
     hasher = get_checksum(algorithm)
-    sums: dict[tuple[int, int], str] = {}
-    lock = threading.Lock()
-
-    def on_extent(extent: Extent) -> None:
-        local = {
-            tag: hasher(view[start : start + length]) for start, length, tag in extent.segments
-        }
-        with lock:
-            sums.update(local)  # type: ignore[arg-type]
-        if after_extent is not None:
-            after_extent(extent)
-
     data_name = data_file_name(rank)
-    t0 = time.perf_counter()
-    result = storage.write_data(
-        directory,
-        data_name,
-        view[: plan.file_bytes],
-        plan.extents,
-        pool=pool,
-        before_extent=before_extent,
-        on_extent=on_extent,
-    )
-    killpoint("persist.after_data")
     objects_name = objects_file_name(rank)
-    storage.write_object(directory, objects_name, objects)
+    beside = _Beside(
+        view,
+        algorithm,
+        after_extent,
+        lambda: storage.write_object(directory, objects_name, objects),
+    )
+
+    def start(extent: Extent) -> None:
+        if before_extent is not None:
+            before_extent(extent)
+        beside.start(extent)
+
+    t0 = time.perf_counter()
+    try:
+        result = storage.write_data(
+            directory,
+            data_name,
+            view[: plan.file_bytes],
+            plan.extents,
+            pool=pool,
+            before_extent=start,
+            on_extent=beside.written,
+        )
+        killpoint("persist.after_data")
+        beside.finish()
+    finally:
+        beside.close()
+    sums = beside.sums
     empty = hasher(b"")
     tensors = tuple(
         TensorEntry(

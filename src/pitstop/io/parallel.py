@@ -40,6 +40,8 @@ __all__ = ["Extent", "FileReader", "IOResult", "plan_extents", "read_file", "wri
 _log = get_logger("pitstop.io")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _warned_devices: set[int] = set()
+RAMP = 3
+"""Extents before the first of full size (see :func:`plan_extents`)."""
 _warn_lock = threading.Lock()
 
 
@@ -76,14 +78,17 @@ def plan_extents(
     ``chunk_bytes`` (plus an eighth, so that a few small tensors beside large ones do not
     push every extent down by one large tensor); extent boundaries are 4 KiB-aligned, so
     every extent is a valid O_DIRECT request. Gaps (alignment padding) belong to the
-    extent before.
+    extent before. The first ``RAMP`` extents are smaller (an eighth, a quarter, a half of
+    ``chunk_bytes``; never less than one segment): a save's first write waits for its
+    extent to be copied into the arena, and starts that much sooner.
     """
-    limit = chunk_bytes + chunk_bytes // 8
     extents: list[Extent] = []
     start = 0
     group: list[tuple[int, int, object]] = []
     for seg in sorted(segments, key=lambda s: s[0]):
         seg_start = seg[0]
+        ramp = chunk_bytes >> max(0, RAMP - len(extents))
+        limit = max(ramp + ramp // 8, ALIGN_BYTES)
         if group and seg_start + seg[1] - start > limit:
             cut = seg_start - seg_start % ALIGN_BYTES
             if cut > start:
