@@ -54,3 +54,17 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert ta.keys() == tb.keys()
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A private directory under /dev/shm (cleanup tests there never touch other jobs'
+    segments); it must be empty when the test ends."""
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="pitstop-test-", dir=SHM_DIR)
+    yield where
+    left = os.listdir(where)
+    shutil.rmtree(where, ignore_errors=True)
+    assert not left, f"segments left in {where}: {left}"

@@ -215,10 +215,10 @@ def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
     keeper_pid = int(child.stdout.readline())
     assert child.wait(60) == -signal.SIGKILL
     child.stdout.close()
-    from pitstop.levels.shm import remove_stale
+    from pitstop.levels.shm import _stale
 
-    remove_stale(SHM_DIR)  # the lingering keeper holds the job's lock: not stale
-    assert len(segment_names(SHM_DIR, job)) == 3
+    # the lingering keeper holds the job's lock: not stale
+    assert _stale(SHM_DIR, job, 0, segment_names(SHM_DIR, job)) is None
     slots = SlotSet.attach(job)  # the restarted process, within the keeper's linger time
     assert slots is not None
     try:

@@ -30,7 +30,6 @@ from pitstop.levels.shm import (
     lock_name,
     new_job_token,
     open_slot,
-    remove_job,
     remove_stale,
     seal,
     segment_names,
@@ -185,58 +184,75 @@ def test_damaged_slot_metadata_is_damage(job: str) -> None:
         slots.close(unlink=True)
 
 
-def test_two_jobs_never_open_each_others_segments(job: str) -> None:
+def test_two_jobs_never_open_each_others_segments(job: str, shm_dir: str) -> None:
     other = "t" + new_job_token()
-    mine, theirs = _slots(job), _slots(other)
+    _, plan = plan_state(small_state())
+    mine = SlotSet.create(job, data_bytes=plan.file_bytes, directory=shm_dir)
+    theirs = SlotSet.create(other, data_bytes=plan.file_bytes, directory=shm_dir)
     try:
         a = stage_into(mine, 1, small_state(1))
         b = stage_into(theirs, 2, small_state(2))
         assert a is not None and b is not None and seal(a) and seal(b)
-        with SlotStorage(SHM_DIR, job) as storage:
+        with SlotStorage(shm_dir, job) as storage:
             assert storage.entries() == [step_dir_name(1)]
         with pytest.raises(CheckpointError, match="not a slot of job"):
             open_slot(b.path, job=job, rank=0)
-        assert remove_stale(SHM_DIR) == []  # both alive
-        assert all(other not in n for n in segment_names(SHM_DIR, job))
+        assert remove_stale(shm_dir) == []  # both alive
+        assert all(other not in n for n in segment_names(shm_dir, job))
     finally:
         mine.close(unlink=True)
         theirs.close(unlink=True)
-    assert not segment_names(SHM_DIR, other)
 
 
 @pytest.mark.fault
-def test_stale_segments_of_a_dead_process_are_removed(job: str) -> None:
+def test_stale_segments_of_a_dead_process_are_removed(job: str, shm_dir: str) -> None:
     dead = "t" + new_job_token()
     script = textwrap.dedent(
         f"""
         import os
         from pitstop.levels.shm import SlotSet
-        SlotSet.create({dead!r}, data_bytes=8192)
+        SlotSet.create({dead!r}, data_bytes=8192, directory={shm_dir!r})
         os._exit(0)  # no cleanup: the segments stay
         """
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
-    left = segment_names(SHM_DIR, dead)
+    left = segment_names(shm_dir, dead)
     assert len(left) == 3  # two slots and the lock file
-    alive = _slots(job)
+    alive = SlotSet.create(job, data_bytes=8192, directory=shm_dir)
     try:
-        removed = remove_stale(SHM_DIR)
-        assert sorted(removed) == left
-        assert not segment_names(SHM_DIR, dead)
-        assert len(segment_names(SHM_DIR, job)) == 3  # this living job's are kept
+        assert sorted(remove_stale(shm_dir)) == left
+        assert not segment_names(shm_dir, dead)
+        assert len(segment_names(shm_dir, job)) == 3  # this living job's are kept
     finally:
         alive.close(unlink=True)
-        remove_job(SHM_DIR, dead)
 
 
-def test_segments_of_another_boot_are_stale_even_if_locked(job: str) -> None:
-    slots = _slots(job)
+def test_without_a_lock_file_the_owner_pid_and_boot_decide(job: str, shm_dir: str) -> None:
+    from dataclasses import replace
+
+    from pitstop.levels.shm import write_header
+
+    slots = SlotSet.create(job, data_bytes=8192, directory=shm_dir)
     try:
-        path = os.path.join(SHM_DIR, lock_name(job, 0))
+        os.unlink(os.path.join(shm_dir, lock_name(job, 0)))  # (removed by hand)
+        assert remove_stale(shm_dir) == []  # its owner (this process) is alive, this boot
+        for slot in slots.slots:
+            head = slot.header()
+            assert head is not None
+            write_header(slot.fd, replace(head, boot="another-boot", seq=head.seq + 1))
+        assert len(remove_stale(shm_dir)) == 2  # a live pid of another boot is no owner
+        assert not segment_names(shm_dir, job)
+    finally:
+        slots.close(unlink=True)
+
+
+def test_a_held_lock_is_never_stale_whatever_it_says(job: str, shm_dir: str) -> None:
+    slots = SlotSet.create(job, data_bytes=8192, directory=shm_dir)
+    try:
+        path = os.path.join(shm_dir, lock_name(job, 0))
         with open(path, "r+b") as f:
             f.write(b'{"job": "x", "host": "h", "pid": 1, "boot": "another-boot"}'.ljust(512))
-        assert len(remove_stale(SHM_DIR)) == 3
-        assert remove_stale(SHM_DIR, keep=job) == []
+        assert remove_stale(shm_dir) == []
     finally:
         slots.close(unlink=True)
 

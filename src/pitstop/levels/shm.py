@@ -401,7 +401,8 @@ class SlotSet:
         except BaseException:
             for s in slots:
                 s.close()
-                os.unlink(s.path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(s.path)
             os.close(lock_fd)
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, lock_name(job, rank)))
@@ -451,14 +452,18 @@ class SlotSet:
         newest = self.newest()
         gen = max((h.gen for h in heads if h is not None), default=0) + 1
         order = sorted(
-            (i for i, h in enumerate(heads) if newest is None or i != newest[0].index),
+            (i for i in range(len(self.slots)) if newest is None or self.slots[i] is not newest[0]),
             key=lambda i: (_state(heads[i]) == COMMITTED, _gen(heads[i])),
         )  # empty, staged, torn first; then the oldest committed
         for i in order:
             slot = self.slots[i]
             if not slot.try_lock(exclusive=True):
                 continue
-            head = slot.header() or SlotHeader(self.job, self.rank, i, "", 0, "")
+            now = self.newest()  # the keeper may have sealed it since the look above
+            if now is not None and now[0] is slot:
+                slot.unlock()
+                continue
+            head = slot.header() or SlotHeader(self.job, self.rank, slot.index, "", 0, "")
             o = self._owner
             write_header(slot.fd, replace(
                 head, host=o["host"], pid=o["pid"], boot=o["boot"], state=STAGING, step=step,
@@ -654,19 +659,13 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[]
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         fd = -1
-    if fd >= 0:
-        try:
-            owner = json.loads(os.pread(fd, 512, 0).strip() or b"{}")
-        except ValueError:
-            owner = {}
-        other_boot = owner.get("boot") not in (None, boot_id())
+    if fd >= 0:  # the lock says it: flocks die with their holders (pids are reused)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if not other_boot:
-                os.close(fd)
-                return None  # a living training process or keeper holds it
-    else:  # no lock file (a crash while creating): the slots' owners say
+            os.close(fd)
+            return None  # a living training process or keeper holds it
+    else:  # no lock file (removed by hand, or a crash while creating): the slots' owners say
         for name in names:
             with contextlib.suppress(OSError):
                 sfd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
@@ -690,9 +689,10 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[]
 
 
 def remove_stale(directory: str = SHM_DIR, *, keep: str | None = None) -> list[str]:
-    """Remove the segments of every job whose processes are all dead (nobody holds its lock
-    file, or it was written in another boot); ``keep``: a job token never touched. Returns
-    the names removed."""
+    """Remove the segments of every job whose processes are all dead: nobody holds its lock
+    file (flocks die with their holders, in any boot), or, without a lock file, its slots'
+    owner pid is gone or was written in another boot. ``keep``: a job token never touched.
+    Returns the names removed."""
     removed: list[str] = []
     for (job, rank), names in sorted(_jobs(directory).items()):
         if job == keep:
