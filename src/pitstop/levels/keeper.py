@@ -175,6 +175,7 @@ class Keeper:
         with contextlib.suppress(AttributeError, OSError):  # Linux >= 5.3
             self.pidfd = os.pidfd_open(self.parent)
         self.term = False
+        self.buf = b""
         self.watch_ppid = os.getppid() == self.parent  # started by the training process
 
     def send(self, **event: Any) -> None:
@@ -203,28 +204,46 @@ class Keeper:
         if self.pidfd >= 0:
             sel.register(self.pidfd, selectors.EVENT_READ, "pid")
         self.send(event="ready", pid=os.getpid())
-        buf = b""
         while True:
             for key, _ in sel.select(timeout=0.5):
-                if key.data == "pid":
-                    return self.finish(died=True)
-                try:
-                    data = self.sock.recv(1 << 16)
-                except OSError:
-                    data = b""
-                if not data:
-                    return self.finish(died=True)
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    cmd = json.loads(line)
-                    if cmd.get("op") == "stop":
-                        return self.finish(died=False, **cmd.get("args", {}))
-                    self.handle(cmd)
+                if key.data == "pid":  # what it asked before it died comes first
+                    self.sock.setblocking(False)
+                    stop = self.commands()
+                    return stop if stop is not None else self.finish(died=True)
+                stop = self.commands()
+                if stop is not None:
+                    return stop
             if self.watch_ppid and os.getppid() != self.parent:
                 return self.finish(died=True)
             if self.term:  # persist, but leave a living trainer's segments alone
                 return self.finish(died=True, unlink=not _alive(self.parent))
+
+    def commands(self) -> int | None:
+        """Read and run what the socket holds; an exit code once the keeper has finished
+        (``stop``, or EOF: the parent is gone), else None."""
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                return None
+            except OSError:
+                data = b""
+            if not data:
+                return self.finish(died=True)
+            self.buf += data
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                try:
+                    cmd = json.loads(line)
+                    op = cmd.get("op")
+                except (ValueError, AttributeError):
+                    self.send(event="error", op=None, message=f"not a command: {line[:80]!r}")
+                    continue
+                if op == "stop":
+                    return self.finish(died=False, **cmd.get("args", {}))
+                self.handle(cmd)
+            if self.sock.getblocking():
+                return None  # one read per wake-up; the selector says when there is more
 
     def handle(self, cmd: dict[str, Any]) -> None:
         op, index = cmd.get("op"), int(cmd.get("slot", -1))
