@@ -31,6 +31,7 @@ Call sequence (training thread)::
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -179,17 +180,28 @@ def stage_into(
 
 
 # ---------------------------------------------------------------------- reading
+def _address(buf: memoryview) -> int:
+    probe = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
+
+
 class _SlotReader:
-    """A DataReader over a slot's data region (memory copies, no I/O)."""
+    """A DataReader over a slot's data region: memory copies, no I/O. The copy releases the
+    GIL (``ctypes.memmove``), so the restore's reader threads copy in parallel."""
 
     direct = False
 
     def __init__(self, view: memoryview, nbytes: int) -> None:
         self._view, self._nbytes = view, nbytes
+        self._base = _address(view) if nbytes else 0
 
     def read_into(self, offset: int, out: memoryview) -> int:
         n = max(0, min(len(out), self._nbytes - offset))
-        out[:n] = self._view[offset : offset + n]
+        if n:
+            ctypes.memmove(_address(out), self._base + offset, n)
         return n
 
     def close(self) -> None:
@@ -211,7 +223,8 @@ class SlotStorage:
         self._slots: list[Slot] = []
         for path in iter_slots(directory, job, rank):
             try:
-                self._slots.append(open_slot(path, job=job, rank=rank, writable=False))
+                # mapped writable only so that its address can be taken; never written
+                self._slots.append(open_slot(path, job=job, rank=rank, populate=False))
             except FileNotFoundError:
                 continue
             except CheckpointError as e:  # no valid header (torn twice): holds no checkpoint
@@ -288,13 +301,13 @@ class SlotStorage:
         slot, head = self._find(directory)
         if name != data_file_name(self.rank):
             raise CorruptCheckpointError(f"{name} is missing", path=f"{self.url}/{directory}")
-        slot.populate(head.file_bytes)  # only the slot read, only its data file
+        slot.populate(head.file_bytes, write=False)  # only the slot read, its data file
         return _SlotReader(slot.view, head.file_bytes)
 
     def data_view(self, directory: str) -> memoryview:
         """The committed data file of ``directory``, in place (read-only; pin it first)."""
         slot, head = self._find(directory)
-        return slot.view[: head.file_bytes]
+        return slot.view[: head.file_bytes].toreadonly()
 
     def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:
         """A pin: the slot's flock, shared (exclusive: None, slots are never removed here)."""

@@ -278,9 +278,11 @@ class Slot:
     def closed(self) -> bool:
         return self._mm is None
 
-    def populate(self, nbytes: int) -> None:
-        """Map the first ``nbytes`` of the data region now (one call, not a fault a page)."""
-        advice = _MADV_POPULATE_WRITE if self.writable else _MADV_POPULATE_READ
+    def populate(self, nbytes: int, *, write: bool | None = None) -> None:
+        """Map the first ``nbytes`` of the data region now (one call, not a fault a page),
+        for writing (default: if the mapping is writable) or for reading."""
+        write = self.writable if write is None else write
+        advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
         if self._mm is not None and nbytes > 0:
             with contextlib.suppress(OSError, ValueError):  # kernels before 5.14: faults
                 self._mm.madvise(advice, DATA_OFFSET, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
