@@ -8,7 +8,7 @@ the engine's pieces around them:
   (what :func:`pitstop.levels.shm.seal` needs to write the manifest without torch).
 * :func:`stage_into` — plan, stage (the engine's copy, straight into the slot: no second
   copy), record: the synchronous form that tests and benchmarks use; the manager's saver
-  uses the same three steps with its cached plan and deferred copies.
+  is to use the same three steps with its cached plan and deferred copies.
 * :class:`SlotStorage` — the committed slots of a job as a read-only
   :class:`pitstop.storage.base.Storage`: each committed slot is a step directory holding
   ``manifest.json``, ``rank-00000.bin`` (the data region) and ``objects-00000.json``, so
@@ -20,7 +20,7 @@ the engine's pieces around them:
 
 Call sequence (training thread)::
 
-    slots = SlotSet.create(job, data_bytes=plan_bytes(state))
+    slots = SlotSet.attach(job) or SlotSet.create(job, data_bytes=plan.file_bytes)
     slot = stage_into(slots, step, state)          # staged; None: no slot free
     seal(slot) or keeper.request_seal(slot.index)  # committed
     ...
