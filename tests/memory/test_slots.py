@@ -372,3 +372,20 @@ def test_a_state_larger_than_the_slots_is_refused_and_the_slot_freed(job: str) -
         assert slots.begin(1) is not None  # nothing left held
     finally:
         slots.close(unlink=True)
+
+
+def test_a_staged_snapshot_awaiting_its_seal_is_not_overwritten(job: str) -> None:
+    slots = _slots(job)
+    try:
+        a = stage_into(slots, 1, small_state(1))
+        assert a is not None and seal(a)
+        b = stage_into(slots, 2, small_state(2))  # staged, the keeper has not sealed it yet
+        assert b is not None
+        assert slots.begin(3) is None  # step 1 is the newest committed, step 2 awaits: skip
+        assert seal(b) is not None
+        c = slots.begin(3)
+        assert c is not None and c.index == a.index
+        slots.abandon(c)
+        assert _restore(job)[0] == 2
+    finally:
+        slots.close(unlink=True)

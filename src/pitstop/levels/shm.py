@@ -448,15 +448,23 @@ class SlotSet:
 
     def begin(self, step: int) -> Slot | None:
         """A slot to stage ``step`` into, held exclusively, its header ``staging``: never the
-        newest committed one, never one a reader pins. None when no slot is free (the caller
-        skips this memory checkpoint)."""
+        newest committed one, never one a reader pins, never a staged snapshot newer than
+        every committed one (it awaits its seal: overwritten, a crash in the copy would
+        fall back two steps). None when no slot is free: the caller skips this memory
+        checkpoint (the keeper's sealing throttles how often one is taken)."""
         heads = self.headers()
         newest = self.newest()
+        top = newest[1].gen if newest is not None else -1
         gen = max((h.gen for h in heads if h is not None), default=0) + 1
         order = sorted(
-            (i for i in range(len(self.slots)) if newest is None or self.slots[i] is not newest[0]),
+            (
+                i
+                for i in range(len(self.slots))
+                if (newest is None or self.slots[i] is not newest[0])
+                and not (_state(heads[i]) == STAGED and _gen(heads[i]) > top)
+            ),
             key=lambda i: (_state(heads[i]) == COMMITTED, _gen(heads[i])),
-        )  # empty, staged, torn first; then the oldest committed
+        )  # empty, torn, older staged first; then the oldest committed
         for i in order:
             slot = self.slots[i]
             if not slot.try_lock(exclusive=True):
