@@ -389,3 +389,22 @@ def test_a_staged_snapshot_awaiting_its_seal_is_not_overwritten(job: str) -> Non
         assert _restore(job)[0] == 2
     finally:
         slots.close(unlink=True)
+
+
+def test_attach_seals_a_staged_snapshot_left_unsealed(job: str) -> None:
+    state = small_state(2)
+    slots = _slots(job)
+    try:
+        a = stage_into(slots, 1, small_state(1))
+        assert a is not None and seal(a)
+        assert stage_into(slots, 2, state) is not None  # then the trainer died: no seal
+        again = SlotSet.attach(job)  # its restart
+        assert again is not None
+        newest = again.newest()
+        assert newest is not None and newest[1].step == 2
+        step, into, _ = _restore(job)
+        assert step == 2
+        assert_same(state, into)
+        again.close()
+    finally:
+        slots.close(unlink=True)

@@ -413,8 +413,9 @@ class SlotSet:
 
     @classmethod
     def attach(cls, job: str, *, rank: int = 0, directory: str = SHM_DIR) -> SlotSet | None:
-        """The existing slots of ``job`` (a restarted training process, or a keeper); None if
-        there are none."""
+        """The existing slots of ``job`` (a restarted training process); None if there are
+        none. A staged snapshot newer than every committed one is sealed first
+        (:meth:`seal_pending`)."""
         paths = []
         for name in segment_names(directory, job):
             m = _NAME.fullmatch(name)
@@ -435,7 +436,24 @@ class SlotSet:
             os.close(lock_fd)
             raise
         slots.sort(key=lambda s: s.index)
-        return cls(directory, job, rank, slots, lock_fd)
+        found = cls(directory, job, rank, slots, lock_fd)
+        found.seal_pending()
+        return found
+
+    def seal_pending(self) -> list[SlotHeader]:
+        """Seal every staged snapshot newer than the newest committed one (left by a trainer
+        that died before its keeper sealed it, or that had no keeper): it is the newest
+        consistent state, and until it is sealed ``begin`` must not overwrite it."""
+        newest = self.newest()
+        top = newest[1].gen if newest is not None else -1
+        done = []
+        for slot, head in zip(self.slots, self.headers(), strict=True):
+            if head is not None and head.state == STAGED and head.gen > top:
+                with contextlib.suppress(CorruptCheckpointError):  # damaged: never committed
+                    sealed = seal(slot)
+                    if sealed is not None:
+                        done.append(sealed)
+        return done
 
     def headers(self) -> list[SlotHeader | None]:
         return [s.header() for s in self.slots]
