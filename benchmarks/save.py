@@ -116,13 +116,13 @@ FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint"]
 
 # The issue's targets: ratio name -> comparison and threshold (checked, printed, never asserted).
 TARGETS = {
-    "save_vs_disk": ">= 0.9",
+    "save_vs_disk": ">= 0.95",
     "save_vs_torch_save": ">= 2.5",
     "async_stall_vs_memcpy": "<= 1.5",
     "async_stall_vs_dcp_async_stall": "<= 0.25",
     "restore_vs_disk": ">= 0.8",
     "rss_per_arena": "<= 1.1",
-    "restore_process_vs_raw": ">= 0.8",
+    "restore_process_vs_raw": ">= 0.9",
     "restore_peak_rss_mib": "<= 256",
     "save_peak_rss_x_state": "<= 1.1",
 }
@@ -394,18 +394,23 @@ class Bench:
 
         return run
 
-    def row_pitstop_save(self, *, retain: bool = False) -> Row:
+    def row_pitstop_save(self, *, retain: bool = False, nice: int | None = None) -> Row:
         """``mgr.save`` on a reused manager; with ``retain`` keep_last=1 deletes the previous one.
 
         Without ``retain`` every repetition's output is deleted outside the timing, like the
         other rows. With it, the steady state of a training job: the previous checkpoint is
-        removed by retention, inside ``save()``.
+        removed by retention, inside ``save()``. ``nice``: ``SaveOptions.background_nice``
+        (what the writer threads' lowered priority costs a synchronous save on busy cores).
         """
         import pitstop
 
         key = "pitstop_save_retain" if retain else "pitstop_save"
+        options = None
+        if nice is not None:
+            key = f"pitstop_save_nice{nice}"
+            options = pitstop.SaveOptions.from_env(background_nice=nice)
         d = self.subdir(key)
-        mgr = pitstop.CheckpointManager(d, keep_last=1)
+        mgr = pitstop.CheckpointManager(d, keep_last=1, options=options)
         self.managers.append(mgr)
         t0 = perf()
         mgr.save(self.next_step(), self.state)  # warm-up: allocates the arena, caches the plan
@@ -427,7 +432,7 @@ class Bench:
         remove_children(d)
         return Row(
             key,
-            "pitstop save (durable)",
+            "pitstop save (durable)" if nice is None else f"pitstop save, background_nice={nice}",
             "save",
             self._pitstop_run(mgr, sync=True),
             after=lambda: remove_children(d),
@@ -964,6 +969,11 @@ class Bench:
             "pitstop_save_retain",
             "pitstop save, keep_last=1 deleting previous",
         )
+        a(
+            lambda: self.row_pitstop_save(nice=0),
+            "pitstop_save_nice0",
+            "pitstop save, background_nice=0",
+        )
         a(lambda: self.row_pitstop_async(True), "pitstop_async", "pitstop async_save")
         a(
             lambda: self.row_pitstop_async(False),
@@ -1177,7 +1187,13 @@ def report(bench: Bench) -> dict[str, Any]:
     out(
         "  persist = write + commit after staging; committed = call to commit; after = wall - committed"
     )
-    for key in ("pitstop_save", "pitstop_save_retain", "pitstop_async", "pitstop_async_nooverlap"):
+    for key in (
+        "pitstop_save",
+        "pitstop_save_nice0",
+        "pitstop_save_retain",
+        "pitstop_async",
+        "pitstop_async_nooverlap",
+    ):
         row = rows.get(key)
         if row is None:
             continue
@@ -1296,6 +1312,11 @@ def report(bench: Bench) -> dict[str, Any]:
             if "raw_read_64" in rows and "raw_read_64_arena" in rows
             else math.nan
         ),
+        "save_background_nice0_vs_disk": (
+            gbps(nb, rows["pitstop_save_nice0"].med()) / w_gbps
+            if "pitstop_save_nice0" in rows
+            else math.nan
+        ),
         "save_keep_last_retention_secs": (
             rows["pitstop_save_retain"].med("after_commit")
             if "pitstop_save_retain" in rows
@@ -1368,7 +1389,7 @@ def report(bench: Bench) -> dict[str, Any]:
     out()
     out("fresh process (page cache dropped in the child; raw seconds / method seconds, medians):")
     out(
-        f"restore in a fresh process vs raw O_DIRECT read: {_fmt(summary['restore_process_vs_raw'], '.2f')} x (target >= 0.8)"
+        f"restore in a fresh process vs raw O_DIRECT read: {_fmt(summary['restore_process_vs_raw'], '.2f')} x (target >= 0.9)"
     )
     out(
         f"torch.load in a fresh process vs raw O_DIRECT read: {_fmt(summary['torch_load_process_vs_raw'], '.2f')} x"
@@ -1489,6 +1510,14 @@ def phase_report(
             m.get("manifest_commit", math.nan),
         )
         line("  after commit (retention, return)", m["after_commit"])
+        n0 = rows.get("pitstop_save_nice0")
+        if n0 is not None:
+            m["nice0"] = n0.med()
+            for k in ("pwrite_thr_first", "pwrite_thr_last"):
+                m[f"nice0_{k}"] = med(n0, f"ph_{k}")
+            line("the same save, writer threads not niced", m["nice0"],
+                 f"(background_nice=0; first byte at {_fmt(m['nice0_pwrite_thr_first'])}, "
+                 f"data written in {_fmt(m['nice0_pwrite_thr_last'] - m['nice0_pwrite_thr_first'])})")  # fmt: skip
     if pp is not None and pp.samples.get("ph_pread_thr"):
         m = {k[3:]: med(pp, k) for k in pp.samples if k.startswith("ph_")}
         m["secs"] = pp.med()

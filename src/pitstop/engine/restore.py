@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from pitstop.engine.stage import copy_bytes
 from pitstop.engine.verify import (
     Deliver,
     ReadBuffers,
@@ -241,7 +242,7 @@ class Landing:
             )  # fmt: skip
         if live:
             self.touched = True
-        flat[base + lo : base + lo + src.numel()].copy_(src)
+        copy_bytes(flat[base + lo : base + lo + src.numel()], src)
 
     def finish(self) -> None:
         """Copy the chunks that are not whole rows into their tensors."""

@@ -19,6 +19,7 @@ snapshot equals the state at the step of the save exactly.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +35,48 @@ from pitstop.io.parallel import Extent
 from pitstop.log import get_logger
 from pitstop.state.tree import Flat
 
-__all__ = ["Ring", "StageJob", "arena_tensor", "pin_arena", "stage", "stage_ring", "unpin_arena"]
+__all__ = [
+    "Ring",
+    "StageJob",
+    "arena_tensor",
+    "copy_bytes",
+    "pin_arena",
+    "stage",
+    "stage_ring",
+    "unpin_arena",
+]
 
 _log = get_logger("pitstop.engine")
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense, contiguous CPU tensor whose memory holds exactly its values."""
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.is_contiguous()
+    )
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)``; between two plain CPU tensors of one dtype and size, one
+    ``memmove`` in this thread (the GIL released). ``copy_`` splits a large copy over the
+    intra-op threads and waits for the slowest: on 2 busy cores it copied at 0.8 GB/s
+    where one memmove in one thread ran at 1.8-2.4 GB/s, and it competes with the
+    training's own intra-op threads."""
+    if (
+        dst.dtype == src.dtype
+        and dst.numel() == src.numel()
+        and dst.numel() > 0
+        and _plain(dst)
+        and _plain(src)
+    ):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 def arena_tensor(arena: Arena) -> torch.Tensor:
@@ -165,7 +205,7 @@ def _copy(job: StageJob, items: list[Copy], progress: list[int], half: int) -> N
     try:
         with torch.no_grad():
             for index, dst, src in items:
-                dst.copy_(src, non_blocking=src.device.type != "cpu")
+                copy_bytes(dst, src, non_blocking=src.device.type != "cpu")
                 if not src.is_cuda:
                     job.mark(index)
                 progress[0] += 1
@@ -399,7 +439,7 @@ def stage_ring(
                     ) -> None:
                         for i, lo, hi in parts:
                             off = plan.items[i].offset
-                            dst[lo - at : hi - at].copy_(source(i)[lo - off : hi - off])
+                            copy_bytes(dst[lo - at : hi - at], source(i)[lo - off : hi - off])
 
                     ring.stage(k, copy)
                     for i, _, hi in parts:
