@@ -229,3 +229,25 @@ def test_a_list_may_start_with_a_shared_level(tmp_path: Any) -> None:
     assert torch.equal(fresh.weight, model.weight)
     with pytest.raises(ValueError, match="first level of the list"):
         pitstop.CheckpointManager([pitstop.Shared(tmp_path / "a", every=2), pitstop.Shared("b")])
+
+
+def test_a_first_shared_level_that_cannot_be_listed_is_raised_not_passed_over(
+    tmp_path: Any,
+) -> None:
+    """Every save commits to the first level: an I/O error listing it is raised (with its
+    errno), never read as "resume the older step the next level holds"."""
+    from pitstop.errors import CheckpointIOError
+    from pitstop.storage.local import LocalStorage
+    from pitstop.testing import FaultyStorage
+
+    model = torch.nn.Linear(4, 4)
+    levels = [pitstop.Shared(tmp_path / "a"), pitstop.Shared(tmp_path / "b", every=2)]
+    with pitstop.CheckpointManager(levels) as ckpt:
+        _train(ckpt, model, range(1, 6))
+    broken = FaultyStorage(LocalStorage(str(tmp_path / "a")), fail={"entries": range(1, 99)})
+    with (
+        pitstop.CheckpointManager([pitstop.Shared(broken), levels[1]]) as ckpt,
+        pytest.raises(CheckpointIOError) as info,
+    ):
+        ckpt.restore({"model": torch.nn.Linear(4, 4)})
+    assert info.value.errno is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from typing import Any
 
@@ -18,6 +19,7 @@ from pitstop.format.names import DAMAGED_MARKER
 from pitstop.loop import StepResult
 from pitstop.policy import EveryN, KeepBest, KeepEvery, KeepLast
 from pitstop.storage.local import LocalStorage
+from pitstop.storage.wrap import StorageWrapper
 from pitstop.testing import FaultyStorage, GateStorage
 
 READ_CALLS = [
@@ -460,3 +462,49 @@ def test_a_rank_joins_only_the_directory_its_rank_0_created(tmp_path: Any) -> No
     with pytest.raises(pitstop.CheckpointExistsError, match="no longer the directory"):
         other.join("step-0000000005", token)
     assert os.listdir(os.path.join(root, "step-0000000005")) == [".owner"]
+
+
+# ---------------------------------------------------------------- a restore racing retention
+class _RetiresAfterFirstListing(StorageWrapper):
+    """Another job's saves (and their retention) land just after the restore's first
+    listing: the steps it chose from are gone when it looks again."""
+
+    def __init__(self, inner: Any, root: str) -> None:
+        super().__init__(inner)
+        self.root, self.armed = root, False
+
+    def _call(self, name: str, fn: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            out = fn(*args, **kw)
+            if name == "entries" and self.armed:
+                self.armed = False
+                _saved(self.root, range(4, 6)).close()
+                for s in (2, 3):  # retired by that job's retention
+                    shutil.rmtree(os.path.join(self.root, f"step-000000000{s}"))
+            return out
+
+        return call
+
+
+def test_a_restore_whose_candidates_vanish_lists_again_and_never_starts_from_scratch(
+    root: str,
+) -> None:
+    _saved(root, range(1, 4), keep_last=2).close()
+    fresh = make_state(seed=99)
+    storage = _RetiresAfterFirstListing(LocalStorage(root), root)
+    with pitstop.CheckpointManager(storage) as ckpt:
+        storage.armed = True
+        assert ckpt.restore(fresh) == 5
+        assert ckpt.last_restore is not None and ckpt.last_restore.level == "root"
+    assert_same_tensors(tensors_of(make_state(seed=5)), tensors_of(fresh))
+
+
+def test_one_directory_reports_names_of_that_directory(root: str) -> None:
+    """A list of one level: skipped and set-aside names are the directory's own."""
+    _saved(root, range(1, 4)).close()
+    flip_byte(os.path.join(root, "step-0000000003", "rank-00000.bin"), 10)
+    with pitstop.CheckpointManager(root) as ckpt:
+        assert ckpt.restore(make_state(seed=99), step=None) == 2
+        assert ckpt.last_restore is not None
+        assert [n for n, _ in ckpt.last_restore.skipped] == ["step-0000000003"]
+        assert all(os.path.exists(os.path.join(root, n)) for n in ckpt.last_restore.set_aside)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pitstop.engine.persist import PersistResult, result_from_json, result_to_json
+from pitstop.errors import CheckpointExistsError
 from pitstop.format.codec import dtype_name
 from pitstop.ranks.group import Group
 from pitstop.ranks.outcome import Outcome, agree, dumps, loads, outcomes_of
@@ -58,6 +59,12 @@ class NodeCommit:
     replicate: Callable[[str, bytes], None]
     decide: Callable[[], Any]
     decided: Callable[[Any], None]
+    repair: bool = False
+    """A restart's repair: each leader readies the step's existing directory in place (created
+    if missing; else its manifest and damage or abandon markers removed: its files were
+    verified against the agreed manifest) instead of creating a new one."""
+    keep: frozenset[int] = frozenset()
+    """Leaders whose node already holds the step as agreed: they neither ready nor commit it."""
 
     @classmethod
     def single(cls, size: int) -> NodeCommit:
@@ -161,15 +168,16 @@ def commit_together(
     every failed rank with its message."""
     key, what = f"save/{seq}", f"save of {directory}"
     leader = nodes.leaders[group.rank]
-    token = _prepare(group, storage, directory, key, leader)
+    token = _prepare(group, storage, directory, key, leader, nodes)
+    joins = group.rank != leader and bool(token)
     result: PersistResult | None = None
     try:
-        if group.rank != leader:  # into the very directory the leader created, or not at all
-            storage.join(directory, str(token))
+        if joins:  # into the very directory the leader created, or not at all
+            storage.join(directory, token)
         try:
             result = write()
         finally:
-            if group.rank != leader:
+            if joins:
                 storage.leave(directory)
         mine = Outcome.ok(group.rank, "persist", result_to_json(result))
     except BaseException as e:
@@ -193,18 +201,50 @@ def commit_together(
     return result
 
 
-def _prepare(group: Group, storage: Storage, directory: str, key: str, leader: int) -> str:
-    """The leader creates the step directory and posts its token; the others read it."""
-    prepared = f"{key}/prepared" if leader == 0 else f"{key}/prepared/{leader}"
-    if group.rank != leader:
-        return str(_heard(group, prepared, "plan", leader, f"save of {directory}").value)
-    try:
-        token = storage.prepare(directory)
-    except BaseException as e:
-        group.post(prepared, dumps([Outcome.of(e, group.rank, "plan")]))
-        raise
-    group.post(prepared, dumps([Outcome.ok(group.rank, "plan", token)]))
-    return token
+def _prepare(
+    group: Group, storage: Storage, directory: str, key: str, leader: int, nodes: NodeCommit
+) -> str:
+    """Each leader readies its directory and posts its token; every rank hears every
+    leader's word before any rank writes (a node that cannot make room fails every rank at
+    once); the token of this rank's leader."""
+    if group.rank == leader:
+        try:
+            token = _room(storage, directory, nodes, leader)
+        except BaseException as e:
+            group.post(_prepared(key, leader), dumps([Outcome.of(e, group.rank, "plan")]))
+            raise
+        group.post(_prepared(key, leader), dumps([Outcome.ok(group.rank, "plan", token)]))
+    tokens = {
+        lead: str(_heard(group, _prepared(key, lead), "plan", lead, f"save of {directory}").value)
+        for lead in sorted(set(nodes.leaders))
+        if lead != group.rank
+    }  # fmt: skip
+    return token if group.rank == leader else tokens[leader]
+
+
+def _prepared(key: str, leader: int) -> str:
+    return f"{key}/prepared" if leader == 0 else f"{key}/prepared/{leader}"
+
+
+def _room(storage: Storage, directory: str, nodes: NodeCommit, leader: int) -> str:
+    """Leader: ``directory`` ready for this round's files; its token ("" for a directory
+    readied in place: the others write into it without joining)."""
+    if leader in nodes.keep:
+        return ""
+    if not nodes.repair:
+        return storage.prepare(directory)
+    kind = storage.entry_kind(directory)
+    if kind == "missing":
+        return storage.prepare(directory)
+    if kind != "dir":
+        raise CheckpointExistsError(
+            f"{directory} is a {kind}, not a directory: not touched",
+            path=f"{storage.url}/{directory}", phase="restore",
+        )  # fmt: skip
+    storage.uncommit(directory)
+    for marker in ("damaged", "abandoned"):
+        storage.unmark(directory, marker)
+    return ""
 
 
 def _commit_nodes(
@@ -233,7 +273,8 @@ def _commit_nodes(
     waiting = any(lead == leader and r != leader for r, lead in enumerate(nodes.leaders))
     if group.rank == leader:
         try:
-            storage.commit(directory, manifest)
+            if leader not in nodes.keep:
+                storage.commit(directory, manifest)
         except BaseException as e:
             if waiting:
                 group.post(done, dumps([Outcome.of(e, group.rank, "commit")]))
@@ -241,7 +282,9 @@ def _commit_nodes(
         if waiting:
             group.post(done, dumps([Outcome.ok(group.rank, "commit")]))
     else:
-        _heard(group, done, "commit", leader, f"{what} (its node's leader, rank {leader})")
+        _heard(
+            group, done, "commit", leader, f"{what} (rank {leader}, which commits its directory)"
+        )
 
 
 def _coordinate(

@@ -61,7 +61,7 @@ class RestoreResult:
     keys: Any = None
     secs: float = 0.0
     value: Any = field(default=None, repr=False)
-    level: str | None = None  # multi-level: "local" or "shared"
+    level: str | None = None  # the level that served: "root" (one directory), "local", a name
     sources: dict[str, int] = field(default_factory=dict)  # bytes by source (own, partner, ...)
     repaired: list[str] = field(default_factory=list)  # multi-level: what was rebuilt
     overwritten: bool = False  # a failed attempt wrote into the live state

@@ -73,7 +73,8 @@ class NodeLevel:
         if self.placement.scheme != local.redundancy and group.coordinator:
             _log.warning(
                 "redundancy=%r needs two nodes or more; every rank runs on node %r, so the "
-                "local level keeps one copy (single)", local.redundancy, nodes[0], phase="plan",
+                "local level keeps one copy (single; pitstop.Local(..., redundancy='single') "
+                "says so and silences this)", local.redundancy, nodes[0], phase="plan",
             )  # fmt: skip
         self.node = nodes[group.rank]
         self.leader = self.placement.leaders[group.rank] == group.rank
@@ -188,7 +189,7 @@ class NodeLevel:
         node lost it), then loaded; None (``walk`` told why) when it cannot be."""
         choice = self.repair.ready_step(s, views)
         if isinstance(choice, str):
-            walk.skipped.append((f"local {step_dir_name(s)}", choice))
+            walk.skipped.append((walk.label("local", step_dir_name(s)), choice))
             if self.group.coordinator:
                 _log.warning("local %s: %s", step_dir_name(s), choice, phase="restore")
             return None
@@ -199,8 +200,7 @@ class NodeLevel:
 
     def fetch(self, manifest: Manifest, views: list[View], storage: Storage) -> None:
         """After a restore from a slower level (``storage``): see ``Repair.fetch``."""
-        view = views[self.placement.leaders[self.group.rank]]
-        self.repair.fetch(manifest, view, storage)
+        self.repair.fetch(manifest, views, storage)
 
     def close(self) -> None:
         try:

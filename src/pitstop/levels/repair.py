@@ -25,17 +25,21 @@ Call sequence (training thread, every rank, collective)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
+from pitstop.engine.collective import NodeCommit, commit_together
+from pitstop.engine.persist import PersistResult
 from pitstop.engine.transfer import copy_files
-from pitstop.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from pitstop.errors import CheckpointError, CorruptCheckpointError
 from pitstop.format.manifest import Manifest, manifest_digest
 from pitstop.format.names import step_dir_name
 from pitstop.levels.redundancy import Member, verify_own
 from pitstop.levels.spec import manifest_order
 from pitstop.log import get_logger
-from pitstop.ranks.outcome import describe, gather
+from pitstop.ranks.outcome import Outcome, attempt, describe, gather
 from pitstop.storage.base import Storage
 
 if TYPE_CHECKING:
@@ -61,6 +65,7 @@ class Repair:
 
     def __init__(self, node: NodeLevel) -> None:
         self.n = node
+        self._rounds = 0  # repair rounds: every rank runs the same ones in the same order
 
     def ready_step(self, s: int, views: list[dict[int, tuple[str, bool]]]) -> LocalChoice | str:
         """Collective: step ``s`` whole on every node, from the manifest the most nodes hold
@@ -92,13 +97,12 @@ class Repair:
             return None
 
     def _rebuild_step(self, m: Member, stale: list[int]) -> LocalChoice | str:
-        """Collective: verify every rank's files and redundancy of ``m``, rebuild what is lost,
-        make each node's directory hold the agreed manifest (``stale``: the leaders of the
-        nodes whose manifest is missing, differs or is marked), protect again where anything
-        was repaired."""
-        s, red = m.manifest.step, self.n.placement.redundancy
-        fix = self.n.group.rank in stale
-        verified = gather(self.n.group, lambda: [verify_own(m), red.held_ok(m)], "restore")
+        """Collective: verify every rank's files and redundancy of ``m``, then one commit
+        round (:meth:`_rewrite`) that rebuilds what is lost, writes the redundancy again
+        where anything was repaired and gives the agreed manifest to the nodes in ``stale``
+        (the leaders of the nodes whose manifest is missing, differs or is marked)."""
+        s, red, g = m.manifest.step, self.n.placement.redundancy, self.n.group
+        verified = gather(g, lambda: [verify_own(m), red.held_ok(m)], "restore")
         failed = describe(verified, "verify")
         if failed is not None:
             return failed
@@ -111,130 +115,117 @@ class Repair:
         repaired = [f"rank {r}" for r in sorted(lost)]
         held = {"copy": "partner copy", "parity": "parity"}.get(red.holds or "")
         repaired += [f"{held} on rank {r}" for r, w in enumerate(words) if not w[1]]
-        room, error = self._rooms(m.directory, fix)
-        if error is not None:
-            return error
 
         def rebuild_here() -> dict[str, int]:
             got = red.rebuild(m, lost)
-            if self.n.group.rank in lost and not verify_own(m):
+            if g.rank in lost and not verify_own(m):
                 raise CorruptCheckpointError(
-                    f"rank {self.n.group.rank}'s files were rebuilt but fail their checksums",
+                    f"rank {g.rank}'s files were rebuilt but fail their checksums",
                     step=s, phase="restore",
                 )  # fmt: skip
             return got
 
-        rebuilt = gather(self.n.group, rebuild_here, "restore")
-        failed = describe(rebuilt, "rebuild")
+        gots, failed, unprotected = self._rewrite(m, stale, rebuild_here, protect=bool(repaired))
         if failed is not None:
-            if room is True:
-                self.n.storage.abort(m.directory)
             return failed
-        gots = [o.value for o in rebuilt]
-        failed = self._protect_again(m) if repaired else None
-        if failed is not None:  # the step is whole; its redundancy is not (said, reported)
+        if unprotected is not None:  # the step is whole; its redundancy is not (said)
             repaired = [r if r.startswith("rank") else f"{r} (not rewritten)" for r in repaired]
         repaired += [f"manifest on node {self.n.placement.nodes[n]}" for n in stale]
-        self._take_manifest(m, fix)
-        if repaired and self.n.group.coordinator:
+        if repaired and g.coordinator:
             _log.warning(
                 "step %d: repaired on the local level: %s", s, ", ".join(repaired), phase="restore"
             )
         sources = {"own": sum(f.nbytes for f in m.manifest.files if f.rank not in lost)}
-        for g in gots:
-            for k, v in g.items():
+        for got in gots:
+            for k, v in got.items():
                 sources[k] = sources.get(k, 0) + v
         return LocalChoice(s, sources, repaired)
 
-    def _rooms(self, directory: str, fix: bool) -> tuple[bool, str | None]:
-        """Collective: ``_make_room`` where this node's copy needs fixing; whether this rank
-        created the directory, and every failed rank's error (a directory this rank created
-        is aborted again)."""
-        rooms = gather(
-            self.n.group, lambda: self._make_room(directory) if fix else False, "restore"
-        )
-        room = rooms[self.n.group.rank].value is True  # every node's directory is there
-        error = describe(rooms, "make room")
-        if error is not None and room:
-            self.n.storage.abort(directory)
-        return room, error
+    def _rewrite(
+        self, m: Member, stale: list[int], write: Callable[[], dict[str, int]], *, protect: bool
+    ) -> tuple[list[dict[str, int]], str | None, str | None]:
+        """Collective: the save's commit round (``engine.collective.commit_together``) for a
+        step that exists: the leaders of ``stale`` ready their node's directory in place,
+        every rank runs ``write`` (a rebuild or a copy; bytes by source), the redundancy is
+        written again (``protect``; a failure leaves the step restorable, less protected),
+        and the stale nodes commit the agreed manifest. Returns every rank's ``write``
+        result, why the round failed before any node committed (None: it did not; a node
+        that could not take the manifest is said, and lacks the step until the next restart
+        mends it), and why the redundancy was not rewritten."""
+        g = self.n.group
+        got: dict[str, int] = {}
+        reached: list[str | None] = []  # the round reached the commit; the protection's error
 
-    def _take_manifest(self, m: Member, fix: bool) -> None:
-        """Collective: the agreed manifest into this node's directory where it was fixed (a
-        failure is said: that node lacks the step until the next restart mends it); returns
-        once every node holds the step."""
+        def write_() -> PersistResult:
+            got.update(write())
+            return PersistResult((), (), 0, 0.0, False)
 
-        def take() -> None:
-            if fix:
-                self.n.storage.commit(m.directory, m.manifest.dumps())
+        def replicate(directory: str, manifest: bytes) -> None:
+            error = None
+            if protect:
+                done = attempt(partial(m.placement.redundancy.protect, m), g.rank, "replicate")
+                error = done.text if done.failed else None
+            reached.append(error)
 
-        mine = gather(self.n.group, take, "restore")[self.n.group.rank]
-        if mine.failed:
-            _log.warning("node %s could not take the manifest of %s: %s", self.n.node,
-                         m.directory, mine.text, phase="restore")  # fmt: skip
-
-    def _make_room(self, directory: str) -> bool:
-        """Leader: ``directory`` exists on this node without a manifest or a marker, ready
-        for the agreed manifest (a differing or marked one is removed: its files were
-        verified against the agreed one). True if it had to be created."""
-        kind = self.n.storage.entry_kind(directory)
-        if kind == "missing":
-            self.n.storage.prepare(directory)
-            return True
-        if kind != "dir":
-            raise CheckpointExistsError(
-                f"{directory} on node {self.n.node} is a {kind}, not a directory: not touched",
-                path=f"{self.n.storage.url}/{directory}", phase="restore",
+        leaders = sorted(set(self.n.placement.leaders))
+        nodes = NodeCommit(
+            tuple(self.n.placement.leaders), replicate, _no_word, _ignore, repair=True,
+            keep=frozenset(n for n in leaders if n not in stale),
+        )  # fmt: skip
+        self._rounds += 1
+        data = m.manifest.dumps()
+        try:
+            commit_together(
+                g, self.n.storage, m.directory, f"repair-{m.manifest.step}-{self._rounds}",
+                write_, lambda results, hosts: data, nodes,
             )  # fmt: skip
-        self.n.storage.uncommit(directory)
-        for marker in ("damaged", "abandoned"):
-            self.n.storage.unmark(directory, marker)
-        return False
-
-    def _protect_again(self, m: Member) -> str | None:
-        """Write the redundancy again (a spare node gets its copies, a bad copy or parity is
-        rewritten). A failure leaves the step restorable, less protected: said and returned
-        (every rank alike), not raised."""
-        error = describe(
-            gather(self.n.group, lambda: m.placement.redundancy.protect(m), "restore"), "protect"
-        )
-        if error is not None and self.n.group.coordinator:
-            _log.warning("%s: redundancy not re-established: %s", m.directory, error,
+            mine = Outcome.ok(g.rank, "restore", [got, reached[0]])
+        except Exception as e:
+            mine = Outcome.of(e, g.rank, "restore", value=[got, reached[0]] if reached else None)
+        outcomes = gather(g, mine, "restore")
+        if any(o.value is None for o in outcomes):  # failed before the commit: try older
+            self.n.storage.abort(m.directory)
+            return [], describe([o for o in outcomes if o.failed], "repair") or "failed", None
+        if outcomes[g.rank].failed:
+            _log.warning("node %s could not take the manifest of %s: %s", self.n.node,
+                         m.directory, outcomes[g.rank].text, phase="restore")  # fmt: skip
+        unprotected = next((o.value[1] for o in outcomes if o.value[1] is not None), None)
+        if unprotected is not None and g.coordinator:
+            _log.warning("%s: redundancy not re-established: %s", m.directory, unprotected,
                          phase="restore")  # fmt: skip
-        return error
+        return [dict(o.value[0]) for o in outcomes], None, unprotected
 
     def fetch(
-        self, manifest: Manifest, view: dict[int, tuple[str, bool]], storage: Storage
+        self, manifest: Manifest, views: list[dict[int, tuple[str, bool]]], storage: Storage
     ) -> None:
-        """After a restore from a shared level (``storage``): copy the step into the local
-        level where a node lacks it (or holds another manifest of it: ``view``, this node's
-        from the survey) and protect it there, so that the next failure restarts from the
-        local level. Collective; a failure is logged (the restore itself succeeded)."""
+        """After a restore from a slower level (``storage``): copy the step into the local
+        level where a node lacks it (or holds another manifest of it: ``views``, every
+        node's from the survey) and protect it there, so that the next failure restarts from
+        the local level. Collective; a failure is logged (the restore itself succeeded)."""
         if manifest.world_size != self.n.group.size:
             return
-        name = step_dir_name(manifest.step)
+        name, s = step_dir_name(manifest.step), manifest.step
         m = self.n.member(name, manifest)
-        fix = self.n.leader and view.get(manifest.step) != (manifest_digest(manifest), False)
-        source = self.n.member(name, manifest, storage)
-        room, error = self._rooms(name, fix)
-        errors = [error] if error is not None else []
+        digest = manifest_digest(manifest)
+        stale = [n for n in sorted(set(self.n.placement.leaders))
+                 if views[n].get(s) != (digest, False)]  # fmt: skip
 
-        def copy_here() -> None:  # streamed through bounded buffers, checked on the way
-            if not verify_own(m):
-                copy_files(source.storage, m.storage, name, manifest, self.n.group.rank, "restore")
+        def copy_here() -> dict[str, int]:  # streamed through bounded buffers, checked
+            if verify_own(m):
+                return {}
+            return {"copied": copy_files(storage, m.storage, name, manifest, m.rank, "restore")}
 
-        if not errors:
-            copied = describe(gather(self.n.group, copy_here, "restore"), "copy")
-            errors = [copied] if copied is not None else []
-        if errors:
-            if room is True:
-                self.n.storage.abort(name)
-            if self.n.group.coordinator:
-                _log.warning("step %d stays on %s only: %s", manifest.step, storage.url,
-                             errors[0], phase="restore")  # fmt: skip
-            return
-        self._protect_again(m)
-        self._take_manifest(m, fix)
+        _, failed, _ = self._rewrite(m, stale, copy_here, protect=True)
+        if failed is not None and self.n.group.coordinator:
+            _log.warning("step %d stays on %s only: %s", s, storage.url, failed, phase="restore")
+
+
+def _no_word() -> None:
+    return None
+
+
+def _ignore(word: Any) -> None:
+    pass
 
 
 def _unusable(raw: bytes | None, s: int, digest: str, world_size: int) -> Manifest | str:

@@ -33,7 +33,7 @@ from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
 from pitstop.engine.recovery import RestoreResult
-from pitstop.errors import CheckpointError, CheckpointIOError
+from pitstop.errors import CheckpointError, CheckpointIOError, DistributedCheckpointError
 from pitstop.levels.walk import WITH_MANIFEST, Walk, brief
 from pitstop.log import get_logger
 from pitstop.ranks.group import Group
@@ -43,6 +43,7 @@ from pitstop.storage.base import Storage
 __all__ = ["Restart"]
 
 _log = get_logger("pitstop.levels")
+_RESCANS = 5
 
 
 class Restart:
@@ -64,11 +65,59 @@ class Restart:
         module docstring). ``rollback``: the newer steps of every level are set aside;
         ``fetch``: a step a slower level served is copied into the first level."""
         t0 = time.perf_counter()
-        held, views, unlisted = self._survey()
-        candidates = sorted(set().union(*held), reverse=True)
-        if step is not None:
-            candidates = [s for s in candidates if s == step]
-        walk, result, served = Walk(), None, None
+        seen: list[int] | None = None
+        for _ in range(_RESCANS):  # steps that vanished while they were listed or read (the
+            held, views, unlisted = self._survey(step)  # retention of a job still running)
+            candidates = sorted(set().union(*held), reverse=True)
+            if step is not None:
+                candidates = [s for s in candidates if s == step]
+            walk = Walk(prefixed=len(self.levels) > 1)
+            result, served = self._walk(walk, load, step, candidates, held, views, rollback)
+            if result is not None or walk.skipped or walk.missing or candidates == seen == []:
+                break  # loaded, failed for a reason, or nothing there (listed twice alike)
+            seen = candidates
+        else:
+            if candidates:
+                raise CheckpointError(
+                    f"the checkpoints of {self.levels[0].storage.url} vanished while they were "
+                    f"read, {_RESCANS} times (is another job's retention removing them?): "
+                    "restore again", path=self.levels[0].storage.url, phase="restore",
+                )  # fmt: skip
+        if result is None or result.step is None or served is None:
+            if unlisted:
+                raise CheckpointIOError(
+                    f"no level could deliver a checkpoint, and "
+                    f"{'; '.join(u[1] for u in unlisted)}: it may hold the newest one, so this "
+                    "restart does not start from scratch (restore again once the level is back; "
+                    "remove the level from the list to give it up)",
+                    path=self.levels[0].storage.url, phase="restore", errno=unlisted[0][2],
+                )  # fmt: skip
+            return walk.nothing(step, self.levels[0].storage.url)
+        if served > 0:
+            self._said_slower(result.step, served, candidates)
+        if served > 0 and fetch and result.manifest is not None:
+            self.levels[0].fetch(result.manifest, views[0], self.levels[served].storage)
+        if rollback:
+            done = served if not self.levels[served].exact else None  # it set its own aside
+            result.set_aside += self._roll_back(result.step, skip=done, walk=walk)
+        for level, h in zip(self.levels[1:], held[1:]):  # one that lacks the step gets the next
+            level.restarted(result.step in h)
+        result.skipped = walk.skipped + result.skipped
+        result.secs = time.perf_counter() - t0
+        return result
+
+    def _walk(
+        self,
+        walk: Walk,
+        load: Callable[[Storage, Entry], Any],
+        step: int | None,
+        candidates: list[int],
+        held: list[set[int]],
+        views: list[Any],
+        rollback: bool,
+    ) -> tuple[RestoreResult | None, int | None]:
+        """Collective: the candidates newest first, each on the levels that hold it in the
+        order of the list; (the result, the index of the level that served it)."""
         covered = [math.inf] * len(self.levels)  # a level's steps above it were tried
         for i, s in enumerate(candidates):
             for j, level in enumerate(self.levels):
@@ -85,54 +134,57 @@ class Restart:
                     window = (floor, s)
                 result = level.serve(walk, load, s, window, views[j], rollback)
                 if result is not None:
-                    served = j
-                    break
-            if result is not None:
-                break
-        if result is None or result.step is None or served is None:
-            if unlisted:
-                raise CheckpointIOError(
-                    f"no level could deliver a checkpoint, and {'; '.join(t for t, _ in unlisted)}: it may "
-                    "hold the newest one, so this restart does not start from scratch (restore "
-                    "again once the level is back; remove the level from the list to give it "
-                    "up)", path=self.levels[0].storage.url, phase="restore", errno=unlisted[0][1],
-                )  # fmt: skip
-            return walk.nothing(step, self.levels[0].storage.url)
-        if served > 0 and fetch and result.manifest is not None:
-            self.levels[0].fetch(result.manifest, views[0], self.levels[served].storage)
-        if rollback:
-            done = served if not self.levels[served].exact else None  # it set its own aside
-            result.set_aside += self._roll_back(result.step, skip=done)
-        for level, h in zip(self.levels[1:], held[1:]):  # one that lacks the step gets the next
-            level.restarted(result.step in h)
-        result.skipped = walk.skipped + result.skipped
-        result.secs = time.perf_counter() - t0
-        return result
+                    return result, j
+        return None, None
 
-    def _survey(self) -> tuple[list[set[int]], list[Any], list[tuple[str, int | None]]]:
+    def _said_slower(self, s: int, served: int, candidates: list[int]) -> None:
+        """A step from a slower level: said at the default log level (work may be lost)."""
+        if not self.group.coordinator:
+            return
+        newest = candidates[0] if candidates else s
+        _log.warning(
+            "restored step %d from the %s level: the %s level could not deliver it or a newer "
+            "step%s", s, self.levels[served].name, self.levels[0].name,
+            f" (the newest step listed on any level is {newest})" if newest > s else "",
+            phase="restore",
+        )  # fmt: skip
+
+    def _survey(
+        self, step: int | None
+    ) -> tuple[list[set[int]], list[Any], list[tuple[int, str, int | None]]]:
         """Collective: each level's steps (and its view: per node for the node-local level)
         from the briefs of the ranks that list it, with the rollback marks of every level
-        applied; and the levels that could not be listed."""
+        applied; and the levels that could not be listed (index, why, errno). Every rank must
+        ask for the same ``step``; a first level that every save commits to (not node-local)
+        that cannot be listed is raised, never passed over for an older step."""
         mine: list[list[tuple[Any, ...]]] = []
-        unlisted: list[tuple[str, int | None]] = []  # why, errno
-        for level in self.levels:
+        unlisted: list[tuple[int, str, int | None]] = []
+        errors: dict[int, CheckpointError] = {}
+        for j, level in enumerate(self.levels):
             entries: list[tuple[Any, ...]] = []
             if level.lists(self.group):
                 try:
                     entries = brief(level.catalog.scan())
                 except CheckpointError as e:
-                    _log.warning("the %s level cannot be listed: %s", level.name, e,
-                                 phase="restore")  # fmt: skip
+                    errors[j] = e
                     why = f"the {level.name} level ({level.storage.url}) cannot be listed: {e}"
-                    unlisted.append((why, getattr(e, "errno", None)))
+                    unlisted.append((j, why, getattr(e, "errno", None)))
             mine.append(entries)
-        words = self.group.all_gather((mine, unlisted), "restore")
-        marks = [b[5] for w in words for part in w[0] for b in part if b[5] is not None]
-        out = [level.held([w[0][j] for w in words], marks) for j, level in enumerate(self.levels)]
-        said = [tuple(u) for w in words for u in w[1]]
-        return [h for h, _ in out], [v for _, v in out], sorted(set(said), key=said.index)
+        words = self.group.all_gather((step, mine, unlisted), "restore")
+        _agree_on_step([w[0] for w in words], self.group.rank)
+        said = sorted({tuple(u) for w in words for u in w[2]})
+        first = next((u for u in said if u[0] == 0), None)
+        if first is not None and not self.levels[0].exact:
+            raise errors.get(0) or CheckpointIOError(
+                str(first[1]), errno=first[2], path=self.levels[0].storage.url, phase="restore"
+            )
+        for u in said if self.group.coordinator else []:
+            _log.warning("%s", u[1], phase="restore")
+        marks = [b[5] for w in words for part in w[1] for b in part if b[5] is not None]
+        out = [level.held([w[1][j] for w in words], marks) for j, level in enumerate(self.levels)]
+        return [h for h, _ in out], [v for _, v in out], [tuple(u) for u in said]
 
-    def _roll_back(self, s: int, *, skip: int | None) -> list[str]:
+    def _roll_back(self, s: int, *, skip: int | None, walk: Walk) -> list[str]:
         """Set aside the steps newer than ``s`` on every level but ``skip``: the next saves'
         step names are free, and no later restart resumes the abandoned timeline. The ranks
         that list a level do it there; a failure is said, never a lone rank's error. The
@@ -141,18 +193,28 @@ class Restart:
         for j, level in enumerate(self.levels):
             if j == skip or not level.lists(self.group):
                 continue
-            where = getattr(level, "node", level.name)
+            where = getattr(level, "node", level.name) if walk.prefixed else ""
             moved = attempt(partial(_roll_back, level.catalog, s), self.group.rank, "restore")
             if moved.failed:
                 _log.warning("the steps after %d stay on %s: %s", s, where, moved.text,
                              phase="restore")  # fmt: skip
             else:
-                out += [f"{where}:{name}" for name in moved.value]
+                out += [f"{where}:{name}" if where else name for name in moved.value]
         names = sorted({n for part in self.group.all_gather(out, "restore") for n in part})
         if names and self.group.coordinator:
             _log.warning("a new timeline starts at step %d; set aside: %s", s,
                          ", ".join(names), phase="restore")  # fmt: skip
         return names
+
+
+def _agree_on_step(asked: list[int | None], rank: int) -> None:
+    """Every rank asks for the same step (restores are collective), or every rank raises."""
+    if len(set(asked)) > 1:
+        raise DistributedCheckpointError(
+            f"ranks disagree on the step to restore: {asked} (rank order; None: the newest); "
+            "restores are collective: every rank asks for the same step",
+            ranks=[r for r, a in enumerate(asked) if a != asked[0]], rank=rank, phase="restore",
+        )  # fmt: skip
 
 
 def _roll_back(catalog: Catalog, s: int) -> list[str]:

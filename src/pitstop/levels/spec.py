@@ -178,7 +178,9 @@ class Shared:
       second shared level of a list ``shared-2``, and so on).
 
     Several shared levels may follow the local one, fastest first: each flushed on its own
-    schedule; a restart takes a step from the fastest level that holds it."""
+    schedule; a restart takes a step from the fastest level that holds it. A list may also
+    start with a shared level (no node-local one): every save commits there, and it takes
+    no ``every=``/``schedule=``."""
 
     path: Any
     every: int | None = None

@@ -42,6 +42,11 @@ class Walk:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     missing: list[tuple[str, str]] = field(default_factory=list)
     overwritten: bool = False
+    prefixed: bool = True  # several levels: names say which level (``local step-...``)
+
+    def label(self, level: str, name: str) -> str:
+        """``name`` of ``level`` in ``skipped`` (``<level> <name>`` with several levels)."""
+        return f"{level} {name}" if self.prefixed else name
 
     def nothing(self, step: int | None, where: str) -> RestoreResult:
         """No level delivered: an empty result when there was nothing, else the error."""
@@ -87,8 +92,8 @@ def serve_window(
     except CheckpointNotFoundError as e:
         walk.missing.append((name, str(e)))
         return None
-    result.skipped = [(f"{name} {n}", why) for n, why in result.skipped]
-    result.set_aside = [f"{name}:{n}" for n in result.set_aside]
+    result.skipped = [(walk.label(name, n), why) for n, why in result.skipped]
+    result.set_aside = [f"{name}:{n}" if walk.prefixed else n for n in result.set_aside]
     if result.step is None:
         walk.skipped += result.skipped
         walk.overwritten = result.overwritten
