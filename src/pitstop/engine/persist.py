@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from pitstop._version import __version__
 from pitstop.engine.plan import SavePlan
+from pitstop.engine.stage import Ring
 from pitstop.faults import killpoint
 from pitstop.format.checksum import get_checksum
 from pitstop.format.manifest import FileEntry, Lineage, Manifest, TensorEntry
@@ -47,6 +48,10 @@ __all__ = [
 ]
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
 @dataclass(frozen=True)
 class PersistResult:
     files: tuple[FileEntry, ...]
@@ -56,13 +61,38 @@ class PersistResult:
     direct: bool
 
 
+class _FailFast(Executor):
+    """The writer pool as the storage sees it during one persist: every job it runs that
+    raises (a failed write of an extent, whatever the storage) calls ``on_failure`` at once.
+    Through a ring, the stager and the other writers wait for the place of the failed
+    extent, which is never released: the ring must fail when the write does, not when the
+    storage's call returns (it waits for those very writers). Shutting it down is the
+    owner's business, not the storage's."""
+
+    def __init__(self, inner: Executor, on_failure: Callable[[BaseException], None]) -> None:
+        self._inner, self._on_failure = inner, on_failure
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+        future = self._inner.submit(fn, *args, **kwargs)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self._on_failure(future.exception())  # type: ignore[arg-type]
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
 class _Beside:
     """The work of one persist that runs beside its writer threads: hashing each extent
     while it is written, and writing the objects file. Its two threads are started from a
     writer thread (a thread inherits its creator's lowered priority on Linux), and run
     nothing that waits on the writers or the stager, so :meth:`close` always returns.
 
-    ``after_extent`` (a ring's release) runs once an extent is both written and hashed."""
+    ``after_extent`` (a ring's release) runs once an extent is both written and hashed;
+    ``on_failure`` (a ring's fail) as soon as a hash fails."""
 
     def __init__(
         self,
@@ -70,8 +100,9 @@ class _Beside:
         algorithm: str,
         after_extent: Callable[[Extent], None] | None,
         write_objects: Callable[[], None],
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self._view, self._after = view, after_extent
+        self._view, self._after, self._on_failure = view, after_extent, on_failure
         self._hasher = get_checksum(algorithm)
         self._write_objects = write_objects
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="pitstop-hash")
@@ -98,6 +129,10 @@ class _Beside:
             local = {tag: self._hasher(view[s : s + n]) for s, n, tag in extent.segments}
             with self._lock:
                 self.sums.update(local)
+        except BaseException as e:  # the stager and the writers stop now, not after the write
+            if self._on_failure is not None:
+                self._on_failure(e)
+            raise
         finally:  # a ring must not wait for ever for a place whose hash failed
             self._part_done(extent)
 
@@ -138,6 +173,7 @@ def persist(
     rank: int = 0,
     before_extent: Callable[[Extent], None] | None = None,
     after_extent: Callable[[Extent], None] | None = None,
+    on_failure: Callable[[BaseException], None] | None = None,
 ) -> PersistResult:
     """Write this rank's data and objects files durably into ``directory`` (prepared by the
     commit's coordinator: :func:`pitstop.engine.collective.commit_together`); return their
@@ -148,7 +184,18 @@ def persist(
     hashed in a thread of its own while it is written, and once both are done
     ``after_extent`` runs (its bytes in ``view`` may be reused). Storage calls come in
     the same order as ever: ``write_data``, then ``write_object`` (which runs beside the
-    data's writes once the first extent starts)."""
+    data's writes once the first extent starts).
+
+    ``on_failure`` runs as soon as the write or the hash of an extent fails, in the thread
+    that failed (by default, when ``view`` is a :class:`~pitstop.engine.stage.Ring`, its
+    ``fail``: the stager and the writers waiting for a place of the ring stop at once, and
+    the first error is the one raised). A storage that writes the file again after a
+    failed request (the O_DIRECT fallback) cannot do so through a failed ring: that save
+    fails with the request's error."""
+    if on_failure is None and isinstance(view, Ring):
+        on_failure = view.fail
+    if on_failure is not None:
+        pool = _FailFast(pool, on_failure)
     hasher = get_checksum(algorithm)
     data_name = data_file_name(rank)
     objects_name = objects_file_name(rank)
@@ -157,6 +204,7 @@ def persist(
         algorithm,
         after_extent,
         lambda: storage.write_object(directory, objects_name, objects),
+        on_failure,
     )
 
     def start(extent: Extent) -> None:

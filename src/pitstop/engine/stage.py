@@ -338,11 +338,12 @@ class Ring:
             self._cond.notify_all()
 
     def wait_staged(self, extent: Extent) -> None:
-        """Writer thread, before writing ``extent``."""
+        """Writer thread, before writing ``extent``; raises once the ring failed (a failed
+        save writes nothing more, even what is staged)."""
         k = bisect.bisect_right(self.starts, extent.start) - 1
         with self._cond:
             self._cond.wait_for(lambda: self._error is not None or self._staged[k])
-            if self._error is not None and not self._staged[k]:
+            if self._error is not None:
                 raise self._error
 
     def release(self, extent: Extent) -> None:
@@ -353,7 +354,8 @@ class Ring:
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """Whatever waits on the ring stops waiting (a failed copy or write)."""
+        """Whatever waits on the ring stops waiting (a failed copy, write or hash: persist
+        fails its ring as soon as one of them does); the first error is kept."""
         with self._cond:
             if self._error is None:
                 self._error = error
