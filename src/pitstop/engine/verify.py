@@ -3,7 +3,10 @@
 Call sequence: the restore path (training thread) calls :func:`read_objects`, then
 :func:`stream_verified` per data file: reader threads read pieces of the file into a
 few reused aligned buffers (:class:`ReadBuffers`), hash each checksum segment and hand
-the verified bytes on (the caller copies them where they belong); ``pitstop verify``
+the verified bytes on (the caller copies them where they belong). A reader that holds
+the file's bytes in memory (a memory slot) offers them with the optional ``data_view()``
+hook (:func:`data_view_of`): the reader threads then hash each segment where it lies and
+hand on that very view, with no read buffer between; ``pitstop verify``
 calls :func:`verify_checkpoint`: the same reads with nowhere to deliver to, after every
 real size is checked. Every problem found is evidence of damage; an I/O error is
 raised as the CheckpointIOError it is (after the storage's retries).
@@ -15,7 +18,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +37,7 @@ __all__ = [
     "VerifyReport",
     "check_empty",
     "check_sizes",
+    "data_view_of",
     "raise_problems",
     "read_buffers",
     "read_objects",
@@ -214,6 +218,23 @@ def _tasks(segs: list[Seg], unit: int) -> list[tuple[int, int, list[Seg]]]:
     return tasks
 
 
+def data_view_of(reader: DataReader) -> memoryview | None:
+    """The bytes of ``reader``'s file in place, if it offers them; else None.
+
+    The hook is optional and found by name, so no other reader changes: a DataReader whose
+    file already lies in this process's memory (:class:`pitstop.levels.memory.SlotStorage`'s
+    reader of a shared-memory slot) may define ``data_view() -> memoryview | None``: the
+    whole file, one byte per item, as long as the file; valid until ``close()`` and not
+    written meanwhile (the caller holds the checkpoint's pin, and the owner stages into no
+    pinned checkpoint). None means "read me" (through ``read_into``). Consumers of the view
+    only read it."""
+    hook = getattr(reader, "data_view", None)
+    if hook is None:
+        return None
+    view = hook()
+    return None if view is None else memoryview(view).cast("B")
+
+
 def stream_verified(
     reader: DataReader,
     manifest: Manifest,
@@ -233,7 +254,18 @@ def stream_verified(
     Requests are at most one buffer long, ``buffers.count`` of them in flight. A line per
     problem goes to ``problems``; after the first, nothing more is read or delivered. An I/O
     error is raised once every request in flight has ended. Returns the bytes checked.
+
+    A reader that offers its bytes in place (:func:`data_view_of`) is not read: the reader
+    threads of ``buffers`` hash each segment where it lies, whole, and hand ``deliver`` a
+    view of the reader's own memory once its checksum matched (no read buffer is used, and
+    no byte is handed on before its segment verified).
     """
+    in_place = data_view_of(reader)
+    if in_place is not None:
+        return _stream_in_place(
+            in_place, manifest, file, segs, buffers=buffers, problems=problems,
+            deliver=deliver, on_bytes=on_bytes,
+        )  # fmt: skip
     hasher = get_checksum(manifest.checksum_algorithm)
     new_hasher = get_hasher(manifest.checksum_algorithm)
     unit = buffers.nbytes
@@ -287,13 +319,63 @@ def stream_verified(
             on_bytes(sum(seg[1] for seg in group))
 
     futures = [buffers.pool.submit(run, task) for task in _tasks(segs, unit)]
+    _wait_all(futures)
+    return sum(n for _, n, _, _ in segs)
+
+
+def _wait_all(futures: list[Future[None]]) -> None:
+    """Wait for every request (each ends before the caller may close the reader); then
+    raise the first error, if any."""
     first: BaseException | None = None
-    for f in futures:  # every one ends before the caller may close the reader
+    for f in futures:
         error = f.exception()
         if error is not None and first is None:
             first = error
     if first is not None:
         raise first
+
+
+def _stream_in_place(
+    view: memoryview,
+    manifest: Manifest,
+    file: str,
+    segs: list[Seg],
+    *,
+    buffers: ReadBuffers,
+    problems: list[str],
+    deliver: Deliver | None,
+    on_bytes: Callable[[int], None] | None,
+) -> int:
+    """:func:`stream_verified` over bytes that are already in memory: each task (segments
+    grouped as the buffered path reads them) hashes its segments in ``view`` and hands
+    each verified one on as a slice of ``view``. Same problems, same messages."""
+    hasher = get_checksum(manifest.checksum_algorithm)
+    lock = threading.Lock()
+
+    def problem(text: str) -> None:
+        with lock:
+            problems.append(text)
+
+    def run(group: list[Seg]) -> None:
+        if problems:
+            return  # the outcome is known: stop hashing
+        for s, n, t, j in group:
+            if s + n > len(view):
+                problem(f"{file} ends at byte {len(view)}, before its recorded size")
+                return
+            data = view[s : s + n]
+            if hasher(data) != t.checksum[j]:
+                problem(
+                    f"{file}: tensor {t.key!r} segment {j} (bytes {s}-{s + n}) checksum mismatch"
+                )
+            elif deliver is not None and not problems:
+                deliver(t, s - t.offset, data)
+        if on_bytes is not None:
+            on_bytes(sum(seg[1] for seg in group))
+
+    tasks = _tasks(segs, buffers.nbytes)
+    futures = [buffers.pool.submit(run, group) for _, _, group in tasks]
+    _wait_all(futures)
     return sum(n for _, n, _, _ in segs)
 
 

@@ -189,8 +189,11 @@ def _address(buf: memoryview) -> int:
 
 
 class _SlotReader:
-    """A DataReader over a slot's data region: memory copies, no I/O. The copy releases the
-    GIL (``ctypes.memmove``), so the restore's reader threads copy in parallel."""
+    """A DataReader over a slot's data region: no I/O. It offers the data file in place
+    (``data_view``, the hook of :func:`pitstop.engine.verify.data_view_of`), so the restore
+    hashes each segment in the slot and copies it straight into its tensor; ``read_into``
+    (memory copies that release the GIL, ``ctypes.memmove``) serves a caller that wants
+    the bytes in its own buffer."""
 
     direct = False
 
@@ -203,6 +206,12 @@ class _SlotReader:
         if n:
             ctypes.memmove(_address(out), self._base + offset, n)
         return n
+
+    def data_view(self) -> memoryview:
+        """The data file, in place: the slot's own memory, valid until the storage closes
+        and unchanged while the step is pinned. Consumers only read it; it is handed out
+        writable only because ``torch.frombuffer`` warns about a read-only buffer."""
+        return self._view[: self._nbytes]
 
     def close(self) -> None:
         pass
