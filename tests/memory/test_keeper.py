@@ -215,7 +215,7 @@ def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
     keeper_pid = int(child.stdout.readline())
     assert child.wait(60) == -signal.SIGKILL
     child.stdout.close()
-    from pitstop.levels.shm import _stale
+    from pitstop.levels.shm_clean import _stale
 
     # the lingering keeper holds the job's lock: not stale
     assert _stale(SHM_DIR, job, 0, segment_names(SHM_DIR, job)) is None

@@ -40,36 +40,53 @@ Call sequence (training thread; the keeper in its own process)::
     slots.close(unlink=True)
 
     remove_stale(directory)                              # any process: dead jobs' segments
+
+This module holds the slot set (allocation, ``begin`` / ``staged`` / ``abandon``, the
+owner's lock file) and re-exports the rest: names and the header (:mod:`.shm_header`),
+one mapped slot (:mod:`.shm_slot`), sealing (:mod:`.shm_seal`), stale-segment cleanup
+(:mod:`.shm_clean`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
-import mmap
 import os
-import re
 import socket
-import struct
-import time
 import zlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from pitstop.errors import CheckpointError, CheckpointIOError, CorruptCheckpointError
-from pitstop.format.checksum import get_checksum, segments
-from pitstop.format.manifest import FileEntry, Lineage, Manifest, TensorEntry
-from pitstop.format.names import data_file_name, objects_file_name
+from pitstop.errors import CheckpointError, CorruptCheckpointError
+from pitstop.levels.shm_clean import iter_slots, remove_job, remove_stale
+from pitstop.levels.shm_header import (
+    COMMITTED,
+    DATA_OFFSET,
+    EMPTY,
+    HEADER_PAGE,
+    PREFIX,
+    SHM_DIR,
+    STAGED,
+    STAGING,
+    SlotHeader,
+    boot_id,
+    lock_name,
+    new_job_token,
+    read_header,
+    segment_names,
+    slot_name,
+    write_header,
+)
+from pitstop.levels.shm_seal import manifest_of, read_meta, seal
+from pitstop.levels.shm_slot import ShmSpaceError, Slot, open_slot, reserve, write_meta
 from pitstop.options import ALIGN_BYTES
 
 __all__ = [
     "COMMITTED",
     "DATA_OFFSET",
     "EMPTY",
+    "HEADER_PAGE",
     "PREFIX",
     "SHM_DIR",
     "STAGED",
@@ -94,244 +111,6 @@ __all__ = [
     "slot_name",
     "write_header",
 ]
-
-SHM_DIR = "/dev/shm"
-PREFIX = "pitstop-mem-"
-MAGIC = b"PITSTOPM"
-HEADER_VERSION = 1
-HEADER_PAGE = 4096
-DATA_OFFSET = 2 << 20
-EMPTY, STAGING, STAGED, COMMITTED = "empty", "staging", "staged", "committed"
-_STATES = (EMPTY, STAGING, STAGED, COMMITTED)
-_HEAD = struct.Struct("<8sIII")  # magic, version, body length, crc32 of version+length+body
-_JOB = re.compile(r"[A-Za-z0-9_]{1,64}")
-_NAME = re.compile(r"pitstop-mem-([A-Za-z0-9_]{1,64})-r([0-9]{5,})(?:-s([0-9]+)|\.lock)")
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
-
-
-class ShmSpaceError(CheckpointIOError):
-    """Shared memory is too small or full for a slot (found at allocation, never a SIGBUS)."""
-
-
-def new_job_token() -> str:
-    """A fresh job token (a launcher passes the same one to every restart of a job)."""
-    return os.urandom(8).hex()
-
-
-def boot_id() -> str:
-    """This boot's id (a segment of another boot is stale whatever its pid says)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
-def _check_job(job: str) -> str:
-    if not _JOB.fullmatch(job):
-        raise ValueError(f"job token {job!r}: 1-64 letters, digits or underscores")
-    return job
-
-
-def slot_name(job: str, rank: int, index: int) -> str:
-    return f"{PREFIX}{_check_job(job)}-r{rank:05d}-s{index}"
-
-
-def lock_name(job: str, rank: int) -> str:
-    return f"{PREFIX}{_check_job(job)}-r{rank:05d}.lock"
-
-
-def segment_names(directory: str, job: str) -> list[str]:
-    """Every segment (slots and lock files, any rank) of ``job`` under ``directory``."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    return sorted(n for n in names if (m := _NAME.fullmatch(n)) and m.group(1) == job)
-
-
-# ---------------------------------------------------------------------- header
-@dataclass(frozen=True)
-class SlotHeader:
-    """One slot's state. ``gen`` orders commits across the set (newest: highest);
-    ``seq`` orders header writes of this slot (which of the two pages is current)."""
-
-    job: str
-    rank: int
-    index: int
-    host: str
-    pid: int
-    boot: str
-    state: str = EMPTY
-    step: int | None = None
-    gen: int = 0
-    seq: int = 0
-    data_bytes: int = 0  # capacity of the data region
-    file_bytes: int = 0  # length of the data file staged in it
-    meta_offset: int = 0
-    record_bytes: int = 0
-    objects_bytes: int = 0
-    manifest_bytes: int = 0
-    meta_crc: int = 0  # crc32 of record + objects (+ manifest once committed)
-
-    def encode(self) -> bytes:
-        body = json.dumps(asdict(self), separators=(",", ":")).encode()
-        if _HEAD.size + len(body) > HEADER_PAGE:
-            raise ValueError("slot header too long")
-        crc = zlib.crc32(struct.pack("<II", HEADER_VERSION, len(body)) + body)
-        raw = _HEAD.pack(MAGIC, HEADER_VERSION, len(body), crc) + body
-        return raw.ljust(HEADER_PAGE, b"\0")
-
-
-def _decode(page: bytes) -> SlotHeader | None:
-    """The header in ``page``, or None if it is not a whole, sealed one."""
-    if len(page) < _HEAD.size:
-        return None
-    magic, version, length, crc = _HEAD.unpack_from(page)
-    if magic != MAGIC or version != HEADER_VERSION or length > HEADER_PAGE - _HEAD.size:
-        return None
-    body = page[_HEAD.size : _HEAD.size + length]
-    if zlib.crc32(struct.pack("<II", version, length) + body) != crc:
-        return None
-    try:
-        header = SlotHeader(**json.loads(body))
-    except (ValueError, TypeError):
-        return None
-    return header if header.state in _STATES else None
-
-
-def read_header(fd: int, *, retries: int = 3) -> SlotHeader | None:
-    """The current header of the slot file ``fd`` (the valid page with the higher ``seq``);
-    None if neither page is valid (a read racing a write is retried first)."""
-    for attempt in range(retries):
-        pages = [_decode(os.pread(fd, HEADER_PAGE, i * HEADER_PAGE)) for i in range(2)]
-        valid = [h for h in pages if h is not None]
-        if valid:
-            return max(valid, key=lambda h: h.seq)
-        if attempt + 1 < retries:
-            time.sleep(0.001)
-    return None
-
-
-def write_header(fd: int, header: SlotHeader) -> None:
-    """Write ``header`` over the older page (its ``seq`` picks the page)."""
-    data = header.encode()
-    if os.pwrite(fd, data, (header.seq % 2) * HEADER_PAGE) != len(data):
-        raise CheckpointIOError("short write of a slot header", errno=errno.EIO, phase="stage")
-
-
-# ---------------------------------------------------------------------- slots
-def _fallocate(fd: int, offset: int, nbytes: int, path: str, limit: int | None) -> None:
-    """Reserve the bytes now: ENOSPC here, not a SIGBUS at the first copy."""
-    if limit is not None and offset + nbytes > limit:
-        raise ShmSpaceError(
-            f"shared memory for a {offset + nbytes}-byte slot exceeds the limit of {limit} "
-            f"bytes: {path}",
-            errno=errno.ENOSPC, path=path, phase="stage",
-        )  # fmt: skip
-    try:
-        os.posix_fallocate(fd, offset, nbytes)
-    except OSError as e:
-        free = _free_bytes(os.path.dirname(path))
-        raise ShmSpaceError(
-            f"cannot reserve {nbytes} bytes of shared memory for {path} "
-            f"({e.strerror or e}; {free} bytes free in {os.path.dirname(path)}): give the "
-            "memory level less state, more /dev/shm, or fewer slots",
-            errno=e.errno, path=path, phase="stage",
-        ) from e  # fmt: skip
-
-
-def _free_bytes(directory: str) -> int:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return -1
-    return st.f_bavail * st.f_frsize
-
-
-class Slot:
-    """One slot file, mapped. Arena-like (``view``, ``nbytes``, ``pinned``, ``close``): the
-    engine stages into ``view`` exactly as into an arena."""
-
-    def __init__(
-        self,
-        path: str,
-        fd: int,
-        index: int,
-        data_bytes: int,
-        *,
-        writable: bool = True,
-        populate: bool = True,
-    ) -> None:
-        self.path, self.fd, self.index, self.writable = path, fd, index, writable
-        self.pinned = False
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._mm: mmap.mmap | None = mmap.mmap(
-            fd, DATA_OFFSET + data_bytes, flags=mmap.MAP_SHARED, prot=prot
-        )
-        if writable and populate:  # staged into: every page mapped now, not at first copies
-            self.populate(data_bytes)
-        self.nbytes = data_bytes
-        self.view = memoryview(self._mm)[DATA_OFFSET : DATA_OFFSET + data_bytes]
-
-    @property
-    def closed(self) -> bool:
-        return self._mm is None
-
-    def populate(self, nbytes: int, *, write: bool | None = None) -> None:
-        """Map the first ``nbytes`` of the data region now (one call, not a fault a page),
-        for writing (default: if the mapping is writable) or for reading."""
-        write = self.writable if write is None else write
-        advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-        if self._mm is not None and nbytes > 0:
-            with contextlib.suppress(OSError, ValueError):  # kernels before 5.14: faults
-                self._mm.madvise(advice, DATA_OFFSET, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-
-    def header(self) -> SlotHeader | None:
-        return read_header(self.fd)
-
-    def try_lock(self, *, exclusive: bool) -> bool:
-        """flock this slot's file (this process's own open file) without waiting."""
-        try:
-            fcntl.flock(self.fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
-    def unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        if self._mm is None:
-            return
-        self.view.release()
-        mm, self._mm = self._mm, None
-        with contextlib.suppress(BufferError):  # a tensor still views it: goes with it
-            mm.close()
-        os.close(self.fd)
-
-    def __repr__(self) -> str:
-        return f"Slot({self.path!r}, nbytes={self.nbytes})"
-
-
-def open_slot(
-    path: str, *, job: str, rank: int, writable: bool = True, populate: bool = True
-) -> Slot:
-    """Map an existing slot file; its header must name ``job`` and ``rank`` (else
-    CheckpointError: never another job's segment). ``populate=False``: pages are mapped as
-    they are first touched (a reader that may touch only part of it)."""
-    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW
-    fd = os.open(path, flags)
-    try:
-        header = read_header(fd)
-        if header is None or header.job != job or header.rank != rank:
-            raise CheckpointError(
-                f"{path} is not a slot of job {job} rank {rank}", path=path, phase="restore"
-            )
-        return Slot(path, fd, header.index, header.data_bytes, writable=writable, populate=populate)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _owner(job: str) -> dict[str, Any]:
@@ -391,7 +170,7 @@ class SlotSet:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
                     budget = None if limit_bytes is None else limit_bytes - i * (DATA_OFFSET + size)
-                    _fallocate(fd, 0, DATA_OFFSET + size, path, budget)
+                    reserve(fd, 0, DATA_OFFSET + size, path, budget)
                     o = _owner(job)
                     head = SlotHeader(job, rank, i, o["host"], o["pid"], o["boot"], data_bytes=size)
                     write_header(fd, head)
@@ -416,11 +195,7 @@ class SlotSet:
         """The existing slots of ``job`` (a restarted training process); None if there are
         none. A staged snapshot newer than every committed one is sealed first
         (:meth:`seal_pending`)."""
-        paths = []
-        for name in segment_names(directory, job):
-            m = _NAME.fullmatch(name)
-            if m is not None and m.group(3) is not None and int(m.group(2)) == rank:
-                paths.append(os.path.join(directory, name))
+        paths = list(iter_slots(directory, job, rank))
         if not paths:
             return None
         lock_fd = hold_job_lock(directory, job, rank)
@@ -509,7 +284,7 @@ class SlotSet:
         head = slot.header()
         assert head is not None and head.state == STAGING, head
         meta_offset = DATA_OFFSET + slot.nbytes
-        _write_meta(slot, meta_offset, record + objects)
+        write_meta(slot, meta_offset, record + objects)
         write_header(slot.fd, replace(
             head, state=STAGED, seq=head.seq + 1, file_bytes=file_bytes, meta_offset=meta_offset,
             record_bytes=len(record), objects_bytes=len(objects),
@@ -546,204 +321,3 @@ def _gen(h: SlotHeader | None) -> int:
 
 def _state(h: SlotHeader | None) -> str:
     return EMPTY if h is None else h.state
-
-
-def _write_meta(slot: Slot, offset: int, data: bytes) -> None:
-    """Append ``data`` at ``offset`` of the slot file, space reserved first (ENOSPC here)."""
-    _fallocate(slot.fd, offset, max(len(data), 1), slot.path, None)
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(slot.fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-# ---------------------------------------------------------------------- seal and read
-def read_meta(slot: Slot, head: SlotHeader) -> tuple[bytes, bytes, bytes]:
-    """(record, objects, manifest) of a staged or committed slot; CorruptCheckpointError if
-    they do not match the header's CRC."""
-    n = head.record_bytes + head.objects_bytes + head.manifest_bytes
-    raw = os.pread(slot.fd, n, head.meta_offset)
-    if len(raw) != n or zlib.crc32(raw) != head.meta_crc:
-        raise CorruptCheckpointError(
-            f"the metadata of slot {slot.index} (step {head.step}) is damaged",
-            step=head.step, path=slot.path, phase="verify",
-        )  # fmt: skip
-    a, b = head.record_bytes, head.record_bytes + head.objects_bytes
-    return raw[:a], raw[a:b], raw[b:]
-
-
-def seal(slot: Slot, *, pool: Executor | None = None, hold: bool = False) -> SlotHeader | None:
-    """Commit a staged slot: hash every checksum segment of its data, write the manifest
-    after its objects, then flip the header to ``committed`` (one sealed page write). The
-    keeper calls it (or the training process, without a keeper). Returns the committed
-    header, or None if the slot is not staged or another process holds it. ``hold``: the
-    caller already holds the slot's flock exclusively."""
-    if not hold and not slot.try_lock(exclusive=True):
-        return None
-    try:
-        head = slot.header()
-        if head is None or head.state != STAGED:
-            return None
-        record, objects, _ = read_meta(slot, head)
-        manifest = manifest_of(json.loads(record), slot.view, objects, pool=pool)
-        data = manifest.dumps()
-        Manifest.loads(data, path=slot.path)  # what no reader would accept is never committed
-        at = head.meta_offset + head.record_bytes + head.objects_bytes
-        _write_meta(slot, at, data)
-        committed = replace(
-            head, state=COMMITTED, seq=head.seq + 1, manifest_bytes=len(data),
-            meta_crc=zlib.crc32(record + objects + data),
-        )  # fmt: skip
-        write_header(slot.fd, committed)
-        return committed
-    finally:
-        if not hold:
-            slot.unlock()
-
-
-def _hash_all(
-    view: memoryview, spans: list[tuple[int, int]], algorithm: str, pool: Executor | None
-) -> list[str]:
-    fn = get_checksum(algorithm)
-    if pool is None:
-        return [fn(view[a : a + n]) for a, n in spans]
-    return list(pool.map(lambda s: fn(view[s[0] : s[0] + s[1]]), spans))
-
-
-def manifest_of(
-    record: dict[str, Any], view: memoryview, objects: bytes, *, pool: Executor | None = None
-) -> Manifest:
-    """The manifest of a staged snapshot: its record (the plan) plus the checksum of every
-    segment of ``view`` and of ``objects``."""
-    algorithm, seg = record["algorithm"], record["segment_bytes"]
-    rank, file_bytes = record["rank"], record["file_bytes"]
-    items = record["items"]
-    spans = [
-        span
-        for it in items
-        for span in segments(it["offset"], it["nbytes"], seg)
-        if it["nbytes"]
-    ]  # fmt: skip
-    sums = iter(_hash_all(view, spans, algorithm, pool))
-    empty = get_checksum(algorithm)(b"")
-    data_name = data_file_name(rank)
-    tensors = tuple(
-        TensorEntry(
-            key=it["key"], dtype=it["dtype"], shape=tuple(it["shape"]), file=data_name,
-            offset=it["offset"], nbytes=it["nbytes"],
-            checksum=(empty,) if not it["nbytes"] else tuple(
-                next(sums) for _ in segments(it["offset"], it["nbytes"], seg)
-            ),
-            rank=rank, global_shape=_tup(it.get("global_shape")), start=_tup(it.get("start")),
-            owner=it.get("owner"),
-        )
-        for it in items
-    )  # fmt: skip
-    files = (
-        FileEntry(data_name, rank, file_bytes, stream_nbytes=record.get("stream_nbytes")),
-        FileEntry(objects_file_name(rank), rank, len(objects), get_checksum(algorithm)(objects)),
-    )
-    lineage = record.get("lineage")
-    return Manifest(
-        step=record["step"], created_unix_secs=record["created"],
-        world_size=record["world_size"], checksum_algorithm=algorithm, segment_bytes=seg,
-        files=files, tensors=tensors, library=record.get("library", {}),
-        topology={"world_size": record["world_size"], "hosts": record.get("hosts", [])},
-        lineage=Lineage(**lineage) if lineage else None, metrics=record.get("metrics", {}),
-    )  # fmt: skip
-
-
-def _tup(v: Any) -> tuple[int, ...] | None:
-    return None if v is None else tuple(int(x) for x in v)
-
-
-# ---------------------------------------------------------------------- cleanup
-def _jobs(directory: str) -> dict[tuple[str, int], list[str]]:
-    """Segments under ``directory`` by (job, rank)."""
-    out: dict[tuple[str, int], list[str]] = {}
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(directory):
-            m = _NAME.fullmatch(name)
-            if m is not None:
-                out.setdefault((m.group(1), int(m.group(2))), []).append(name)
-    return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[], None] | None:
-    """If the segments of (job, rank) belong to no living process, a function that removes
-    them (it must be called at once: it holds the job's lock until it is done)."""
-    path = os.path.join(directory, lock_name(job, rank))
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        fd = -1
-    if fd >= 0:  # the lock says it: flocks die with their holders (pids are reused)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None  # a living training process or keeper holds it
-    else:  # no lock file (removed by hand, or a crash while creating): the slots' owners say
-        for name in names:
-            with contextlib.suppress(OSError):
-                sfd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    h = read_header(sfd, retries=1)
-                finally:
-                    os.close(sfd)
-                if h is not None and h.boot == boot_id() and _pid_alive(h.pid):
-                    return None
-
-    def remove() -> None:
-        try:
-            for name in names:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(directory, name))
-        finally:
-            if fd >= 0:
-                os.close(fd)
-
-    return remove
-
-
-def remove_stale(directory: str = SHM_DIR, *, keep: str | None = None) -> list[str]:
-    """Remove the segments of every job whose processes are all dead: nobody holds its lock
-    file (flocks die with their holders, in any boot), or, without a lock file, its slots'
-    owner pid is gone or was written in another boot. ``keep``: a job token never touched.
-    Returns the names removed."""
-    removed: list[str] = []
-    for (job, rank), names in sorted(_jobs(directory).items()):
-        if job == keep:
-            continue
-        remove = _stale(directory, job, rank, names)
-        if remove is not None:
-            remove()
-            removed += sorted(names)
-    return removed
-
-
-def remove_job(directory: str, job: str) -> list[str]:
-    """Remove every segment of ``job`` (its keeper, at the end of the job)."""
-    names = segment_names(directory, job)
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, name))
-    return names
-
-
-def iter_slots(directory: str, job: str, rank: int) -> Iterator[str]:
-    """Paths of the slot files of (job, rank)."""
-    for name in segment_names(directory, job):
-        m = _NAME.fullmatch(name)
-        if m is not None and m.group(3) is not None and int(m.group(2)) == rank:
-            yield os.path.join(directory, name)

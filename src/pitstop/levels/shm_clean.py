@@ -1,0 +1,120 @@
+"""Stale segments: recognising and removing the shared memory of jobs whose processes
+are all dead, never a living job's. No torch.
+
+Part of :mod:`pitstop.levels.shm` (which re-exports ``remove_stale``, ``remove_job`` and
+``iter_slots``). A job's lock file is held (flock, shared) by its training process and its
+keeper while they live: flocks die with their holders, whatever pids are reused. Without a
+lock file, the slots' owner decides: its pid gone, or a header written in another boot.
+
+Call sequence: any process (a starting training process with ``keep=`` its own job, the
+keeper at the end of its job, ``pitstop gc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Callable, Iterator
+
+from pitstop.levels.shm_header import (
+    SHM_DIR,
+    boot_id,
+    lock_name,
+    parse_segment_name,
+    read_header,
+    segment_names,
+)
+
+__all__ = ["iter_slots", "remove_job", "remove_stale"]
+
+
+def _jobs(directory: str) -> dict[tuple[str, int], list[str]]:
+    """Segments under ``directory`` by (job, rank)."""
+    out: dict[tuple[str, int], list[str]] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            parsed = parse_segment_name(name)
+            if parsed is not None:
+                out.setdefault((parsed[0], parsed[1]), []).append(name)
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[], None] | None:
+    """If the segments of (job, rank) belong to no living process, a function that removes
+    them (it must be called at once: it holds the job's lock until it is done)."""
+    path = os.path.join(directory, lock_name(job, rank))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        fd = -1
+    if fd >= 0:  # the lock says it: flocks die with their holders (pids are reused)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None  # a living training process or keeper holds it
+    else:  # no lock file (removed by hand, or a crash while creating): the slots' owners say
+        for name in names:
+            with contextlib.suppress(OSError):
+                sfd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    h = read_header(sfd, retries=1)
+                finally:
+                    os.close(sfd)
+                if h is not None and h.boot == boot_id() and _pid_alive(h.pid):
+                    return None
+
+    def remove() -> None:
+        try:
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, name))
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    return remove
+
+
+def remove_stale(directory: str = SHM_DIR, *, keep: str | None = None) -> list[str]:
+    """Remove the segments of every job whose processes are all dead: nobody holds its lock
+    file (flocks die with their holders, in any boot), or, without a lock file, its slots'
+    owner pid is gone or was written in another boot. ``keep``: a job token never touched.
+    Returns the names removed."""
+    removed: list[str] = []
+    for (job, rank), names in sorted(_jobs(directory).items()):
+        if job == keep:
+            continue
+        remove = _stale(directory, job, rank, names)
+        if remove is not None:
+            remove()
+            removed += sorted(names)
+    return removed
+
+
+def remove_job(directory: str, job: str) -> list[str]:
+    """Remove every segment of ``job`` (its keeper, at the end of the job)."""
+    names = segment_names(directory, job)
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    return names
+
+
+def iter_slots(directory: str, job: str, rank: int) -> Iterator[str]:
+    """Paths of the slot files of (job, rank)."""
+    for name in segment_names(directory, job):
+        parsed = parse_segment_name(name)
+        if parsed is not None and parsed[2] is not None and parsed[1] == rank:
+            yield os.path.join(directory, name)
