@@ -47,31 +47,6 @@ from pitstop.storage.base import Storage
 __all__ = ["NodeCommit", "commit_together", "local_items"]
 
 
-@dataclass(frozen=True)
-class NodeCommit:
-    """How a save whose ranks write to one storage per node commits (see the module
-    docstring). ``leaders[r]``: the rank that creates and commits rank r's node directory.
-    ``replicate(directory, manifest)``: every rank's persist thread, once every rank's files
-    are durable. ``decide()``: rank 0, once every rank replicated: a JSON value that every
-    rank's ``decided(value)`` receives before the commit (whether to flush this step)."""
-
-    leaders: tuple[int, ...]
-    replicate: Callable[[str, bytes], None]
-    decide: Callable[[], Any]
-    decided: Callable[[Any], None]
-    repair: bool = False
-    """A restart's repair: each leader readies the step's existing directory in place (created
-    if missing; else its manifest and damage or abandon markers removed: its files were
-    verified against the agreed manifest) instead of creating a new one."""
-    keep: frozenset[int] = frozenset()
-    """Leaders whose node already holds the step as agreed: they neither ready nor commit it."""
-
-    @classmethod
-    def single(cls, size: int) -> NodeCommit:
-        """One directory for every rank: rank 0 leads; nothing to replicate or decide."""
-        return cls((0,) * size, _nothing, _no_word, _ignore)
-
-
 def _nothing(directory: str, manifest: bytes) -> None:
     pass
 
@@ -82,6 +57,31 @@ def _no_word() -> None:
 
 def _ignore(word: Any) -> None:
     pass
+
+
+@dataclass(frozen=True)
+class NodeCommit:
+    """How a save whose ranks write to one storage per node commits (see the module
+    docstring). ``leaders[r]``: the rank that creates and commits rank r's node directory.
+    ``replicate(directory, manifest)``: every rank's persist thread, once every rank's files
+    are durable. ``decide()``: rank 0, once every rank replicated: a JSON value that every
+    rank's ``decided(value)`` receives before the commit (whether to flush this step)."""
+
+    leaders: tuple[int, ...]
+    replicate: Callable[[str, bytes], None]
+    decide: Callable[[], Any] = _no_word
+    decided: Callable[[Any], None] = _ignore
+    repair: bool = False
+    """A restart's repair: each leader readies the step's existing directory in place (created
+    if missing; else its manifest and damage or abandon markers removed: its files were
+    verified against the agreed manifest) instead of creating a new one."""
+    keep: frozenset[int] = frozenset()
+    """Leaders whose node already holds the step as agreed: they neither ready nor commit it."""
+
+    @classmethod
+    def single(cls, size: int) -> NodeCommit:
+        """One directory for every rank: rank 0 leads; nothing to replicate or decide."""
+        return cls((0,) * size, _nothing)
 
 
 def local_items(flat: Flat, *, overlap: bool) -> list[LocalItem]:

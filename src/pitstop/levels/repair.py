@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pitstop.engine.collective import NodeCommit, commit_together
 from pitstop.engine.persist import PersistResult
@@ -169,7 +169,7 @@ class Repair:
 
         leaders = sorted(set(self.n.placement.leaders))
         nodes = NodeCommit(
-            tuple(self.n.placement.leaders), replicate, _no_word, _ignore, repair=True,
+            tuple(self.n.placement.leaders), replicate, repair=True,
             keep=frozenset(n for n in leaders if n not in stale),
         )  # fmt: skip
         self._rounds += 1
@@ -218,14 +218,6 @@ class Repair:
         _, failed, _ = self._rewrite(m, stale, copy_here, protect=True)
         if failed is not None and self.n.group.coordinator:
             _log.warning("step %d stays on %s only: %s", s, storage.url, failed, phase="restore")
-
-
-def _no_word() -> None:
-    return None
-
-
-def _ignore(word: Any) -> None:
-    pass
 
 
 def _unusable(raw: bytes | None, s: int, digest: str, world_size: int) -> Manifest | str:

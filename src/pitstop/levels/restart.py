@@ -182,7 +182,7 @@ class Restart:
             _log.warning("%s", u[1], phase="restore")
         marks = [b[5] for w in words for part in w[1] for b in part if b[5] is not None]
         out = [level.held([w[1][j] for w in words], marks) for j, level in enumerate(self.levels)]
-        return [h for h, _ in out], [v for _, v in out], [tuple(u) for u in said]
+        return [h for h, _ in out], [v for _, v in out], said
 
     def _roll_back(self, s: int, *, skip: int | None, walk: Walk) -> list[str]:
         """Set aside the steps newer than ``s`` on every level but ``skip``: the next saves'

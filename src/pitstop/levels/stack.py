@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from pitstop.engine.catalog import Catalog, Entry, RunIdentity
+from pitstop.engine.catalog import Catalog, RunIdentity
 from pitstop.engine.collective import NodeCommit
 from pitstop.engine.recovery import RestoreResult
 from pitstop.format.manifest import Manifest
@@ -237,9 +237,6 @@ class LevelStack:
         if rollback:
             self._newest = None  # a step this process committed may be set aside now
         return result
-
-    def entries(self) -> list[Entry]:
-        return self.first.catalog.scan()
 
     # ------------------------------------------------------------------ misc
     def _write_levels_file(self) -> None:
