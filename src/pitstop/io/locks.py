@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
-__all__ = ["DirLock", "try_lock"]
+__all__ = ["DirLock", "pid_alive", "try_lock"]
 
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
 _table_lock = threading.Lock()
@@ -104,3 +104,14 @@ def try_lock(path: str, *, exclusive: bool) -> DirLock | None:
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (one of another user counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -51,6 +51,7 @@ from pitstop.errors import CheckpointExistsError, CorruptCheckpointError
 from pitstop.format.checksum import get_checksum, segments
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import data_file_name, objects_file_name, step_dir_name
+from pitstop.io.locks import pid_alive
 from pitstop.io.parallel import Extent, plan_extents
 from pitstop.levels.shm import (
     COMMITTED,
@@ -216,7 +217,7 @@ class Keeper:
             if self.watch_ppid and os.getppid() != self.parent:
                 return self.finish(died=True)
             if self.term:  # persist, but leave a living trainer's segments alone
-                return self.finish(died=True, unlink=not _alive(self.parent))
+                return self.finish(died=True, unlink=not pid_alive(self.parent))
 
     def commands(self) -> int | None:
         """Read and run what the socket holds; an exit code once the keeper has finished
@@ -357,16 +358,6 @@ class Keeper:
                         return True
             time.sleep(0.05)
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

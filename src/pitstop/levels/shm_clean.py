@@ -17,6 +17,7 @@ import fcntl
 import os
 from collections.abc import Callable, Iterator
 
+from pitstop.io.locks import pid_alive
 from pitstop.levels.shm_header import (
     SHM_DIR,
     boot_id,
@@ -38,16 +39,6 @@ def _jobs(directory: str) -> dict[tuple[str, int], list[str]]:
             if parsed is not None:
                 out.setdefault((parsed[0], parsed[1]), []).append(name)
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[], None] | None:
@@ -72,7 +63,7 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[]
                     h = read_header(sfd, retries=1)
                 finally:
                     os.close(sfd)
-                if h is not None and h.boot == boot_id() and _pid_alive(h.pid):
+                if h is not None and h.boot == boot_id() and pid_alive(h.pid):
                     return None
 
     def remove() -> None:

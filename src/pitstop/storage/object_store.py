@@ -56,6 +56,7 @@ from pitstop.format.jsonsafe import load_json
 from pitstop.format.manifest import Manifest
 from pitstop.format.markers import MAX_MARKER_BYTES, Unreadable
 from pitstop.format.names import MANIFEST, MARKERS, OWNER_FILE, aside_dir_name, parse_step_dir
+from pitstop.io.locks import pid_alive
 from pitstop.io.parallel import Extent, IOResult, _run_extents
 from pitstop.options import IOOptions
 from pitstop.storage.aside import aside_kind
@@ -142,13 +143,7 @@ def _owner_alive(owner: dict[str, Any] | None) -> bool | None:
     pid = owner.get("pid")
     if type(pid) is not int or pid <= 0:
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # someone else's process
-    return True
+    return pid_alive(pid)
 
 
 class _NoLock:
