@@ -40,7 +40,7 @@ from pitstop.log import get_logger
 from pitstop.ranks.group import Group
 from pitstop.ranks.outcome import Outcome, agree, gather
 
-__all__ = ["RestoreResult", "recover"]
+__all__ = ["RestoreResult", "agree_on_step", "recover"]
 
 _log = get_logger("pitstop.recovery")
 _RESCANS = 5
@@ -116,14 +116,7 @@ def recover(
         words = group.all_gather(
             (step, _chain(entries, step, window) if group.coordinator else []), "restore"
         )
-        asked = [w[0] for w in words]
-        if len(set(asked)) > 1:
-            raise DistributedCheckpointError(
-                f"ranks disagree on the step to restore: {asked} (rank order; None: the newest); "
-                "restores are collective: every rank asks for the same step",
-                ranks=[r for r, a in enumerate(asked) if a != asked[0]], rank=group.rank,
-                phase="restore",
-            )  # fmt: skip
+        agree_on_step([w[0] for w in words], group.rank)
         chain = words[0][1]
         if step is not None and not any(e.status != "damaged" for e in chain):
             why = f" ({chain[0].error})" if chain else ""
@@ -206,6 +199,17 @@ def recover(
     raise CorruptCheckpointError(
         f"no checkpoint passed verification ({reasons})", path=catalog.storage.url, phase="restore"
     )
+
+
+def agree_on_step(asked: list[int | None], rank: int) -> None:
+    """Every rank asks for the same step (restores are collective), or every rank raises;
+    ``asked``: each rank's step in rank order (None: the newest)."""
+    if len(set(asked)) > 1:
+        raise DistributedCheckpointError(
+            f"ranks disagree on the step to restore: {asked} (rank order; None: the newest); "
+            "restores are collective: every rank asks for the same step",
+            ranks=[r for r, a in enumerate(asked) if a != asked[0]], rank=rank, phase="restore",
+        )  # fmt: skip
 
 
 def _say_overwritten(error: CheckpointError) -> None:

@@ -32,8 +32,8 @@ from functools import partial
 from typing import Any
 
 from pitstop.engine.catalog import Catalog, Entry
-from pitstop.engine.recovery import RestoreResult
-from pitstop.errors import CheckpointError, CheckpointIOError, DistributedCheckpointError
+from pitstop.engine.recovery import RestoreResult, agree_on_step
+from pitstop.errors import CheckpointError, CheckpointIOError
 from pitstop.levels.walk import WITH_MANIFEST, Walk, brief
 from pitstop.log import get_logger
 from pitstop.ranks.group import Group
@@ -171,7 +171,7 @@ class Restart:
                     unlisted.append((j, why, getattr(e, "errno", None)))
             mine.append(entries)
         words = self.group.all_gather((step, mine, unlisted), "restore")
-        _agree_on_step([w[0] for w in words], self.group.rank)
+        agree_on_step([w[0] for w in words], self.group.rank)
         said = sorted({tuple(u) for w in words for u in w[2]})
         first = next((u for u in said if u[0] == 0), None)
         if first is not None and not self.levels[0].exact:
@@ -205,16 +205,6 @@ class Restart:
             _log.warning("a new timeline starts at step %d; set aside: %s", s,
                          ", ".join(names), phase="restore")  # fmt: skip
         return names
-
-
-def _agree_on_step(asked: list[int | None], rank: int) -> None:
-    """Every rank asks for the same step (restores are collective), or every rank raises."""
-    if len(set(asked)) > 1:
-        raise DistributedCheckpointError(
-            f"ranks disagree on the step to restore: {asked} (rank order; None: the newest); "
-            "restores are collective: every rank asks for the same step",
-            ranks=[r for r, a in enumerate(asked) if a != asked[0]], rank=rank, phase="restore",
-        )  # fmt: skip
 
 
 def _roll_back(catalog: Catalog, s: int) -> list[str]:
