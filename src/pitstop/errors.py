@@ -15,6 +15,7 @@
     ├── UnsupportedValueError(+TypeError)          a value pitstop cannot store (key named)
     ├── PickleRefusedError                         a pickled value without the caller's opt-in
     ├── CheckpointIOError(+OSError)                storage failed (ENOSPC, EIO, ...) after retries
+    │   └── ShmSpaceError                          shared memory too small or full for a slot
     ├── UnsupportedSetupError(+RuntimeError)       a setup this pitstop cannot serve yet
     ├── DistributedCheckpointError(+RuntimeError)  another rank failed or did not arrive
     │                                              (every rank raises it; ``ranks`` names them)
@@ -46,6 +47,7 @@ __all__ = [
     "NotACheckpointError",
     "PartialRestoreError",
     "PickleRefusedError",
+    "ShmSpaceError",
     "StateMismatchError",
     "UnsafePathError",
     "UnsupportedSetupError",
@@ -149,6 +151,14 @@ class CheckpointIOError(CheckpointError, OSError):
         self.errno = errno
         self.strerror = _errno.errorcode.get(errno, "") if errno is not None else None
         self.filename = path
+
+
+class ShmSpaceError(CheckpointIOError):
+    """Shared memory (``/dev/shm``) is too small or full for a memory-level slot: found when
+    the slot is reserved, never as a SIGBUS at the first copy. ``errno`` is ENOSPC (or the
+    reservation's own errno) and ``path`` the slot file. An OSError through
+    CheckpointIOError, like every space error of storage; not a MemoryError (the process's
+    heap is fine: a file system is full)."""
 
 
 class UnsupportedSetupError(CheckpointError, RuntimeError):

@@ -65,6 +65,21 @@ def test_the_one_drawing_of_the_tree_names_every_error_and_pitstop_exports_them(
     assert exported - set(pitstop.__all__) == set()  # main: nor exported from pitstop
 
 
+def test_shm_space_error_is_in_the_one_tree_and_the_old_imports_still_work() -> None:
+    import errno
+
+    from pitstop.errors import CheckpointIOError, ShmSpaceError
+    from pitstop.levels import shm, shm_slot
+
+    # main: defined in levels.shm_slot, neither in pitstop.errors nor exported from pitstop
+    assert pitstop.ShmSpaceError is ShmSpaceError
+    assert shm.ShmSpaceError is ShmSpaceError and shm_slot.ShmSpaceError is ShmSpaceError
+    assert issubclass(ShmSpaceError, CheckpointIOError) and issubclass(ShmSpaceError, OSError)
+    e = ShmSpaceError("full", errno=errno.ENOSPC, path="/dev/shm/x", phase="stage")
+    assert e.errno == errno.ENOSPC and e.filename == "/dev/shm/x"
+    assert str(e) == "full [phase=stage, path=/dev/shm/x]"
+
+
 def test_dtype_and_shape_mismatch_name_the_key(root: str) -> None:
     pitstop.save(root, {"w": torch.zeros(2, 3), "model": nn.Linear(3, 2)}, step=1)
     with pytest.raises(StateMismatchError, match=r"w: state has torch.float32 \[3, 2\]"):

@@ -58,7 +58,7 @@ import zlib
 from dataclasses import replace
 from typing import Any
 
-from pitstop.errors import CheckpointError, CorruptCheckpointError
+from pitstop.errors import CheckpointError, CorruptCheckpointError, ShmSpaceError
 from pitstop.levels.shm_clean import iter_slots, remove_job, remove_stale
 from pitstop.levels.shm_header import (
     COMMITTED,
@@ -79,7 +79,7 @@ from pitstop.levels.shm_header import (
     write_header,
 )
 from pitstop.levels.shm_seal import manifest_of, read_meta, seal
-from pitstop.levels.shm_slot import ShmSpaceError, Slot, open_slot, reserve, write_meta
+from pitstop.levels.shm_slot import Slot, open_slot, reserve, write_meta
 from pitstop.options import ALIGN_BYTES
 
 __all__ = [

@@ -1,10 +1,11 @@
 """Shared-memory slots: one slot file, mapped (:class:`Slot`), and the reservation of its
 bytes. No torch.
 
-Part of :mod:`pitstop.levels.shm` (which re-exports ``Slot``, ``ShmSpaceError`` and
-``open_slot``). Every byte of a slot is reserved with ``posix_fallocate`` before it is
-used (:func:`reserve`, :func:`write_meta`): shared memory that is too small or full raises
-ShmSpaceError there, never a SIGBUS at the first copy.
+Part of :mod:`pitstop.levels.shm` (which re-exports ``Slot`` and ``open_slot``). Every
+byte of a slot is reserved with ``posix_fallocate`` before it is used (:func:`reserve`,
+:func:`write_meta`): shared memory that is too small or full raises
+:class:`pitstop.errors.ShmSpaceError` there (re-exported here and by ``levels.shm``), never
+a SIGBUS at the first copy.
 
 Call sequence: :class:`pitstop.levels.shm.SlotSet` creates and opens the slots of its
 training process; readers (``SlotStorage``, the keeper) call :func:`open_slot`;
@@ -19,16 +20,12 @@ import fcntl
 import mmap
 import os
 
-from pitstop.errors import CheckpointError, CheckpointIOError
+from pitstop.errors import CheckpointError, ShmSpaceError
 from pitstop.levels.shm_header import DATA_OFFSET, SlotHeader, read_header
 
 __all__ = ["ShmSpaceError", "Slot", "open_slot", "reserve", "write_meta"]
 
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
-
-
-class ShmSpaceError(CheckpointIOError):
-    """Shared memory is too small or full for a slot (found at allocation, never a SIGBUS)."""
 
 
 def reserve(fd: int, offset: int, nbytes: int, path: str, limit: int | None) -> None:
