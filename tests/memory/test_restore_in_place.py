@@ -14,7 +14,7 @@ import torch
 from pitstop.engine.catalog import Catalog
 from pitstop.engine.restore import load_entry
 from pitstop.engine.verify import data_view_of, verify_checkpoint
-from pitstop.errors import CorruptCheckpointError
+from pitstop.errors import CheckpointIOError, CorruptCheckpointError
 from pitstop.format.names import step_dir_name
 from pitstop.levels.memory import (
     SlotStorage,
@@ -25,7 +25,8 @@ from pitstop.levels.memory import (
 )
 from pitstop.levels.shm import DATA_OFFSET, SHM_DIR, SlotSet, seal
 from pitstop.options import IOOptions, SaveOptions
-from pitstop.testing import FaultyStorage
+from pitstop.storage.retry import RetryingStorage
+from pitstop.testing import FaultyStorage, GateStorage
 
 from .conftest import assert_same, small_state, tensors_of
 
@@ -170,7 +171,8 @@ def test_a_storage_without_the_hook_is_read_through_the_buffers(job: str, slots:
     _commit(slots, 1, saved)
     into = _state(8)
     with SlotStorage(SHM_DIR, job) as inner:
-        wrapped = FaultyStorage(inner)  # a wrapper's reader has read_into, no data_view
+        # a read fault configured (never reached): the wrapper hides the hook
+        wrapped = FaultyStorage(inner, fail={"read_into": [1_000_000]})
         reader = wrapped.open_data(step_dir_name(1), "rank-00000.bin")
         assert data_view_of(reader) is None
         reader.close()
@@ -199,3 +201,62 @@ def test_a_reader_that_declines_is_read_through_the_buffers(job: str, slots: Slo
         assert _restore(storage, into) == (1, [])
         assert storage.counts["read_into"] > 0
     assert_same(saved, into)
+
+
+class _Unreadable(_CountingSlotStorage):
+    """A slot storage whose readers refuse ``read_into``: only the in-place view serves."""
+
+    def open_data(self, directory: str, name: str) -> Any:
+        reader = super().open_data(directory, name)
+
+        def refuse(offset: int, out: memoryview) -> int:
+            raise AssertionError("read_into called: the in-place view was hidden")
+
+        reader.read_into = refuse
+        return reader
+
+
+def test_a_slot_storage_wrapped_in_retrying_storage_restores_in_place(
+    job: str, slots: SlotSet
+) -> None:
+    saved = _state(5)
+    _commit(slots, 1, saved)
+    into = _state(9)
+    with _Unreadable(SHM_DIR, job) as inner:
+        # main: the retrying wrapper's reader hid data_view, so read_into was called
+        assert _restore(RetryingStorage(inner), into) == (1, [])
+        assert inner.counts == {"read_into": 0, "data_view": 1}
+    assert_same(saved, into)
+    assert torch.equal(into["extra"], saved["extra"])
+
+
+def test_faulty_storage_passes_the_view_on_only_without_read_faults(
+    job: str, slots: SlotSet
+) -> None:
+    saved = _state(6)
+    _commit(slots, 1, saved)
+    into = _state(9)
+    with _Unreadable(SHM_DIR, job) as inner:
+        counting = FaultyStorage(inner, fail={"write_data": [1]})  # no fault for reads
+        assert _restore(counting, into) == (1, [])
+        assert counting.by_call["read_into"] == 0 and counting.bytes_read == 0
+        assert counting.by_call["open_data"] == 1
+    assert_same(saved, into)
+    with SlotStorage(SHM_DIR, job) as plain:
+        for fail in ({"read_into": [1]}, {"restore": [1_000_000]}):
+            faulty = FaultyStorage(plain, fail=fail)
+            reader = faulty.open_data(step_dir_name(1), "rank-00000.bin")
+            assert data_view_of(reader) is None  # a read fault must be able to land
+            reader.close()
+        faulty = FaultyStorage(plain, fail={"read_into": [1]})
+        with pytest.raises(CheckpointIOError, match="injected EIO in read_into"):
+            _restore(faulty, _state(9))
+
+
+def test_gate_storage_passes_the_view_on_unless_read_into_is_held(job: str, slots: SlotSet) -> None:
+    _commit(slots, 1, _state(1))
+    with SlotStorage(SHM_DIR, job) as plain:
+        for hold, offered in (({"lock"}, True), ({"read_into"}, False)):
+            reader = GateStorage(plain, hold=hold).open_data(step_dir_name(1), "rank-00000.bin")
+            assert (data_view_of(reader) is not None) is offered, hold
+            reader.close()

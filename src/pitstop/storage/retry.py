@@ -10,6 +10,10 @@ one (EACCES, EPERM, EINVAL: an object store's 403 and 400 too); a data
 write (``write_data``, ``prepare``) only on errors that can pass (EIO, EAGAIN,
 ETIMEDOUT, ...), since rewriting a large file for ENOSPC only wastes time.
 
+A reader's in-place ``data_view()`` hook (a memory slot's) is passed on: a view of bytes
+already in memory has no I/O to retry, and hiding it would make a restore from memory
+copy every byte through the read buffers.
+
 Call sequence: as :class:`Storage`; the engine wraps the user's storage once.
 """
 
@@ -51,6 +55,9 @@ class RetryingStorage(StorageWrapper):
         if name in _RETRY_TRANSIENT:
             return self._wrap(fn, name, transient_only=True)
         return fn
+
+    def _passes_data_view(self) -> bool:
+        return True  # a view does no I/O: nothing to retry
 
     def _wrap(
         self, fn: Callable[..., Any], name: str, *, transient_only: bool

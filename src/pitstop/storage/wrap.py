@@ -3,7 +3,12 @@
 A subclass implements ``_call(name, fn)``, which returns what stands for the inner
 storage's method ``name`` (``fn``); ``url`` and ``io`` and everything else pass through.
 A reader returned by ``open_data`` is wrapped too: its ``read_into`` goes through
-``_call("read_into", ...)``.
+``_call("read_into", ...)``. Its optional in-place hook ``data_view()``
+(:func:`pitstop.engine.verify.data_view_of`: a reader whose file already lies in memory, a
+shared-memory slot) bypasses ``read_into`` altogether, so a wrapper passes it on only when
+its ``_passes_data_view()`` says so (default False: a wrapper that intercepts reads must
+see them); otherwise the wrapped reader's ``data_view()`` returns None ("read me") and the
+bytes go through ``read_into`` as from any storage.
 :class:`~pitstop.storage.retry.RetryingStorage` retries; the test doubles in
 ``pitstop.testing`` fail or hold calls.
 
@@ -43,19 +48,35 @@ class StorageWrapper:
 
         def open_data(*args: Any, **kwargs: Any) -> _Reader:
             reader = fn(*args, **kwargs)
-            return _Reader(reader, self._call("read_into", reader.read_into))
+            view = getattr(reader, "data_view", None) if self._passes_data_view() else None
+            return _Reader(reader, self._call("read_into", reader.read_into), view)
 
         return open_data
 
     def _call(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
 
+    def _passes_data_view(self) -> bool:
+        """Whether readers opened now offer the inner reader's ``data_view`` hook (asked at
+        each ``open_data``). True only where skipping ``read_into`` loses nothing the
+        wrapper is for."""
+        return False
+
 
 class _Reader:
-    """A data reader whose ``read_into`` is the wrapper's."""
+    """A data reader whose ``read_into`` is the wrapper's; ``data_view`` is the inner
+    reader's hook where the wrapper passes it on, else None ("read me")."""
 
-    def __init__(self, inner: Any, read_into: Callable[..., int]) -> None:
-        self.inner, self.read_into = inner, read_into
+    def __init__(
+        self,
+        inner: Any,
+        read_into: Callable[..., int],
+        data_view: Callable[[], Any] | None = None,
+    ) -> None:
+        self.inner, self.read_into, self._data_view = inner, read_into, data_view
+
+    def data_view(self) -> Any:
+        return None if self._data_view is None else self._data_view()
 
     @property
     def direct(self) -> bool:

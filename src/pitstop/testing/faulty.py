@@ -14,6 +14,13 @@ retention runs) with events, not sleeps::
     gate.arrived["uncommit"].wait(5)     # retention is parked inside uncommit
     ...                          # do the concurrent thing
     gate.open("uncommit")        # let it go on
+
+A reader that offers its file in place (``data_view()``, a memory slot's) skips
+``read_into``. FaultyStorage passes that hook on only while no fault is configured for
+reads (neither ``"restore"`` nor ``"read_into"`` in ``fail``), so an injected read fault
+always lands and restore's call numbering is the one without the view; with the hook
+passed on, a restore makes no ``read_into`` call and ``bytes_read`` stays 0. GateStorage
+passes it on unless ``read_into`` is held.
 """
 
 from __future__ import annotations
@@ -87,7 +94,8 @@ class FaultyStorage(_Wrapper):
     """Forwards to ``inner``; the N-th call (1-based) of a phase or method named in ``fail``
     raises ``CheckpointIOError`` with ``errno`` instead (a name that is both, ``commit``, is
     the phase). ``calls`` counts calls by phase, ``by_call`` by method, ``bytes_read`` the data
-    bytes read."""
+    bytes read through ``read_into`` (an in-place reader's view, passed on while no read
+    fault is configured, reads none: see the module docstring)."""
 
     def __init__(
         self,
@@ -109,6 +117,9 @@ class FaultyStorage(_Wrapper):
         self.by_call: dict[str, int] = dict.fromkeys(CALLS, 0)
         self.bytes_read = 0  # data bytes read through ``read_into``
         self._lock = threading.Lock()
+
+    def _passes_data_view(self) -> bool:
+        return not any(self.fail.get(key) for key in ("restore", "read_into"))
 
     def _after(self, name: str, result: Any) -> None:
         if name == "read_into":
@@ -160,6 +171,9 @@ class GateStorage(_Wrapper):
 
     def open(self, name: str) -> None:
         self._open[name].set()
+
+    def _passes_data_view(self) -> bool:
+        return "read_into" not in self.hold
 
     def _before(self, name: str, args: tuple[Any, ...]) -> None:
         if name not in self.hold or (self.when is not None and not self.when(name, args)):
