@@ -349,9 +349,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"kept {e.name} ({e.status}){what.removeprefix('kept')}")
         else:
             print(f"{what} {e.name} ({e.status})")
-    if not any(what in ("removed", "would remove") for _, what in done):
+    segments = _gc_shm(args)
+    if not segments and not any(what in ("removed", "would remove") for _, what in done):
         print("nothing to remove")
     return 0
+
+
+def _gc_shm(args: argparse.Namespace) -> list[str]:
+    """``gc``'s shared memory: the memory level's segments of dead jobs on this host (a job
+    whose processes live is never touched: its lock decides). On by default for a local
+    root, off for an object-store URL (``--shm``/``--no-shm``)."""
+    shm = args.shm if args.shm is not None else object_url(args.dir) is None
+    if not shm:
+        return []
+    from pitstop.levels.shm_clean import remove_stale
+    from pitstop.levels.shm_header import SHM_DIR
+
+    directory = args.shm_dir or SHM_DIR
+    names = remove_stale(directory, dry_run=args.dry_run)
+    what = "would remove" if args.dry_run else "removed"
+    for name in names:
+        print(f"{what} {os.path.join(directory, name)} (shared memory of a dead job)")
+    return names
 
 
 def _work_dir_outside_roots(path: str | None) -> None:
@@ -539,6 +558,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="also remove checkpoints that failed verification")  # fmt: skip
     p.add_argument("--min-age", type=float, default=300.0,
                    help="keep partial directories written to within this many seconds (default 300)")  # fmt: skip
+    p.add_argument("--shm", action=argparse.BooleanOptionalAction, default=None,
+                   help="also remove the memory level's shared memory of dead jobs on this "
+                        "host, never a live job's (default: on for a local DIR, off for a URL)")  # fmt: skip
+    p.add_argument("--shm-dir", default=None, help="where that shared memory is (default /dev/shm)")
     p.set_defaults(func=cmd_gc)
 
     p = add(

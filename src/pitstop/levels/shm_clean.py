@@ -41,14 +41,17 @@ def _jobs(directory: str) -> dict[tuple[str, int], list[str]]:
     return out
 
 
-def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[], None] | None:
+def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[bool], None] | None:
     """If the segments of (job, rank) belong to no living process, a function that removes
-    them (it must be called at once: it holds the job's lock until it is done)."""
+    them (``unlink=False``: only lets go; it must be called at once: it holds the job's lock
+    until it is done)."""
     path = os.path.join(directory, lock_name(job, rank))
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         fd = -1
+    except PermissionError:
+        return None  # another user's job: not ours to judge or remove
     if fd >= 0:  # the lock says it: flocks die with their holders (pids are reused)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -57,8 +60,13 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[]
             return None  # a living training process or keeper holds it
     else:  # no lock file (removed by hand, or a crash while creating): the slots' owners say
         for name in names:
-            with contextlib.suppress(OSError):
+            try:
                 sfd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+            except PermissionError:
+                return None  # another user's job
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
                 try:
                     h = read_header(sfd, retries=1)
                 finally:
@@ -66,9 +74,9 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[]
                 if h is not None and h.boot == boot_id() and pid_alive(h.pid):
                     return None
 
-    def remove() -> None:
+    def remove(unlink: bool) -> None:
         try:
-            for name in names:
+            for name in names if unlink else ():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, name))
         finally:
@@ -78,18 +86,20 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[]
     return remove
 
 
-def remove_stale(directory: str = SHM_DIR, *, keep: str | None = None) -> list[str]:
+def remove_stale(
+    directory: str = SHM_DIR, *, keep: str | None = None, dry_run: bool = False
+) -> list[str]:
     """Remove the segments of every job whose processes are all dead: nobody holds its lock
     file (flocks die with their holders, in any boot), or, without a lock file, its slots'
     owner pid is gone or was written in another boot. ``keep``: a job token never touched.
-    Returns the names removed."""
+    Returns the names removed (``dry_run``: the names that would be, nothing removed)."""
     removed: list[str] = []
     for (job, rank), names in sorted(_jobs(directory).items()):
         if job == keep:
             continue
         remove = _stale(directory, job, rank, names)
         if remove is not None:
-            remove()
+            remove(not dry_run)
             removed += sorted(names)
     return removed
 
