@@ -74,6 +74,7 @@ __all__ = [
     "KeepLast",
     "Local",
     "ManifestError",
+    "Memory",
     "MissingExtraError",
     "NotACheckpointError",
     "ObjectStorage",
@@ -103,6 +104,7 @@ __all__ = [
 _LAZY = {
     "CheckpointManager": "pitstop.manager",
     "Local": "pitstop.levels.spec",
+    "Memory": "pitstop.levels.spec",
     "Shared": "pitstop.levels.spec",
     "ObjectStorage": "pitstop.storage.object_store",
     "RNGState": "pitstop.state.rng",
@@ -118,7 +120,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from pitstop.engine.handle import SaveHandle
-    from pitstop.levels.spec import Local, Shared
+    from pitstop.levels.spec import Local, Memory, Shared
     from pitstop.loop import StepResult
     from pitstop.manager import CheckpointManager
     from pitstop.oneshot import load, save

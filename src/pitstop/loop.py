@@ -204,6 +204,11 @@ class LoopDriver:
     def pause(self) -> None:
         self.last = None
 
+    def exclude(self, secs: float) -> None:
+        """``secs`` spent after ``step()`` decided (a memory snapshot) are no iteration's."""
+        if self.last is not None:
+            self.last += secs
+
     def stats(self) -> ProfileStats:
         self.collect()
         interval = getattr(self.policy, "interval", None) or getattr(

@@ -28,6 +28,7 @@ process group.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,9 +38,10 @@ from pitstop.engine.handle import SaveHandle
 from pitstop.engine.recovery import RestoreResult
 from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
-from pitstop.errors import CheckpointNotFoundError
+from pitstop.errors import CheckpointExistsError, CheckpointNotFoundError
 from pitstop.levels.flush import FlushRecord
-from pitstop.levels.spec import Local, Shared, check_levels
+from pitstop.levels.memory_saver import MemorySaver, NoFreeSlotError
+from pitstop.levels.spec import Local, Memory, Shared, check_levels, split_memory
 from pitstop.levels.stack import LevelStack, open_levels
 from pitstop.log import get_logger
 from pitstop.loop import LoopDriver, StepResult
@@ -91,7 +93,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | Storage | Sequence[Local | Shared] | None = None,
+        root: str | os.PathLike[str] | Storage | Sequence[Memory | Local | Shared] | None = None,
         keep_last: int | None = None,
         *,
         policy: CheckpointPolicy | None = None,
@@ -117,9 +119,17 @@ class CheckpointManager:
         self._levels = open_levels(self._group)  # collective with a list of levels
         self._levels.bind(self._identity)
         self._storage, self._catalog = self._levels.storage, self._levels.catalog
-        self._saver = Saver(
-            self._storage, self.options, on_commit=self._retain, group=self._group,
-            nodes=self._levels.node_commit(),
+        self._memory = self._levels.memory  # pitstop.Memory() first: saves stage into it
+        self._saver = (
+            Saver(
+                self._storage, self.options, on_commit=self._retain, group=self._group,
+                nodes=self._levels.node_commit(),
+            )
+            if self._memory is None
+            else MemorySaver(
+                self._storage, self.options, memory=self._memory, on_commit=self._retain,
+                group=self._group, nodes=self._levels.node_commit(),
+            )
         )  # fmt: skip
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
         self.hooks = ManagerHooks(self)
@@ -232,6 +242,8 @@ class CheckpointManager:
         self._closed = True
         self._loop.restore_signals()
         try:
+            if flush and isinstance(self._saver, MemorySaver):
+                self._saver.write_newest()  # what only memory held goes to the next level
             self._saver.close()
             if flush:
                 record = self._levels.flush()
@@ -272,8 +284,27 @@ class CheckpointManager:
             self._reached(step, state)
             return StepResult.SKIPPED
         result = self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
+        if result is StepResult.SKIPPED and self._memory is not None:
+            self._snapshot(step, state)
         self._reached(step, state)
         return result
+
+    def _snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+        """With a memory level: a memory snapshot of ``step`` on its schedule (``every``),
+        between the policy's durable saves. No free slot (the keeper is busy) or no memory
+        level after all: skipped. Its time is not an iteration's (the policy measures
+        iterations)."""
+        assert self._memory is not None and isinstance(self._saver, MemorySaver)
+        if not self._memory.active or step % self._memory.spec.every:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._saver.async_save(
+                step, state, lineage=self._identity.lineage_for(step), durable=False
+            )
+        except (NoFreeSlotError, CheckpointExistsError) as e:
+            _log.debug("memory snapshot of step %d skipped: %s", step, e, phase="stage")
+        self._loop.exclude(time.perf_counter() - t0)
 
     def reached(self, step: int) -> None:
         """Deprecated: ``ckpt.hooks.reached(step)``."""
@@ -459,7 +490,7 @@ def _levels_of(
     """The I/O options of ``root`` and how to open its levels once the group exists: a list
     of levels, or one root (a list of one)."""
     if isinstance(root, (list, tuple)):
-        check_levels(root)
+        check_levels(split_memory(root)[1])
         io = options.io if options else IOOptions.from_env(**knobs)
         return io, lambda group: open_levels(
             root, group, io, topology=topology, retention=retention

@@ -438,6 +438,14 @@ class KeeperHandle:
         out, self._events = self._events, []
         return out
 
+    def next_events(self, timeout: float) -> list[dict[str, Any]]:
+        """Wait up to ``timeout`` seconds for what the keeper reports (one reader thread);
+        [] if nothing came; EOFError once the keeper is gone."""
+        if not self._events:
+            self._pump(timeout)
+        out, self._events = self._events, []
+        return out
+
     def wait_for(self, event: str, *, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
         """Wait for the next ``event`` whose fields equal ``match`` (tests, ``stop``); an
         ``error`` event or the keeper's end raise."""

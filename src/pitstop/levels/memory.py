@@ -41,6 +41,7 @@ import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from pitstop._version import __version__
@@ -61,11 +62,17 @@ from pitstop.format.checksum import default_algorithm
 from pitstop.format.jsonsafe import load_json
 from pitstop.format.manifest import Lineage
 from pitstop.format.markers import MAX_MARKER_BYTES
-from pitstop.format.names import data_file_name, objects_file_name, step_dir_name
+from pitstop.format.names import (
+    data_file_name,
+    objects_file_name,
+    parse_aside_dir,
+    step_dir_name,
+)
 from pitstop.io.locks import DirLock
 from pitstop.io.parallel import Extent, IOResult
 from pitstop.levels.shm import (
     COMMITTED,
+    EMPTY,
     PREFIX,
     Slot,
     SlotHeader,
@@ -74,6 +81,7 @@ from pitstop.levels.shm import (
     open_slot,
     read_header,
     read_meta,
+    write_header,
 )
 from pitstop.log import get_logger
 from pitstop.options import IOOptions, SaveOptions
@@ -230,20 +238,47 @@ class SlotStorage:
         self.url = os.path.join(directory, f"{PREFIX}{job}-r{rank:05d}")
         self.io = io if io is not None else IOOptions.from_env()
         self._slots: list[Slot] = []
-        for path in iter_slots(directory, job, rank):
+        self._seen: dict[str, tuple[int, int]] = {}  # path -> (dev, inode) of the slots opened
+        self._refresh()
+        self._marks: dict[str, dict[str, str]] = {}
+
+    def _refresh(self) -> None:
+        """Open the job's slots as they are now: slots made (or remade larger) since the last
+        look are opened, removed ones closed (the training process makes its slots at its
+        first save, after this storage may have been opened for the restore)."""
+        paths = list(iter_slots(self.directory, self.job, self.rank))
+        keep: list[Slot] = []
+        for s in self._slots:
             try:
-                # mapped writable only so that its address can be taken; never written
-                self._slots.append(open_slot(path, job=job, rank=rank, populate=False))
+                same = s.path in paths and _ident(os.stat(s.path)) == _ident(os.fstat(s.fd))
+            except FileNotFoundError:
+                same = False
+            if same:
+                keep.append(s)
+            else:
+                self._seen.pop(s.path, None)
+                s.close()
+        self._slots = keep
+        for path in paths:
+            if path in self._seen:
+                continue
+            try:
+                # mapped writable only so that its address can be taken (and a rollback can
+                # drop a snapshot: its header); the data is never written here
+                slot = open_slot(path, job=self.job, rank=self.rank, populate=False)
             except FileNotFoundError:
                 continue
             except CheckpointError as e:  # no valid header (torn twice): holds no checkpoint
                 _log.warning("memory slot skipped: %s", e, phase="restore")
-        self._marks: dict[str, dict[str, str]] = {}
+                continue
+            self._seen[path] = _ident(os.fstat(slot.fd))
+            self._slots.append(slot)
 
     def close(self) -> None:
         for s in self._slots:
             s.close()
         self._slots.clear()
+        self._seen.clear()
 
     def __enter__(self) -> SlotStorage:
         return self
@@ -278,6 +313,7 @@ class SlotStorage:
 
     # ------------------------------------------------------------------ listing
     def entries(self) -> list[str]:
+        self._refresh()
         return sorted(self._committed())
 
     def entry_kind(self, name: str) -> str:
@@ -319,18 +355,17 @@ class SlotStorage:
         return slot.view[: head.file_bytes].toreadonly()
 
     def lock(self, directory: str, *, exclusive: bool) -> DirLock | None:
-        """A pin: the slot's flock, shared (exclusive: None, slots are never removed here)."""
-        if exclusive:
-            return None
+        """A pin: the slot's flock, shared; ``exclusive``: held alone (a rollback dropping
+        it). None if another process holds it (being staged into, sealed or written out)."""
         slot, _ = self._find(directory)
         fd = os.open(slot.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None  # being staged into: it is no longer what the scan saw
         st = os.fstat(fd)
-        return DirLock(fd, (st.st_dev, st.st_ino), False, False)
+        return DirLock(fd, (st.st_dev, st.st_ino), exclusive, False)
 
     # ------------------------------------------------------------------ markers
     def mark(self, directory: str, kind: str, text: str) -> None:
@@ -389,7 +424,19 @@ class SlotStorage:
         self._refuse()
 
     def rename(self, src: str, dst: str) -> None:
-        self._refuse()
+        """Setting a snapshot aside (a rollback, or damage) drops it: its slot is empty
+        again (a slot has no other name to move it to). The caller holds it exclusively
+        (``lock``); any other rename is refused."""
+        aside = parse_aside_dir(dst)
+        if aside is None or aside[0] not in ("abandoned", "damaged"):
+            self._refuse()
+        slot, head = self._find(src)
+        write_header(slot.fd, replace(head, state=EMPTY, step=None, seq=head.seq + 1))
+        self._marks.pop(src, None)
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 class _NullSaver:

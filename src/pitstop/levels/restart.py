@@ -50,8 +50,9 @@ class Restart:
     """See the module docstring. ``levels``: the list, fastest first; each answers the calls
     :mod:`pitstop.levels.walk` names."""
 
-    def __init__(self, group: Group, levels: Sequence[Any]) -> None:
+    def __init__(self, group: Group, levels: Sequence[Any], *, commits_to: int = 0) -> None:
         self.group, self.levels = group, list(levels)
+        self.commits_to = commits_to  # the level every save commits to (after a memory level)
 
     def recover(
         self,
@@ -79,9 +80,10 @@ class Restart:
         else:
             if candidates:
                 raise CheckpointError(
-                    f"the checkpoints of {self.levels[0].storage.url} vanished while they were "
+                    f"the checkpoints of {self.levels[self.commits_to].storage.url} vanished while they were "
                     f"read, {_RESCANS} times (is another job's retention removing them?): "
-                    "restore again", path=self.levels[0].storage.url, phase="restore",
+                    "restore again", path=self.levels[self.commits_to].storage.url,
+                    phase="restore",
                 )  # fmt: skip
         if result is None or result.step is None or served is None:
             if unlisted:
@@ -90,17 +92,19 @@ class Restart:
                     f"{'; '.join(u[1] for u in unlisted)}: it may hold the newest one, so this "
                     "restart does not start from scratch (restore again once the level is back; "
                     "remove the level from the list to give it up)",
-                    path=self.levels[0].storage.url, phase="restore", errno=unlisted[0][2],
+                    path=self.levels[self.commits_to].storage.url, phase="restore",
+                    errno=unlisted[0][2],
                 )  # fmt: skip
-            return walk.nothing(step, self.levels[0].storage.url)
+            return walk.nothing(step, self.levels[self.commits_to].storage.url)
         if served > 0:
-            self._said_slower(result.step, served, candidates)
-        if served > 0 and fetch and result.manifest is not None:
-            self.levels[0].fetch(result.manifest, views[0], self.levels[served].storage)
+            self._said_slower(result.step, served, candidates, held)
+        for j in range(served) if fetch and result.manifest is not None else ():
+            self.levels[j].fetch(result.manifest, views[j], self.levels[served].storage)
         if rollback:
             done = served if not self.levels[served].exact else None  # it set its own aside
             result.set_aside += self._roll_back(result.step, skip=done, walk=walk)
-        for level, h in zip(self.levels[1:], held[1:]):  # one that lacks the step gets the next
+        after = self.commits_to + 1  # a level that lacks the step gets the next commit
+        for level, h in zip(self.levels[after:], held[after:]):
             level.restarted(result.step in h)
         result.skipped = walk.skipped + result.skipped
         result.secs = time.perf_counter() - t0
@@ -137,14 +141,22 @@ class Restart:
                     return result, j
         return None, None
 
-    def _said_slower(self, s: int, served: int, candidates: list[int]) -> None:
-        """A step from a slower level: said at the default log level (work may be lost)."""
-        if not self.group.coordinator:
+    def _said_slower(
+        self, s: int, served: int, candidates: list[int], held: list[set[int]]
+    ) -> None:
+        """A step from a slower level: said at the default log level (work may be lost);
+        not for a faster level that held nothing and is empty after a clean end (memory)."""
+        faster = [
+            j
+            for j in range(served)
+            if held[j] or not getattr(self.levels[j], "quiet_when_empty", False)
+        ]
+        if not self.group.coordinator or not faster:
             return
         newest = candidates[0] if candidates else s
         _log.warning(
             "restored step %d from the %s level: the %s level could not deliver it or a newer "
-            "step%s", s, self.levels[served].name, self.levels[0].name,
+            "step%s", s, self.levels[served].name, self.levels[faster[0]].name,
             f" (the newest step listed on any level is {newest})" if newest > s else "",
             phase="restore",
         )  # fmt: skip
@@ -173,10 +185,11 @@ class Restart:
         words = self.group.all_gather((step, mine, unlisted), "restore")
         agree_on_step([w[0] for w in words], self.group.rank)
         said = sorted({tuple(u) for w in words for u in w[2]})
-        first = next((u for u in said if u[0] == 0), None)
-        if first is not None and not self.levels[0].exact:
-            raise errors.get(0) or CheckpointIOError(
-                str(first[1]), errno=first[2], path=self.levels[0].storage.url, phase="restore"
+        c = self.commits_to
+        first = next((u for u in said if u[0] == c), None)
+        if first is not None and not self.levels[c].exact:
+            raise errors.get(c) or CheckpointIOError(
+                str(first[1]), errno=first[2], path=self.levels[c].storage.url, phase="restore"
             )
         for u in said if self.group.coordinator else []:
             _log.warning("%s", u[1], phase="restore")

@@ -55,6 +55,7 @@ import json
 import os
 import socket
 import zlib
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -141,6 +142,8 @@ class SlotSet:
         self.directory, self.job, self.rank = directory, job, rank
         self.slots, self._lock_fd = slots, lock_fd
         self._owner = _owner(job)
+        self._begun: set[int] = set()  # slots this process is staging into (begin, not yet
+        # staged or abandoned): its own flock does not keep its own begin out
 
     @classmethod
     def create(
@@ -239,12 +242,14 @@ class SlotSet:
         found = [(s, h) for s, h in found if h.state == state]
         return max(found, key=lambda sh: sh[1].gen) if found else None
 
-    def begin(self, step: int) -> Slot | None:
+    def begin(self, step: int, *, avoid: Collection[int] = ()) -> Slot | None:
         """A slot to stage ``step`` into, held exclusively, its header ``staging``: never the
         newest committed one, never one a reader pins, never a staged snapshot newer than
         every committed one (it awaits its seal: overwritten, a crash in the copy would
-        fall back two steps). None when no slot is free: the caller skips this memory
-        checkpoint (the keeper's sealing throttles how often one is taken)."""
+        fall back two steps), never one whose index is in ``avoid`` (the caller's: a slot
+        it asked the keeper to write to the next level). None when no slot is free: the
+        caller skips this memory checkpoint (the keeper's sealing throttles how often one
+        is taken)."""
         heads = self.headers()
         newest = self.newest()
         top = newest[1].gen if newest is not None else -1
@@ -255,6 +260,8 @@ class SlotSet:
                 for i in range(len(self.slots))
                 if (newest is None or self.slots[i] is not newest[0])
                 and not (_state(heads[i]) == STAGED and _gen(heads[i]) > top)
+                and self.slots[i].index not in avoid
+                and self.slots[i].index not in self._begun
             ),
             key=lambda i: (_state(heads[i]) == COMMITTED, _gen(heads[i])),
         )  # empty, torn, older staged first; then the oldest committed
@@ -273,6 +280,7 @@ class SlotSet:
                 gen=gen, seq=head.seq + 1, data_bytes=slot.nbytes, file_bytes=0,
                 record_bytes=0, objects_bytes=0, manifest_bytes=0, meta_crc=0,
             ))  # fmt: skip
+            self._begun.add(slot.index)
             return slot
         return None
 
@@ -290,6 +298,7 @@ class SlotSet:
             record_bytes=len(record), objects_bytes=len(objects),
             meta_crc=zlib.crc32(record + objects),
         ))  # fmt: skip
+        self._begun.discard(slot.index)
         slot.unlock()
 
     def abandon(self, slot: Slot) -> None:
@@ -297,6 +306,7 @@ class SlotSet:
         head = slot.header()
         if head is not None:
             write_header(slot.fd, replace(head, state=EMPTY, step=None, seq=head.seq + 1))
+        self._begun.discard(slot.index)
         slot.unlock()
 
     def close(self, *, unlink: bool = False) -> None:

@@ -36,9 +36,9 @@ from pitstop.policy.fixed import EveryN
 from pitstop.storage.local import local_path, object_url
 
 __all__ = [
-    "DEFAULT_EVERY", "REDUNDANCY", "SCHEMES", "SERVING", "Local", "Partner", "Placement",
-    "Redundancy", "Shared", "Xor", "check_levels",
-    "level_names", "manifest_order", "node_ids",
+    "DEFAULT_EVERY", "REDUNDANCY", "SCHEMES", "SERVING", "Local", "Memory", "Partner",
+    "Placement", "Redundancy", "Shared", "Xor", "check_levels",
+    "level_names", "manifest_order", "node_ids", "split_memory",
 ]  # fmt: skip
 
 DEFAULT_EVERY = 10  # Shared(): every 10th local commit unless told otherwise
@@ -219,6 +219,89 @@ class Shared:
         if self.schedule is not None:
             return None
         return self.every if self.every is not None else DEFAULT_EVERY
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The memory level: snapshots in shared memory (``directory``, a RAM file system) that
+    outlive the training process, not the node. It comes first in a list of levels, before
+    the level every durable save commits to::
+
+        CheckpointManager([pitstop.Memory(), pitstop.Local("/local/ckpt")], policy=EveryN(20))
+
+    ``ckpt.step()`` takes a memory snapshot every ``every`` steps (the copy into a slot is
+    the whole cost to training: the slot *is* the staging arena); the manager's ``policy``
+    says which snapshots are also written to the next level (by the keeper). A restart
+    restores from memory when the newest snapshot is there, at memory speed.
+
+    * ``slots``: snapshots kept in memory (>= 2): the newest committed one stays intact
+      while the next one is copied; a third lets a snapshot be written to disk meanwhile
+      (with two, memory snapshots are skipped while the keeper writes one).
+    * ``keeper``: hash and write in a keeper process beside training (False: in threads of
+      the training process).
+    * ``linger_secs``: after the training process dies, the keeper keeps the snapshots that
+      long for its restart (which adopts them) before it removes them.
+    * ``job``: the token that names the segments (default: derived from the next level's
+      path and the user id, the same for every restart of the job; letters, digits, ``_``).
+    * ``limit_bytes``: a budget for the slots below what ``directory`` holds.
+
+    If shared memory cannot hold the slots, or the job runs under torch.distributed (not
+    supported yet), the manager warns and saves to the next level as without this level."""
+
+    slots: int = 3
+    every: int = 1
+    keeper: bool = True
+    linger_secs: float = 30.0
+    job: str | None = None
+    directory: str = "/dev/shm"
+    limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.slots) is not int or self.slots < 2:
+            raise ValueError(f"Memory(slots=) must be an int >= 2, got {self.slots!r}")
+        if type(self.every) is not int or self.every < 1:
+            raise ValueError(f"Memory(every=) must be an int >= 1, got {self.every!r}")
+        if not isinstance(self.keeper, bool):
+            raise TypeError(f"Memory(keeper=) takes True or False, got {self.keeper!r}")
+        if isinstance(self.linger_secs, bool) or not isinstance(self.linger_secs, (int, float)) \
+                or not 0 <= self.linger_secs <= 3600:  # fmt: skip
+            raise ValueError(
+                f"Memory(linger_secs=) must be a number of seconds in [0, 3600], got "
+                f"{self.linger_secs!r}"
+            )
+        if self.job is not None and not (
+            isinstance(self.job, str) and re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.job)
+        ):
+            raise ValueError(f"Memory(job=) takes 1-64 letters, digits or '_', got {self.job!r}")
+        if not isinstance(self.directory, (str, os.PathLike)) or not os.fspath(self.directory):
+            raise ValueError(f"Memory(directory=) takes a directory, got {self.directory!r}")
+        if self.limit_bytes is not None and (
+            type(self.limit_bytes) is not int or self.limit_bytes < 1
+        ):
+            raise ValueError(
+                f"Memory(limit_bytes=) must be a positive int, got {self.limit_bytes!r}"
+            )
+
+
+def split_memory(levels: Sequence[Any]) -> tuple[Memory | None, list[Any]]:
+    """A list of levels as (its memory level or None, the levels after it): a
+    :class:`Memory` comes first and at most once, and a slower level follows it."""
+    levels = list(levels)
+    memory = [i for i, lv in enumerate(levels) if isinstance(lv, Memory)]
+    if not memory:
+        return None, levels
+    if memory != [0]:
+        raise ValueError(
+            "pitstop.Memory() comes first in a list of levels, and once (the fastest level); "
+            f"got {levels!r}"
+        )
+    if len(levels) < 2:
+        raise ValueError(
+            "pitstop.Memory() needs a slower level after it, where durable saves go and "
+            "the keeper writes: [pitstop.Memory(), pitstop.Local(path)] or "
+            "[pitstop.Memory(), pitstop.Shared(path)]"
+        )
+    return levels[0], levels[1:]
 
 
 def check_levels(levels: Sequence[Any]) -> tuple[Local | Shared, list[Shared]]:

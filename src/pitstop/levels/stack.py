@@ -42,10 +42,11 @@ from pitstop.engine.recovery import RestoreResult
 from pitstop.format.manifest import Manifest
 from pitstop.format.names import LEVELS_FILE, step_dir_name
 from pitstop.levels.flush import Flusher, FlushJob, FlushRecord, FlushTarget
+from pitstop.levels.memory_level import MemoryLevel
 from pitstop.levels.node import NodeLevel
 from pitstop.levels.restart import Restart
 from pitstop.levels.root import RootLevel
-from pitstop.levels.spec import Local, Shared, check_levels, level_names
+from pitstop.levels.spec import Local, Shared, check_levels, level_names, split_memory
 from pitstop.log import get_logger
 from pitstop.options import IOOptions
 from pitstop.policy import KeepLast, RetentionPolicy
@@ -75,6 +76,7 @@ def open_levels(
     without a ``keep_last`` of their own."""
     if inner is not None:
         return LevelStack(RootLevel(inner, group, retention), [], group)
+    memory_spec, root = split_memory(root)
     first_spec, shared = check_levels(root)
     inners = [open_root(level.path, io)[0] for level in shared]  # (a URL's client, first)
     names = level_names([first_spec, *shared] if isinstance(first_spec, Shared) else shared)
@@ -93,14 +95,23 @@ def open_levels(
         targets.append(
             FlushTarget(name, spec, storage_, group, flusher, spec.make_schedule(), keep)
         )
-    return LevelStack(first, targets, group)
+    memory = MemoryLevel(memory_spec, group, io, first.storage) if memory_spec else None
+    return LevelStack(first, targets, group, memory=memory)
 
 
 class LevelStack:
     """See the module docstring."""
 
-    def __init__(self, first: First, targets: Sequence[FlushTarget], group: Group) -> None:
+    def __init__(
+        self,
+        first: First,
+        targets: Sequence[FlushTarget],
+        group: Group,
+        *,
+        memory: MemoryLevel | None = None,
+    ) -> None:
         self.group, self.first, self.targets = group, first, list(targets)
+        self.memory = memory  # before the first: snapshots in memory, written to the first
         for t in self.targets:
             t.flusher.on_done = partial(self.flushed, t)
         self.identity: RunIdentity | None = None
@@ -120,7 +131,8 @@ class LevelStack:
 
     @property
     def levels(self) -> list[Any]:
-        return [self.first, *self.targets]
+        """Every level, fastest first (the memory level, the first, the flushed ones)."""
+        return [*([self.memory] if self.memory else []), self.first, *self.targets]
 
     def bind(self, identity: RunIdentity) -> None:
         """Collective: the run's identity, one run id for every rank (the node leaders and
@@ -231,7 +243,8 @@ class LevelStack:
         fetch: bool = True,
     ) -> RestoreResult:
         """Collective: the one recovery walk over the list (:mod:`pitstop.levels.restart`)."""
-        result = Restart(self.group, self.levels).recover(
+        commits_to = 1 if self.memory else 0
+        result = Restart(self.group, self.levels, commits_to=commits_to).recover(
             load, step, rollback=rollback, fetch=fetch
         )
         if rollback:

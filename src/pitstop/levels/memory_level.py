@@ -1,0 +1,206 @@
+"""MemoryLevel: the memory level of a list (``pitstop.Memory()``), first and fastest.
+
+Its snapshots are the job's slots in shared memory (:mod:`pitstop.levels.shm`): the saver
+stages straight into a slot (the slot *is* the staging arena), the keeper process
+(:mod:`pitstop.levels.keeper`) hashes and commits it, and writes every durable snapshot to
+the next level. For the restart it is a plain level over a read-only
+:class:`~pitstop.levels.memory.SlotStorage` (the walk loads a committed slot in place).
+
+Call sequence (training thread unless said; one process)::
+
+    memory = MemoryLevel(spec, group, io, next_storage)  # attaches the slots a dead
+                                                         #   incarnation left (adopted)
+    memory.lists(group); memory.held(words)   # the restart's survey
+    memory.serve(walk, load, s, window, ...)  # recover over the window, in place
+    memory.ready(nbytes)        # at a save: slots of the state's size (made, or remade
+                                #   larger), the keeper started; False: no memory level
+    slot = memory.begin(step, avoid=..., wait=...)   # a slot to stage into
+    memory.seal(slot); memory.persist(slot)   # persist thread: ask the keeper (or do it here
+                                              #   when it is gone: ``in_process``)
+    memory.close(persist_newest=...)          # the keeper stopped, the segments removed
+
+Under torch.distributed the level is not used yet: a warning, and saves go to the next level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from concurrent.futures import Executor
+from dataclasses import replace
+from typing import Any
+
+from pitstop.errors import CheckpointError, ShmSpaceError
+from pitstop.format.names import step_dir_name
+from pitstop.levels.keeper import KeeperHandle, persist_slot, start_keeper
+from pitstop.levels.memory import SlotStorage
+from pitstop.levels.root import RootLevel
+from pitstop.levels.shm import Slot, SlotSet, remove_stale, seal
+from pitstop.levels.spec import Memory
+from pitstop.log import get_logger
+from pitstop.options import IOOptions
+from pitstop.ranks.group import Group
+from pitstop.storage.base import Storage
+from pitstop.storage.local import LocalStorage
+
+__all__ = ["MemoryLevel", "job_token"]
+
+_log = get_logger("pitstop.levels")
+
+
+def job_token(next_url: str) -> str:
+    """The default job token: the same for every restart of a job that writes to the same
+    next level (its path) as the same user, and distinct for two jobs that do not."""
+    key = f"{os.getuid() if hasattr(os, 'getuid') else 0}:{next_url}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def local_dir(storage: Storage) -> str | None:
+    """The directory of ``storage`` if it is a local directory (the keeper writes there)."""
+    inner: Any = storage
+    while not isinstance(inner, LocalStorage) and hasattr(inner, "inner"):
+        inner = inner.inner
+    return inner.root if isinstance(inner, LocalStorage) else None
+
+
+class MemoryLevel(RootLevel):
+    """See the module docstring."""
+
+    quiet_when_empty = True  # nothing in memory (a clean start): a slower level serving is normal
+
+    def __init__(self, spec: Memory, group: Group, io: IOOptions, next_storage: Storage) -> None:
+        self.spec, self.io = spec, io
+        self.directory = os.fspath(spec.directory)
+        self.job = spec.job or job_token(next_storage.url)
+        self.next_storage = next_storage
+        self.next_dir = local_dir(next_storage)
+        self.slots: SlotSet | None = None
+        self.keeper: KeeperHandle | None = None
+        self.active = group.size == 1 and os.path.isdir(self.directory)
+        if group.size > 1:
+            _log.warning(
+                "pitstop.Memory() does not run under torch.distributed yet (%d ranks): saves go "
+                "to the next level (%s) only", group.size, next_storage.url, phase="plan",
+            )  # fmt: skip
+        elif not self.active:
+            _log.warning("pitstop.Memory(directory=%r): no such directory; saves go to the "
+                         "next level only", self.directory, phase="plan")  # fmt: skip
+        if self.active:
+            with contextlib.suppress(OSError):  # dead jobs' segments, never a live one's
+                for name in remove_stale(self.directory, keep=self.job):
+                    _log.info("removed a dead job's memory segment %s", name, phase="gc")
+            with contextlib.suppress(OSError, CheckpointError):
+                self.slots = SlotSet.attach(self.job, rank=group.rank, directory=self.directory)
+        self._slot_storage = SlotStorage(self.directory, self.job, rank=group.rank, io=io)
+        super().__init__(self._slot_storage, group, None, name="memory")
+
+    # ------------------------------------------------------------------ save side
+    def ready(self, nbytes: int) -> bool:
+        """Slots of at least ``nbytes`` exist and the keeper runs (when asked for); False if
+        the memory level cannot be used (said once: saves go to the next level)."""
+        if not self.active:
+            return False
+        if self.slots is not None and self.slots.slots and all(
+            s.nbytes >= nbytes for s in self.slots.slots
+        ) and len(self.slots.slots) >= 2:  # fmt: skip
+            self._start_keeper()
+            return True
+        try:
+            if self.slots is not None:  # too small (the state grew) or torn: made anew
+                self.slots.close(unlink=True)
+                self.slots = None
+            self.slots = SlotSet.create(
+                self.job, data_bytes=nbytes, count=self.spec.slots, rank=self.group.rank,
+                directory=self.directory, limit_bytes=self.spec.limit_bytes,
+            )  # fmt: skip
+        except (ShmSpaceError, OSError) as e:
+            self.active = False
+            _log.warning(
+                "the memory level is off: %s; saves go to the next level (%s) as without it",
+                e, self.next_storage.url, phase="stage",
+            )  # fmt: skip
+            return False
+        self._start_keeper()
+        return True
+
+    def _start_keeper(self) -> None:
+        if self.keeper is not None or not self.spec.keeper:
+            return
+        try:
+            self.keeper = start_keeper(
+                self.job, rank=self.group.rank, shm_dir=self.directory, next_dir=self.next_dir,
+                linger_secs=float(self.spec.linger_secs),
+            )  # fmt: skip
+        except Exception as e:
+            self.spec = _no_keeper(self.spec)
+            _log.warning("could not start the memory level's keeper (%r): sealing and writing "
+                         "in the training process", e, phase="stage")  # fmt: skip
+
+    def keeper_alive(self) -> bool:
+        return self.keeper is not None and self.keeper.alive()
+
+    def begin(self, step: int, *, avoid: set[int], wait_secs: float = 0.0) -> Slot | None:
+        """A slot to stage ``step`` into (see ``SlotSet.begin``); with ``wait_secs``, wait that
+        long for one to be freed (the keeper sealing or writing), else None at once."""
+        assert self.slots is not None
+        deadline = time.monotonic() + wait_secs
+        while True:
+            slot = self.slots.begin(step, avoid=avoid)
+            if slot is not None or time.monotonic() >= deadline:
+                return slot
+            time.sleep(0.002)
+
+    def seal(self, slot: Slot, pool: Executor) -> None:
+        """Persist thread: commit staged ``slot`` (the keeper hashes it; without one, a
+        thread of ``pool`` does)."""
+        if self.keeper is not None and self.keeper.request_seal(slot.index):
+            return
+        pool.submit(self._seal_here, slot)
+
+    def _seal_here(self, slot: Slot) -> None:
+        try:
+            seal(slot)
+        except Exception as e:  # this memory snapshot is lost; the older one stays
+            _log.warning("memory snapshot in slot %d not committed: %r", slot.index, e,
+                         phase="commit")  # fmt: skip
+
+    def request_persist(self, slot: Slot) -> bool:
+        """Persist thread: ask the keeper to seal ``slot`` and write it to the next level;
+        False if it cannot (gone, none, or the next level is not a local directory)."""
+        if self.keeper is None or self.next_dir is None:
+            return False
+        return self.keeper.request_persist(slot.index)
+
+    def persist_here(self, slot: Slot, pool: Executor) -> str | None:
+        """Seal ``slot`` if needed and write it to the next level from this process (no
+        keeper): the step directory's name, or None if the next level holds it already."""
+        seal(slot)
+        head = persist_slot(slot, self.next_storage, pool=pool)
+        if head is None or head.step is None:
+            return None
+        return step_dir_name(head.step)
+
+    # ------------------------------------------------------------------ restart
+    def restarted(self, holds: bool) -> None:
+        """Nothing to count: every save is a memory snapshot."""
+
+    # ------------------------------------------------------------------ end
+    def close(self, *, unlink: bool = True) -> None:
+        """Stop the keeper and remove the job's segments (``unlink``): memory snapshots do
+        not outlive a job that ended."""
+        try:
+            if self.keeper is not None:
+                self.keeper.stop(unlink=unlink, persist=False)
+                self.keeper = None
+        finally:
+            if self.slots is not None:
+                self.slots.close(unlink=unlink)
+                self.slots = None
+            super().close()
+            self._slot_storage.close()
+
+
+def _no_keeper(spec: Memory) -> Memory:
+    return replace(spec, keeper=False)

@@ -1,0 +1,415 @@
+"""MemorySaver: the saver of a list that starts with ``pitstop.Memory()``.
+
+The same transaction as :class:`~pitstop.engine.saver.Saver` (plan, stage with deferred
+copies and the optimizer pre-hook, persist, commit, retain), with the arena taken from the
+memory level: a save stages straight into a shared-memory slot, so the slot *is* the
+staging arena and the memory snapshot costs training the copy and nothing else.
+
+* A **memory snapshot** (``durable=False``, ``ckpt.step()`` between the policy's saves):
+  the persist thread marks the slot ``staged`` (its plan record and objects file after the
+  data) and asks the keeper to seal it (hash, manifest, commit). The handle is done then.
+* A **durable save** (``durable=True``: the policy's, ``save``, ``async_save``): the same,
+  and the keeper also writes the slot to the next level (verifying every checksum) and
+  reports it; the commit's bookkeeping (the first level's word on flushes, retention) runs
+  when the report arrives, on the ``pitstop-keeper-events`` thread, before the handle is
+  done. The slot is kept out of ``begin`` until then.
+
+No keeper (``Memory(keeper=False)``), or a keeper that died (a warning, once): the persist
+thread seals and writes in this process. Slots that cannot be made (shared memory too
+small or full) or a memory level that is off: the plain saver's arena and commit round,
+as without the level.
+
+Call sequence: as :class:`~pitstop.engine.saver.Saver`; ``async_save(..., durable=)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pitstop._version import __version__
+from pitstop.engine.collective import NodeCommit
+from pitstop.engine.handle import SaveHandle
+from pitstop.engine.persist import encode_objects
+from pitstop.engine.plan import SavePlan
+from pitstop.engine.saver import Saver, _Meta
+from pitstop.engine.stage import Ring, StageJob, arena_tensor, pin_arena, stage
+from pitstop.errors import CheckpointError, CheckpointExistsError, CheckpointIOError
+from pitstop.format.manifest import Lineage
+from pitstop.format.names import step_dir_name
+from pitstop.io.arena import Arena
+from pitstop.levels.memory import record_for
+from pitstop.levels.memory_level import MemoryLevel
+from pitstop.levels.shm import STAGED, Slot, seal
+from pitstop.log import get_logger
+from pitstop.options import SaveOptions
+from pitstop.ranks.group import Group
+from pitstop.state.tree import Flat
+from pitstop.storage.base import Storage
+
+__all__ = ["MemorySaver", "NoFreeSlotError"]
+
+_log = get_logger("pitstop.levels")
+_DURABLE_WAIT_SECS = 120.0  # a durable save waits this long for a slot the keeper frees
+
+
+class NoFreeSlotError(CheckpointError):
+    """A memory snapshot found no free slot (the keeper is still sealing or writing the
+    others): this snapshot is skipped; the next one is taken as usual."""
+
+
+@dataclass
+class _Durable:
+    handle: SaveHandle
+    slot: Slot
+    directory: str
+    t0: float
+    t1: float
+    report: bool = True  # its error is raised from the next call that waits
+
+
+class MemorySaver(Saver):
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        options: SaveOptions,
+        *,
+        memory: MemoryLevel,
+        on_commit: Any = None,
+        group: Group | None = None,
+        nodes: NodeCommit | None = None,
+    ) -> None:
+        super().__init__(storage, options, on_commit=on_commit, group=group, nodes=nodes)
+        # the persist thread at normal priority: a memory snapshot is committed only once it
+        # marks the slot staged (a small write), and a niced thread behind a busy training
+        # loop lagged several steps; hashing and writing are the keeper's
+        self._persist_pool.shutdown(wait=True)
+        self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="pitstop-persist")
+        self.memory = memory
+        self._durable_next = True  # the mode of the save being started (training thread)
+        self._step_next = 0
+        self._modes: dict[int, bool] = {}  # step -> durable, for the persist thread
+        self._writing: dict[int, _Durable] = {}  # slot index -> a durable save being written
+        self._here = ThreadPoolExecutor(1, thread_name_prefix="pitstop-memory")
+        self._listener: threading.Thread | None = None
+        self._stopping = False
+        self._said_dead = False
+
+    # ------------------------------------------------------------------ training thread
+    def async_save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        lineage: Lineage | None = None,
+        metrics: Mapping[str, float] | None = None,
+        durable: bool = True,
+    ) -> SaveHandle:
+        """As ``Saver.async_save``; ``durable=False``: a memory snapshot only (NoFreeSlotError
+        when no slot is free: skipped)."""
+        self._durable_next, self._step_next = durable, step
+        return super().async_save(step, state, lineage=lineage, metrics=metrics)
+
+    def _stage(
+        self, flat: Flat, plan: SavePlan
+    ) -> tuple[StageJob, SavePlan, Arena, Ring | None, float]:
+        """Stage into a free slot (the slot is the arena); the plain arena when the memory
+        level is off."""
+        durable, step = self._durable_next, self._step_next
+        t0 = time.perf_counter()
+        if self._reserver is not None:
+            self._reserver.join()
+        if not self.memory.ready(plan.file_bytes):
+            if not durable:
+                raise NoFreeSlotError("the memory level is off", step=step, phase="stage")
+            return super()._stage(flat, plan)
+        self._listen()
+        with self._cond:
+            avoid = set(self._writing)
+        wait = _DURABLE_WAIT_SECS if durable else 0.0
+        slot = self.memory.begin(step, avoid=avoid, wait_secs=wait)
+        if slot is None:
+            raise NoFreeSlotError(
+                "no memory slot is free (the keeper is still sealing or writing the others)"
+                + (f" after {wait:.0f} s" if durable else ""), step=step, phase="stage",
+            )  # fmt: skip
+        waited = time.perf_counter() - t0
+        try:
+            buffer = arena_tensor(slot)  # type: ignore[arg-type]
+            if any(t.is_cuda for t in flat.tensors.values()):
+                pin_arena(slot, buffer)  # type: ignore[arg-type]
+            self._hook_optimizers(flat.optimizers)
+            job = stage(flat, plan, buffer, overlap=self.options.overlap, copier=self._stage_pool)
+        except BaseException:
+            assert self.memory.slots is not None
+            self.memory.slots.abandon(slot)
+            raise
+        self._modes[step] = durable
+        return job, plan, slot, None, waited  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ persist thread
+    def _persist(
+        self,
+        handle: SaveHandle,
+        job: StageJob,
+        flat: Flat,
+        plan: SavePlan,
+        arena: Arena,
+        directory: str,
+        t0: float,
+        meta: _Meta,
+        ring: Ring | None = None,
+    ) -> None:
+        if not isinstance(arena, Slot):
+            return super()._persist(handle, job, flat, plan, arena, directory, t0, meta, ring)
+        slot, durable = arena, self._modes.pop(handle.step, True)
+        t1 = time.perf_counter()
+        error: BaseException | None = None
+        writing = False
+        try:
+            objects = encode_objects(flat.tree, rank=self.group.rank)
+            job.wait_copied()
+            handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
+            handle._set_staged()
+            with self._cond:
+                self._staging = [j for j in self._staging if j is not job]
+            library = {"pitstop": __version__, "torch": sys.modules["torch"].__version__}
+            record = record_for(
+                plan, handle.step, rank=self.group.rank, algorithm=self.algorithm,
+                lineage=meta.lineage, metrics=meta.metrics, library=library,
+            )  # fmt: skip
+            assert self.memory.slots is not None
+            staged = False
+            try:
+                self.memory.slots.staged(slot, record, objects, plan.file_bytes)
+                staged = True
+            finally:
+                if not staged:
+                    self.memory.slots.abandon(slot)
+            if durable:
+                with self._cond:
+                    self._writing[slot.index] = _Durable(handle, slot, directory, t0, t1)
+                writing = True
+                if not self.memory.request_persist(slot):
+                    self._here.submit(self._write_here, slot.index)
+            else:
+                self.memory.seal(slot, self._here)
+        except BaseException as e:
+            error = e
+            job.settle()
+            if writing:
+                with self._cond:
+                    self._writing.pop(slot.index, None)
+                writing = False
+        finally:
+            with self._cond:
+                self._staging = [j for j in self._staging if j is not job]
+        if writing:
+            return  # the keeper's report (or the in-process write) finishes it
+        handle.stats.persist_secs = time.perf_counter() - t1
+        handle.stats.total_secs = time.perf_counter() - t0
+        if error is not None and not durable:  # a lost memory snapshot: said, never raised
+            _log.warning("memory snapshot of step %d not taken: %r", handle.step, error,
+                         phase="stage")  # fmt: skip
+        self._finish(handle, error, report=durable)
+
+    def _finish(self, handle: SaveHandle, error: BaseException | None, report: bool = True) -> None:
+        with self._cond:
+            self._inflight.pop(handle.step, None)
+            if error is not None and report:
+                self._unreported.append(handle)
+            self._cond.notify_all()
+        handle._finish(error)
+
+    def _written(self, index: int, error: BaseException | None) -> None:
+        """A durable save's slot was written to the next level (or failed): the commit's
+        bookkeeping (flushes, retention) runs, then its handle is done."""
+        with self._cond:
+            d = self._writing.pop(index, None)
+        if d is None:
+            return
+        stats = d.handle.stats
+        if error is None:
+            try:
+                manifest = self.storage.read_manifest(d.directory)
+                self.nodes.replicate(d.directory, manifest)
+                self.nodes.decided(self.nodes.decide())
+            except Exception as e:
+                error = e
+        stats.persist_secs = time.perf_counter() - d.t1
+        stats.total_secs = time.perf_counter() - d.t0
+        if error is None:
+            _log.info("checkpoint step=%d written from memory to %s in %.3f s", d.handle.step,
+                      self.storage.url, stats.persist_secs, phase="commit")  # fmt: skip
+            if self._on_commit is not None:
+                try:
+                    self._on_commit(d.handle.step)
+                except Exception as e:
+                    _log.warning("retention after step %d failed: %r", d.handle.step, e,
+                                 phase="gc")  # fmt: skip
+        self._finish(d.handle, error, report=d.report)
+
+    def _write_here(self, index: int) -> None:
+        """Seal and write a durable save's slot from this process (no keeper, or it died)."""
+        with self._cond:
+            d = self._writing.get(index)
+        if d is None:
+            return
+        try:
+            written = self.memory.persist_here(d.slot, self.io_pool)
+            error: BaseException | None = None
+            if written is None:
+                error = CheckpointExistsError(
+                    f"step {d.handle.step} not written to {self.storage.url}: it holds that "
+                    "step or a newer one", step=d.handle.step, phase="commit",
+                )  # fmt: skip
+        except BaseException as e:
+            error = e
+        self._written(index, error)
+
+    # ------------------------------------------------------------------ keeper events
+    def _listen(self) -> None:
+        """Start the thread that reads the keeper's reports (once, when it runs)."""
+        if self._listener is not None or self.memory.keeper is None:
+            return
+        self._listener = threading.Thread(
+            target=self._events, name="pitstop-keeper-events", daemon=True
+        )
+        self._listener.start()
+
+    def _events(self) -> None:
+        keeper = self.memory.keeper
+        assert keeper is not None
+        while True:
+            try:
+                events = keeper.next_events(0.2)
+            except (EOFError, OSError, ValueError):
+                break
+            for e in events:
+                self._event(e)
+            if self._stopping and not self._writing:
+                return
+        if not self._stopping:
+            self._keeper_died()
+
+    def _event(self, e: dict[str, Any]) -> None:
+        kind, index, step = e.get("event"), e.get("slot"), e.get("step")
+        if not isinstance(index, int):
+            return
+        with self._cond:
+            d = self._writing.get(index)
+        if kind == "error" and (d is None or e.get("op") != "persist"):
+            _log.warning("memory snapshot in slot %d: the keeper reported %s", index,
+                         e.get("message"), phase="commit")  # fmt: skip
+        if d is None or kind not in ("persisted", "skipped", "error"):
+            return
+        if kind != "error" and step != d.handle.step:  # never waited for for ever
+            self._written(index, CheckpointError(
+                f"slot {index} held step {step}, not step {d.handle.step}, when the keeper "
+                "wrote it; not written", step=d.handle.step, phase="persist",
+            ))  # fmt: skip
+        elif kind == "persisted":
+            self._written(index, None)
+        elif kind == "skipped":
+            self._written(index, CheckpointExistsError(
+                f"step {step} not written to {self.storage.url}: {e.get('why')}",
+                step=step, phase="commit",
+            ))  # fmt: skip
+        elif e.get("op") == "persist":
+            self._written(index, CheckpointIOError(
+                f"the keeper could not write step {d.handle.step} to {self.storage.url}: "
+                f"{e.get('message')}", step=d.handle.step, path=self.storage.url, phase="persist",
+            ))  # fmt: skip
+
+    def _keeper_died(self) -> None:
+        """The keeper is gone: said once; what it was writing is written from here, and from
+        now on this process seals and writes."""
+        if not self._said_dead:
+            self._said_dead = True
+            code = self.memory.keeper.proc.poll() if self.memory.keeper else None
+            _log.warning(
+                "the memory level's keeper ended (exit %s): training goes on, sealing and "
+                "writing in the training process", code, phase="persist",
+            )  # fmt: skip
+        self.memory.keeper = None
+        with self._cond:
+            pending = list(self._writing)
+        for index in pending:
+            self._here.submit(self._write_here, index)
+
+    # ------------------------------------------------------------------ arenas
+    def reserve_async(self, state: Mapping[str, Any]) -> None:
+        """The slots are the arenas: made in the background at the first ``step()``."""
+        if self._reserver is not None or self._closed or not self.memory.active:
+            return
+        _, plan = self._plan(state)
+
+        def run() -> None:
+            with contextlib.suppress(Exception):  # the first save says why, if it fails
+                self.memory.ready(plan.file_bytes)
+
+        self._reserver = threading.Thread(target=run, name="pitstop-reserve", daemon=True)
+        self._reserver.start()
+
+    def reserve(self, state: Mapping[str, Any]) -> int:
+        """Make the slots now; their bytes (the plain arena's when the level is off)."""
+        _, plan = self._plan(state)
+        if self.memory.ready(plan.file_bytes):
+            assert self.memory.slots is not None
+            return sum(s.nbytes for s in self.memory.slots.slots)
+        return super().reserve(state)
+
+    # ------------------------------------------------------------------ end
+    def write_newest(self, timeout_secs: float = 300.0) -> None:
+        """Training thread, at a clean end: the newest memory snapshot is written to the next
+        level unless that level holds it (the memory level's snapshots go with the job)."""
+        self.wait_all()
+        slots = self.memory.slots
+        if slots is None or not self.memory.active:
+            return
+        deadline = time.monotonic() + 10.0
+        while (s := slots.newest(STAGED)) is not None and time.monotonic() < deadline:
+            c = slots.newest()
+            if c is not None and c[1].gen > s[1].gen:
+                break
+            if seal(s[0]) is None:  # the keeper is sealing it: wait for it
+                time.sleep(0.01)
+        newest = slots.newest()
+        if newest is None or newest[1].step is None:
+            return
+        slot, step = newest[0], newest[1].step
+        directory = step_dir_name(step)
+        if self.storage.has_manifest(directory):
+            return
+        handle = SaveHandle(step)
+        now = time.perf_counter()
+        with self._cond:
+            self._inflight[step] = handle
+            self._writing[slot.index] = _Durable(handle, slot, directory, now, now, False)
+        if not self.memory.request_persist(slot):
+            self._here.submit(self._write_here, slot.index)
+        try:
+            handle.wait(timeout_secs)
+        except CheckpointExistsError:
+            pass  # the next level holds it, or a newer step
+        except Exception as e:
+            _log.warning("the newest memory snapshot (step %d) was not written to %s: %r",
+                         step, self.storage.url, e, phase="persist")  # fmt: skip
+
+    def close(self) -> None:
+        """As ``Saver.close``, then the keeper's report thread and the in-process pool."""
+        try:
+            super().close()
+        finally:
+            self._stopping = True
+            if self._listener is not None:
+                self._listener.join(timeout=5.0)
+            self._here.shutdown(wait=True)
