@@ -430,6 +430,29 @@ def test_a_pair_across_which_the_machine_changed_speed_is_dropped() -> None:
     assert pair(0.3, 1.0, 1.0) is None  # a neighbour started: not the checkpoint's doing
 
 
+def test_the_cost_estimate_is_the_mean_of_the_pairs_plus_its_standard_error() -> None:
+    import statistics
+
+    from pitstop.engine.handle import SaveStats
+    from pitstop.profiler import Profiler
+
+    prof = Profiler(warmup=0)
+    excess = [0.05, -0.01, 0.2, 0.02, 0.0]  # signed: noise below the baseline is kept
+    for k, extra in enumerate(excess):
+        for _ in range(5):
+            prof.iteration(0.1, persisting=False)
+        prof.save_started()
+        prof.stall(0.01)
+        prof.iteration(0.1 + extra, persisting=True)
+        prof.checkpoint(SaveStats(step=k, stall_secs=0.01, total_secs=0.2))
+        prof.settled(k)
+    for _ in range(3):
+        prof.iteration(0.1, persisting=False)  # the last pair closes
+    costs = [0.01 + e for e in excess[1:]]  # the first save of a run is a one-off: left out
+    expected = statistics.fmean(costs) + statistics.stdev(costs) / len(costs) ** 0.5
+    assert prof.snapshot().checkpoint_cost_secs == pytest.approx(expected)
+
+
 class _Clock:
     """Stands in for the loop driver's ``time`` module: one second per ``tick``."""
 
