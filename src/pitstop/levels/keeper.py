@@ -40,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import typing
@@ -72,7 +73,7 @@ from pitstop.options import IOOptions
 from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage
 
-__all__ = ["KeeperHandle", "main", "newest_step", "persist_slot", "start_keeper"]
+__all__ = ["KeeperHandle", "keeper_log", "main", "newest_step", "persist_slot", "start_keeper"]
 
 _log = get_logger("pitstop.levels")
 
@@ -479,6 +480,11 @@ class KeeperHandle:
         return code
 
 
+def keeper_log(job: str, rank: int = 0) -> str:
+    """Where the keeper of (``job``, ``rank``) writes its warnings (appended)."""
+    return os.path.join(tempfile.gettempdir(), f"pitstop-keeper-{job}-r{rank:05d}.log")
+
+
 def start_keeper(
     job: str,
     *,
@@ -503,14 +509,18 @@ def start_keeper(
     ]  # fmt: skip
     if next_dir is not None:
         cmd += ["--next", os.path.abspath(next_dir)]
+    log = open(keeper_log(job, rank), "ab")  # noqa: SIM115 (the child's stderr)
     try:
-        proc = subprocess.Popen(  # stdout: nothing (a launcher reading the trainer's output
-            # until EOF must not wait for the keeper); stderr: its warnings, inherited
+        proc = subprocess.Popen(  # neither the trainer's stdout nor its stderr: a launcher
+            # that reads them until EOF (subprocess.run(capture_output=True), a pipe to tee)
+            # would wait for the keeper, which outlives a crashed trainer by linger_secs,
+            # and not restart the trainer meanwhile; its warnings go to keeper_log()
             cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=log,
         )  # fmt: skip
     finally:
         theirs.close()
+        log.close()
     handle = KeeperHandle(proc, ours)
     try:
         handle.wait_for("ready", timeout=timeout)

@@ -1,0 +1,327 @@
+"""Checkpoints with the memory level, as a training process sees them (issue 27).
+
+    python benchmarks/memory_checkpoints.py            # 1 GiB of state (a few minutes)
+    python benchmarks/memory_checkpoints.py --quick    # 256 MiB (under a minute)
+
+Everything on the same bytes (``--mib`` MiB of float32 in 16 tensors, plus the objects a
+state carries), the competitors interleaved in one run (this machine's speed drifts):
+
+Per checkpoint, in the training process (wall stall and CPU time of every thread of the
+process, ``getrusage``), medians of ``--reps``:
+
+* ``copy``: one memmove of every tensor into a reused, touched buffer (the floor: what a
+  checkpoint must at least cost the training process).
+* ``threads``: ``CheckpointManager(dir)``, ``async_save`` then ``wait``: today's path
+  without a memory level (stage into the arena, hash and write in threads of the training
+  process, commit, retention).
+* ``memory snapshot``: ``[Memory(), Local(dir)]``, ``ckpt.step()`` between durable saves:
+  the copy into a slot and its ``staged`` record; the keeper seals it (its CPU is counted
+  apart, from /proc).
+* ``memory durable``: the same list, ``save``: the keeper also writes the slot to ``dir``.
+
+Restore after a crash, each in a fresh process (the writer SIGKILLs itself; its keeper
+lingers; the restoring process adopts the slots): ``restore memory`` (``ckpt.restore``,
+served by the memory level), ``restore disk`` (``CheckpointManager(dir).restore`` of the
+step the keeper wrote), ``torch.load`` (of a ``torch.save`` of the same state, page cache
+warm), against ``memcpy`` (copying the state between two touched buffers in that process).
+
+Also: RSS of the training process and of the keeper, and the shared memory the slots use.
+Prints a table and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _state(mib: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = 16
+    per = mib * (1 << 20) // 4 // n
+    tensors = {f"t{i:02d}": torch.randn(per, generator=g) for i in range(n)}
+    return {"w": tensors, "progress": {"epoch": 1, "note": "x" * 100}}
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def _rss_mib(pid: int | str = "self") -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _timed(fn: Any) -> tuple[float, float]:
+    c0, t0 = _cpu(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, _cpu() - c0
+
+
+# --------------------------------------------------------------------------- costs
+def costs(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    import torch
+
+    import pitstop
+    from pitstop.engine.stage import copy_bytes
+    from pitstop.policy import EveryN
+
+    state = _state(args.mib)
+    flat = list(state["w"].values())
+    dst = [torch.empty_like(t) for t in flat]
+    for d in dst:
+        d.fill_(1.0)
+    job = f"bench{os.getpid()}"
+    plain = pitstop.CheckpointManager(os.path.join(root, "threads"), keep_last=2)
+    mem = pitstop.CheckpointManager(
+        [pitstop.Memory(job=job), pitstop.Local(os.path.join(root, "local"), keep_last=2)],
+        policy=EveryN(10**9),
+    )
+    plain.reserve(state)
+    mem.reserve(state)
+    keeper_cpu: list[float] = []
+    rows: dict[str, list[tuple[float, float]]] = {
+        k: [] for k in ("copy", "threads", "memory snapshot", "memory durable")
+    }
+    step = 0
+
+    def settle() -> None:  # let the keeper seal the snapshot (its own CPU, not ours)
+        memory = mem.hooks.levels.memory
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            slots = memory.slots if memory is not None else None
+            if slots is not None and slots.newest() and slots.newest()[1].step == step:
+                return
+            time.sleep(0.005)
+
+    for rep in range(args.reps + 1):  # the first round warms up (slots, arena, keeper)
+        out: dict[str, tuple[float, float]] = {}
+        out["copy"] = _timed(lambda: [copy_bytes(d, s) for d, s in zip(dst, flat)])
+        step += 1
+        out["threads"] = _timed(lambda s=step: plain.async_save(s, state).wait())
+        step += 1
+        memory = mem.hooks.levels.memory
+        k0 = _proc_cpu(memory.keeper.pid) if memory and memory.keeper else 0.0
+        out["memory snapshot"] = _timed(lambda s=step: (mem.step(s, state), mem.wait()))
+        settle()
+        step += 1
+        out["memory durable"] = _timed(lambda s=step: mem.save(s, state))
+        if memory is not None and memory.keeper is not None:
+            keeper_cpu.append(_proc_cpu(memory.keeper.pid) - k0)
+        if rep:
+            for k, v in out.items():
+                rows[k].append(v)
+        print(f"  round {rep}: " + ", ".join(f"{k} {w:.3f}s/{c:.3f}cpu"
+                                            for k, (w, c) in out.items()), file=sys.stderr)  # fmt: skip
+    memory = mem.hooks.levels.memory
+    keeper_rss = _rss_mib(memory.keeper.pid) if memory and memory.keeper else 0.0
+    shm = sum(s.nbytes for s in memory.slots.slots) if memory and memory.slots else 0
+    result = {
+        k: {"wall": statistics.median(w for w, _ in v), "cpu": statistics.median(c for _, c in v)}
+        for k, v in rows.items()
+    }
+    result["keeper_cpu_per_snapshot_and_durable"] = statistics.median(keeper_cpu[1:] or [0.0])
+    result["rss_mib"] = _rss_mib()
+    result["keeper_rss_mib"] = keeper_rss
+    result["shm_mib"] = shm / (1 << 20)
+    result["state_mib"] = args.mib
+    plain.close()
+    mem.close()
+    return result
+
+
+# --------------------------------------------------------------------------- restores
+def writer(args: argparse.Namespace) -> None:
+    """A training process: a memory snapshot, a durable copy, a torch.save; then SIGKILL."""
+    import torch
+
+    import pitstop
+    from pitstop.policy import EveryN
+
+    state = _state(args.mib)
+    ckpt = pitstop.CheckpointManager(
+        [pitstop.Memory(job=args.job), pitstop.Local(args.dir, keep_last=1)], policy=EveryN(10**9)
+    )
+    ckpt.restore(state)
+    ckpt.save(args.step, state)  # memory + disk (the keeper writes it)
+    torch.save(state, os.path.join(args.dir, "state.pt"))
+    os.sync()
+    print("ready", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def restorer(args: argparse.Namespace) -> None:
+    import torch
+
+    import pitstop
+    from pitstop.engine.stage import copy_bytes
+
+    state = _state(args.mib)
+    for t in state["w"].values():
+        t.zero_()
+    out: dict[str, Any] = {}
+    if args.what == "memory":
+        ckpt = pitstop.CheckpointManager(
+            [pitstop.Memory(job=args.job), pitstop.Local(args.dir, keep_last=1)]
+        )
+        t0 = time.perf_counter()
+        out["step"] = ckpt.restore(state)
+        out["secs"] = time.perf_counter() - t0
+        assert ckpt.last_restore is not None
+        out["level"] = ckpt.last_restore.level
+        os._exit(_emit(out))  # no close: the next round's writer adopts the slots
+    elif args.what == "disk":
+        ckpt = pitstop.CheckpointManager(args.dir)
+        t0 = time.perf_counter()
+        out["step"] = ckpt.restore(state)
+        out["secs"] = time.perf_counter() - t0
+        ckpt.close()
+    elif args.what == "torch.load":
+        t0 = time.perf_counter()
+        loaded = torch.load(os.path.join(args.dir, "state.pt"), weights_only=True)
+        for k, t in state["w"].items():
+            t.copy_(loaded["w"][k])
+        out["secs"] = time.perf_counter() - t0
+    else:  # memcpy between two touched buffers of the state's size
+        src = [t.clone() for t in state["w"].values()]
+        t0 = time.perf_counter()
+        for d, s in zip(state["w"].values(), src):
+            copy_bytes(d, s)
+        out["secs"] = time.perf_counter() - t0
+    _emit(out)
+
+
+def _emit(out: dict[str, Any]) -> int:
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def restores(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    job = f"benchr{os.getpid()}"
+    d = os.path.join(root, "restore")
+    os.makedirs(d, exist_ok=True)
+    rows: dict[str, list[float]] = {"restore memory": [], "restore disk": [], "torch.load": [],
+                                    "memcpy": []}  # fmt: skip
+    levels = []
+    base = [sys.executable, os.path.abspath(__file__), "--mib", str(args.mib), "--job", job,
+            "--dir", d]  # fmt: skip
+    for rnd in range(args.reps):
+        w = subprocess.run([*base, "--role", "writer", "--step", str(rnd + 1)],
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+        if "ready" not in w.stdout:
+            raise SystemExit(f"writer failed: {w.stderr[-2000:]}")
+        for what, row in (("memory", "restore memory"), ("disk", "restore disk"),
+                          ("torch.load", "torch.load"), ("memcpy", "memcpy")):  # fmt: skip
+            r = subprocess.run([*base, "--role", "restorer", "--what", what],
+                               capture_output=True, text=True, timeout=600)  # fmt: skip
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            if not lines:
+                raise SystemExit(f"restorer {what} failed: {r.stderr[-2000:]}")
+            got = json.loads(lines[-1])
+            rows[row].append(got["secs"])
+            if what == "memory":
+                levels.append(got.get("level"))
+        print(f"  restore round {rnd}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in rows.items())
+              + f" (memory level served: {levels[-1]})", file=sys.stderr)  # fmt: skip
+    from pitstop.levels.shm import SHM_DIR, remove_job
+
+    time.sleep(0.5)
+    remove_job(SHM_DIR, job)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in rows.items()}
+    out["served_by"] = levels
+    return out
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--mib", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--role", default="main")
+    p.add_argument("--what", default="")
+    p.add_argument("--job", default="")
+    p.add_argument("--dir", default="")
+    p.add_argument("--step", type=int, default=1)
+    args = p.parse_args()
+    args.mib = args.mib or (256 if args.quick else 1024)
+    args.reps = args.reps or (3 if args.quick else 5)
+    if args.role == "writer":
+        return writer(args)
+    if args.role == "restorer":
+        return restorer(args)
+    root = tempfile.mkdtemp(prefix="pitstop-memckpt-", dir=os.environ.get("PITSTOP_BENCH_DIR"))
+    try:
+        print(f"state {args.mib} MiB, {args.reps} rounds; load {os.getloadavg()[0]:.1f}",
+              file=sys.stderr)  # fmt: skip
+        c = costs(args, root)
+        r = restores(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    copy_cpu = c["copy"]["cpu"]
+    print(f"\nper checkpoint ({args.mib} MiB), medians: wall stall / CPU of the training process")
+    for k in ("copy", "threads", "memory snapshot", "memory durable"):
+        w, cpu = c[k]["wall"], c[k]["cpu"]
+        print(f"  {k:16s} {w * 1e3:8.1f} ms  cpu {cpu * 1e3:8.1f} ms  "
+              f"({cpu / copy_cpu:5.2f}x the copy's CPU)")  # fmt: skip
+    budget = 1.5 * copy_cpu + 0.002
+    print(f"  goal: memory snapshot CPU <= 1.5 x copy + 2 ms = {budget * 1e3:.1f} ms: "
+          f"{'PASS' if c['memory snapshot']['cpu'] <= budget else 'MISS'}")  # fmt: skip
+    print(f"  keeper CPU per snapshot + durable write: {c['keeper_cpu_per_snapshot_and_durable']:.3f} s"
+          f"; RSS: training {c['rss_mib']:.0f} MiB, keeper {c['keeper_rss_mib']:.0f} MiB;"
+          f" shared memory {c['shm_mib']:.0f} MiB")  # fmt: skip
+    print("\nrestore after a crash, fresh process, medians:")
+    for k in ("memcpy", "restore memory", "restore disk", "torch.load"):
+        print(f"  {k:16s} {r[k]:8.3f} s   memcpy/this {r['memcpy'] / r[k]:5.2f}x")
+    print(f"  goal: restore memory >= 0.5x a memcpy: "
+          f"{'PASS' if r['memcpy'] / r['restore memory'] >= 0.5 else 'MISS'}; "
+          f"memory vs disk {r['restore disk'] / r['restore memory']:.2f}x faster; "
+          f"served by {r['served_by']}")  # fmt: skip
+    summary = {
+        "bench": "memory_checkpoints", "state_mib": args.mib,
+        "cpu_ms": {k: c[k]["cpu"] * 1e3 for k in ("copy", "threads", "memory snapshot",
+                                                  "memory durable")},
+        "stall_ms": {k: c[k]["wall"] * 1e3 for k in ("copy", "threads", "memory snapshot",
+                                                     "memory durable")},
+        "snapshot_cpu_vs_copy": c["memory snapshot"]["cpu"] / copy_cpu,
+        "restore_memory_vs_memcpy": r["memcpy"] / r["restore memory"],
+        "restore_memory_vs_disk": r["restore disk"] / r["restore memory"],
+        "restore_secs": {k: r[k] for k in ("memcpy", "restore memory", "restore disk",
+                                           "torch.load")},
+        "rss_mib": c["rss_mib"], "keeper_rss_mib": c["keeper_rss_mib"], "shm_mib": c["shm_mib"],
+    }  # fmt: skip
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
