@@ -262,6 +262,89 @@ def restores(args: argparse.Namespace, root: str) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- loop
+def loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """Every-step memory snapshots on the training loop of ``benchmarks/overhead.py`` (an MLP
+    + Adam, the same widths): paired segments with and without checkpoints, alternating
+    order, in one process; overhead = median of (with / without - 1). Beside it, the same
+    pairs with today's path checkpointing every step (``CheckpointManager(dir)``,
+    ``EveryN(1)``)."""
+    import torch
+    from torch import nn
+
+    import pitstop
+    from pitstop.policy import EveryN
+
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(args.layers):
+        blocks += [nn.Linear(args.width, args.width), nn.ReLU()]
+    model = nn.Sequential(*blocks, nn.Linear(args.width, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    state = {"model": model, "optimizer": opt}
+
+    def train() -> float:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    train()
+    managers = {
+        "memory every step": pitstop.CheckpointManager(
+            [pitstop.Memory(job=f"benchl{os.getpid()}"),
+             pitstop.Local(os.path.join(root, "loop-local"), keep_last=1)],
+            policy=EveryN(10**9),
+        ),
+        "threads every step": pitstop.CheckpointManager(
+            os.path.join(root, "loop-threads"), keep_last=1, policy=EveryN(1)
+        ),
+    }  # fmt: skip
+    state_mib = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3 / 2**20
+    step = 0
+    out: dict[str, Any] = {"state_mib": state_mib}
+    for name, ckpt in managers.items():
+        ckpt.reserve(state)
+        ratios, taken = [], 0
+        for pair in range(args.pairs + 1):  # the first pair warms up
+            times = {}
+            for with_ckpt in (True, False) if pair % 2 else (False, True):
+                t0 = time.perf_counter()
+                for _ in range(args.segment):
+                    step += 1
+                    loss = train()
+                    if with_ckpt:
+                        r = ckpt.step(step, state, loss=loss)
+                        taken += bool(r) or r.name == "SKIPPED"
+                if with_ckpt:
+                    ckpt.wait()
+                    ckpt.pause()
+                times[with_ckpt] = time.perf_counter() - t0
+            if pair:
+                ratios.append(times[True] / times[False] - 1)
+            print(f"  loop {name} pair {pair}: with {times[True]:.2f}s without "
+                  f"{times[False]:.2f}s", file=sys.stderr)  # fmt: skip
+        memory = ckpt.hooks.levels.memory
+        snapshots = None
+        if memory is not None and memory.slots is not None:
+            newest = memory.slots.newest()
+            snapshots = newest[1].gen if newest else 0  # slot generations: snapshots begun
+        out[name] = {"overhead": statistics.median(ratios), "pairs": ratios,
+                     "snapshots_begun": snapshots}  # fmt: skip
+        ckpt.close()
+    out["iter_secs"] = None
+    t0 = time.perf_counter()
+    for _ in range(3):
+        train()
+    out["iter_secs"] = (time.perf_counter() - t0) / 3
+    return out
+
+
 # --------------------------------------------------------------------------- main
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -273,7 +356,18 @@ def main() -> None:
     p.add_argument("--job", default="")
     p.add_argument("--dir", default="")
     p.add_argument("--step", type=int, default=1)
+    p.add_argument("--only", default="costs,restores,loop", help="sections to run")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--segment", type=int, default=None)
+    p.add_argument("--pairs", type=int, default=None)
     args = p.parse_args()
+    args.width = args.width or (1536 if args.quick else 2048)  # benchmarks/overhead.py's loop
+    args.layers = args.layers or (3 if args.quick else 7)
+    args.batch = args.batch or (128 if args.quick else 256)
+    args.segment = args.segment or (8 if args.quick else 16)
+    args.pairs = args.pairs or (2 if args.quick else 3)
     args.mib = args.mib or (256 if args.quick else 1024)
     args.reps = args.reps or (3 if args.quick else 5)
     if args.role == "writer":
@@ -284,43 +378,72 @@ def main() -> None:
     try:
         print(f"state {args.mib} MiB, {args.reps} rounds; load {os.getloadavg()[0]:.1f}",
               file=sys.stderr)  # fmt: skip
-        c = costs(args, root)
-        r = restores(args, root)
+        only = set(args.only.split(","))
+        c = costs(args, root) if "costs" in only else None
+        r = restores(args, root) if "restores" in only else None
+        lp = loop(args, root) if "loop" in only else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    summary: dict[str, Any] = {"bench": "memory_checkpoints", "state_mib": args.mib}
+    if c is not None:
+        report_costs(args, c, summary)
+    if r is not None:
+        report_restores(r, summary)
+    if lp is not None:
+        report_loop(lp, summary)
+    print(json.dumps(summary))
+
+
+def report_costs(args: argparse.Namespace, c: dict[str, Any], summary: dict[str, Any]) -> None:
     copy_cpu = c["copy"]["cpu"]
+    names = ("copy", "threads", "memory snapshot", "memory durable")
     print(f"\nper checkpoint ({args.mib} MiB), medians: wall stall / CPU of the training process")
-    for k in ("copy", "threads", "memory snapshot", "memory durable"):
+    for k in names:
         w, cpu = c[k]["wall"], c[k]["cpu"]
         print(f"  {k:16s} {w * 1e3:8.1f} ms  cpu {cpu * 1e3:8.1f} ms  "
               f"({cpu / copy_cpu:5.2f}x the copy's CPU)")  # fmt: skip
     budget = 1.5 * copy_cpu + 0.002
     print(f"  goal: memory snapshot CPU <= 1.5 x copy + 2 ms = {budget * 1e3:.1f} ms: "
           f"{'PASS' if c['memory snapshot']['cpu'] <= budget else 'MISS'}")  # fmt: skip
-    print(f"  keeper CPU per snapshot + durable write: {c['keeper_cpu_per_snapshot_and_durable']:.3f} s"
-          f"; RSS: training {c['rss_mib']:.0f} MiB, keeper {c['keeper_rss_mib']:.0f} MiB;"
-          f" shared memory {c['shm_mib']:.0f} MiB")  # fmt: skip
+    print(f"  keeper CPU per snapshot + durable write: "
+          f"{c['keeper_cpu_per_snapshot_and_durable']:.3f} s; RSS: training {c['rss_mib']:.0f} "
+          f"MiB, keeper {c['keeper_rss_mib']:.0f} MiB (the slots it maps count there too); "
+          f"shared memory {c['shm_mib']:.0f} MiB")  # fmt: skip
+    summary.update({
+        "cpu_ms": {k: c[k]["cpu"] * 1e3 for k in names},
+        "stall_ms": {k: c[k]["wall"] * 1e3 for k in names},
+        "snapshot_cpu_vs_copy": c["memory snapshot"]["cpu"] / copy_cpu,
+        "rss_mib": c["rss_mib"], "keeper_rss_mib": c["keeper_rss_mib"], "shm_mib": c["shm_mib"],
+    })  # fmt: skip
+
+
+def report_restores(r: dict[str, Any], summary: dict[str, Any]) -> None:
+    names = ("memcpy", "restore memory", "restore disk", "torch.load")
     print("\nrestore after a crash, fresh process, medians:")
-    for k in ("memcpy", "restore memory", "restore disk", "torch.load"):
+    for k in names:
         print(f"  {k:16s} {r[k]:8.3f} s   memcpy/this {r['memcpy'] / r[k]:5.2f}x")
     print(f"  goal: restore memory >= 0.5x a memcpy: "
           f"{'PASS' if r['memcpy'] / r['restore memory'] >= 0.5 else 'MISS'}; "
           f"memory vs disk {r['restore disk'] / r['restore memory']:.2f}x faster; "
           f"served by {r['served_by']}")  # fmt: skip
-    summary = {
-        "bench": "memory_checkpoints", "state_mib": args.mib,
-        "cpu_ms": {k: c[k]["cpu"] * 1e3 for k in ("copy", "threads", "memory snapshot",
-                                                  "memory durable")},
-        "stall_ms": {k: c[k]["wall"] * 1e3 for k in ("copy", "threads", "memory snapshot",
-                                                     "memory durable")},
-        "snapshot_cpu_vs_copy": c["memory snapshot"]["cpu"] / copy_cpu,
+    summary.update({
         "restore_memory_vs_memcpy": r["memcpy"] / r["restore memory"],
         "restore_memory_vs_disk": r["restore disk"] / r["restore memory"],
-        "restore_secs": {k: r[k] for k in ("memcpy", "restore memory", "restore disk",
-                                           "torch.load")},
-        "rss_mib": c["rss_mib"], "keeper_rss_mib": c["keeper_rss_mib"], "shm_mib": c["shm_mib"],
-    }  # fmt: skip
-    print(json.dumps(summary))
+        "restore_secs": {k: r[k] for k in names}, "restore_served_by": r["served_by"],
+    })  # fmt: skip
+
+
+def report_loop(lp: dict[str, Any], summary: dict[str, Any]) -> None:
+    print(f"\ncheckpoint every step on benchmarks/overhead.py's loop ({lp['state_mib']:.0f} MiB "
+          f"of state, {lp['iter_secs']:.2f} s per iteration), overhead vs no checkpoints "
+          "(median of pairs):")  # fmt: skip
+    for k in ("memory every step", "threads every step"):
+        extra = lp[k]["snapshots_begun"]
+        print(f"  {k:20s} {lp[k]['overhead'] * 100:6.1f} %  pairs "
+              f"{[round(x * 100, 1) for x in lp[k]['pairs']]}"
+              + (f"; memory snapshots begun: {extra}" if extra is not None else ""))  # fmt: skip
+    summary["loop"] = {k: lp[k]["overhead"] for k in ("memory every step", "threads every step")}
+    summary["loop_state_mib"] = lp["state_mib"]
 
 
 if __name__ == "__main__":
