@@ -308,6 +308,9 @@ class Keeper:
         if died and self.linger > 0 and self._adopted(time.monotonic() + self.linger):
             unlink = False
         if unlink:
+            with contextlib.suppress(OSError):  # a log with nothing in it goes too
+                if os.path.getsize(keeper_log(self.job, self.rank)) == 0:
+                    os.unlink(keeper_log(self.job, self.rank))
             for path in iter_slots(self.shm, self.job, self.rank):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)

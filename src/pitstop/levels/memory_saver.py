@@ -39,7 +39,14 @@ from pitstop.engine.handle import SaveHandle
 from pitstop.engine.persist import encode_objects
 from pitstop.engine.plan import SavePlan
 from pitstop.engine.saver import Saver, _Meta
-from pitstop.engine.stage import Ring, StageJob, arena_tensor, pin_arena, stage
+from pitstop.engine.stage import (
+    Ring,
+    StageJob,
+    arena_tensor,
+    pin_arena,
+    stage,
+    unpin_arena,
+)
 from pitstop.errors import CheckpointError, CheckpointExistsError, CheckpointIOError
 from pitstop.format.manifest import Lineage
 from pitstop.format.names import step_dir_name
@@ -409,6 +416,10 @@ class MemorySaver(Saver):
         try:
             super().close()
         finally:
+            slots = self.memory.slots
+            for slot in slots.slots if slots is not None else []:
+                if slot.pinned and not slot.closed:  # page-locked for CUDA copies
+                    unpin_arena(slot, arena_tensor(slot))  # type: ignore[arg-type]
             self._stopping = True
             if self._listener is not None:
                 self._listener.join(timeout=5.0)

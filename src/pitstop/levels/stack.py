@@ -132,7 +132,8 @@ class LevelStack:
     @property
     def levels(self) -> list[Any]:
         """Every level, fastest first (the memory level, the first, the flushed ones)."""
-        return [*([self.memory] if self.memory else []), self.first, *self.targets]
+        memory = [self.memory] if self.memory is not None and self.memory.active else []
+        return [*memory, self.first, *self.targets]
 
     def bind(self, identity: RunIdentity) -> None:
         """Collective: the run's identity, one run id for every rank (the node leaders and
@@ -243,7 +244,7 @@ class LevelStack:
         fetch: bool = True,
     ) -> RestoreResult:
         """Collective: the one recovery walk over the list (:mod:`pitstop.levels.restart`)."""
-        commits_to = 1 if self.memory else 0
+        commits_to = 1 if self.memory is not None and self.memory.active else 0
         result = Restart(self.group, self.levels, commits_to=commits_to).recover(
             load, step, rollback=rollback, fetch=fetch
         )
@@ -290,5 +291,5 @@ class LevelStack:
             for t in self.targets:
                 t.flusher.close()
         finally:
-            for level in self.levels:
+            for level in [*([self.memory] if self.memory else []), self.first, *self.targets]:
                 level.close()
