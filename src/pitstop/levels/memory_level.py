@@ -138,8 +138,11 @@ class MemoryLevel(RootLevel):
             _log.warning("could not start the memory level's keeper (%r): sealing and writing "
                          "in the training process", e, phase="stage")  # fmt: skip
 
-    def keeper_alive(self) -> bool:
-        return self.keeper is not None and self.keeper.alive()
+    def keeper_gone(self) -> None:
+        """The keeper died: from now on this process seals and writes (no new keeper: one
+        that keeps dying would cost more than it saves)."""
+        self.keeper = None
+        self.spec = _no_keeper(self.spec)
 
     def begin(self, step: int, *, avoid: set[int], wait_secs: float = 0.0) -> Slot | None:
         """A slot to stage ``step`` into (see ``SlotSet.begin``); with ``wait_secs``, wait that

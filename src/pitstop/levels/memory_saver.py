@@ -346,7 +346,7 @@ class MemorySaver(Saver):
                 "the memory level's keeper ended (exit %s): training goes on, sealing and "
                 "writing in the training process", code, phase="persist",
             )  # fmt: skip
-        self.memory.keeper = None
+        self.memory.keeper_gone()
         with self._cond:
             pending = list(self._writing)
         for index in pending:
