@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import socket
 import time
 from concurrent.futures import Executor
 from dataclasses import replace
@@ -34,10 +36,11 @@ from typing import Any
 
 from pitstop.errors import CheckpointError, ShmSpaceError
 from pitstop.format.names import step_dir_name
+from pitstop.io.locks import pid_alive
 from pitstop.levels.keeper import KeeperHandle, persist_slot, start_keeper
 from pitstop.levels.memory import SlotStorage
 from pitstop.levels.root import RootLevel
-from pitstop.levels.shm import Slot, SlotSet, remove_stale, seal
+from pitstop.levels.shm import Slot, SlotSet, boot_id, lock_name, remove_stale, seal
 from pitstop.levels.spec import Memory
 from pitstop.log import get_logger
 from pitstop.options import IOOptions
@@ -87,6 +90,15 @@ class MemoryLevel(RootLevel):
         elif not self.active:
             _log.warning("pitstop.Memory(directory=%r): no such directory; saves go to the "
                          "next level only", self.directory, phase="plan")  # fmt: skip
+        other = _live_owner(self.directory, self.job, group.rank) if self.active else None
+        if other is not None:
+            self.active = False
+            _log.warning(
+                "the memory level is off: its segments (job %s in %s) belong to process %d, "
+                "which is running (the same script twice on one checkpoint directory? give "
+                "each its own pitstop.Memory(job=...)); saves go to the next level only",
+                self.job, self.directory, other, phase="plan",
+            )  # fmt: skip
         if self.active:
             with contextlib.suppress(OSError):  # dead jobs' segments, never a live one's
                 for name in remove_stale(self.directory, keep=self.job):
@@ -203,6 +215,22 @@ class MemoryLevel(RootLevel):
                 self.slots = None
             super().close()
             self._slot_storage.close()
+
+
+def _live_owner(directory: str, job: str, rank: int) -> int | None:
+    """The pid of another living training process that owns the job's segments on this
+    host (its lock file names it), else None (no segments, a dead owner: ours to adopt)."""
+    try:
+        with open(os.path.join(directory, lock_name(job, rank)), "rb") as f:
+            owner = json.loads(f.read(512).strip() or b"{}")
+    except (OSError, ValueError):
+        return None
+    pid = owner.get("pid") if isinstance(owner, dict) else None
+    if not isinstance(pid, int) or pid in (0, os.getpid()):
+        return None
+    if owner.get("host") != socket.gethostname() or owner.get("boot") != boot_id():
+        return None
+    return pid if pid_alive(pid) else None
 
 
 def _no_keeper(spec: Memory) -> Memory:
