@@ -228,3 +228,42 @@ def test_a_run_of_fixed_length_counts_the_progress_reached() -> None:
     assert r.lost_secs == pytest.approx(10.5) and r.goodput == pytest.approx(0.69)
     whole = simulate(job, failures, EveryN(10))
     assert whole.goodput == pytest.approx(1000 / (1000 + 10.5 + 20))  # the same, diluted
+
+
+def test_a_host_whose_speed_drifts_moves_the_checkpoints_against_the_failures() -> None:
+    """``speed_trace``: a host that slows down (a neighbour's job) stretches the iterations
+    from that time on. With constant iterations the model put a checkpoint on the wrong
+    side of a failure (benchmarks/goodput.py: a real loop that ran 10 % faster in one stretch
+    checkpointed 50 ms before a kill that the model placed 2 steps before the checkpoint)."""
+    steady = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=0.0, iterations=1000
+    )
+    slow = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=0.0, iterations=1000,
+        speed_trace=((5.0, 2.0), (15.0, 1.0)),
+    )  # fmt: skip
+    assert [slow.iter_secs_at(t) for t in (0.0, 4.9, 5.0, 14.9, 15.0)] == [1, 1, 2, 2, 1]
+    # no failure: 5 iterations by 5 s, 5 more (2 s each) by 15 s, then 15 by 30 s
+    assert simulate(slow, NO_FAILURES, EveryN(10), until_secs=30.0).work_secs == 25.0
+    failures = FailureModel(mtbf_secs=1.0, trace=(16.5,))
+    # steady: step 16 at 16 s, the checkpoint of step 10 committed: 6 steps + 0.5 s lost
+    r = simulate(steady, failures, EveryN(10), until_secs=30.0)
+    assert r.lost_secs == pytest.approx(6.5) and r.work_secs == 10 + 13
+    # slow: step 11 at 16 s: 1 step + 0.5 s lost, 13 more steps by 30 s
+    r = simulate(slow, failures, EveryN(10), until_secs=30.0)
+    assert r.lost_secs == pytest.approx(1.5) and r.work_secs == 10 + 13
+
+
+def test_time_based_policies_count_the_wall_clock_of_a_drifting_host() -> None:
+    from pitstop.policy import Every
+
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, iterations=20,
+        speed_trace=((0.0, 2.0),),
+    )  # fmt: skip
+    r = simulate(job, NO_FAILURES, Every(secs=4.0), record=True)
+    # every iteration takes 2 s: Every(4 s) checkpoints every 2 steps, as a real loop would
+    assert [round(p) for _, kind, p in r.events if kind == "checkpoint"] == list(range(2, 21, 2))
+    with pytest.raises(ValueError, match="speed_trace"):
+        JobModel(iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, iterations=1,
+                 speed_trace=((1.0, 1.0), (0.5, 2.0)))  # fmt: skip

@@ -113,6 +113,7 @@ def simulate(
     secs_since_restart = 0.0
     iters_since_restart = 0
     restarted = False
+    drifting, since = job.speed_trace, 0.0  # wall secs of iterations since the checkpoint
 
     def fail(at: float) -> None:
         nonlocal \
@@ -127,7 +128,8 @@ def simulate(
             measured, \
             restarted, \
             iters_since_restart, \
-            ckpt_count
+            ckpt_count, \
+            since
         while queue and queue[0][0] <= at:  # persists that finished before the failure count
             committed = queue.pop(0)[1]
             measured = True
@@ -152,21 +154,23 @@ def simulate(
         persist_free_at = t
         fi += 1
         secs_since_restart = 0.0
-        measured, restarted, iters_since_restart, ckpt_count = False, True, 0, 0
+        measured, restarted, iters_since_restart, ckpt_count, since = False, True, 0, 0, 0.0
 
     cap = job.work_secs * max_wall_factor
     while progress < target:
         if t > cap:
             result.finished = False
             break
-        if fi < len(fail_times) and fail_times[fi] < t + it:
+        step_secs = job.iter_secs_at(t)  # it, unless the host's speed drifts (speed_trace)
+        if fi < len(fail_times) and fail_times[fi] < t + step_secs:
             fail(fail_times[fi])
             continue
         if restarted:  # a new process: a fresh policy, nothing measured yet
             policy, restarted = copy.deepcopy(template), False
-        if until_secs is not None and t + it > until_secs:
+        if until_secs is not None and t + step_secs > until_secs:
             break  # the time is up: an iteration not finished by then does not count
-        t += it
+        t += step_secs
+        since += step_secs
         progress += 1
         iters_since_restart += 1
         while queue and queue[0][0] <= t:
@@ -178,8 +182,8 @@ def simulate(
             step=progress,
             elapsed_secs=progress * it,
             steps_since_checkpoint=progress - last_ckpt,
-            secs_since_checkpoint=(progress - last_ckpt) * it,
-            iter_secs=it if iters_since_restart > WARMUP else None,
+            secs_since_checkpoint=(progress - last_ckpt) * it if drifting is None else since,
+            iter_secs=step_secs if iters_since_restart > WARMUP else None,
             stall_secs=job.stall_secs if measured else None,
             persist_secs=job.persist_secs if measured else None,
             slowdown_secs=job.slowdown_secs if measured else None,
@@ -206,7 +210,7 @@ def simulate(
         start = max(t, persist_free_at)
         persist_free_at = start + job.persist_secs
         queue.append((persist_free_at, progress))
-        last_ckpt = progress
+        last_ckpt, since = progress, 0.0
         ckpt_count += 1
         result.checkpoints += 1
         if record:

@@ -5,7 +5,9 @@ Times are seconds. A *job* needs ``work_secs`` of compute (``iterations`` x
 background for ``persist_secs`` and counts once committed; the slowdown of training
 beside the persist (``slowdown_secs`` in all) is charged with the stall, so that a
 run without failures takes exactly work + (stall + slowdown) x checkpoints. A failure loses the work since the last
-committed checkpoint and costs ``restart_secs``.
+committed checkpoint and costs ``restart_secs``. A host whose speed drifts (a shared
+machine, a neighbour's job) is a ``speed_trace``: from each listed wall-clock time on,
+an iteration takes ``iter_secs`` x that factor (the work it does is still ``iter_secs``).
 
 Failures come from an exponential process (``weibull_shape=1``), a Weibull renewal
 process (shape < 1: failures cluster, as Tiwari et al. observed), or a trace of
@@ -16,6 +18,7 @@ catastrophe), each recovered from the cheapest level that survives it.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import math
@@ -36,6 +39,9 @@ class JobModel:
     restart_secs: float = 60.0
     max_in_flight: int = 2
     iterations_per_epoch: int | None = None
+    speed_trace: tuple[tuple[float, float], ...] | None = None
+    """``(wall secs, factor)`` pairs, times increasing: from that time on (until the next)
+    an iteration takes ``iter_secs * factor`` of wall-clock time; before the first, 1."""
 
     def __post_init__(self) -> None:
         for f in ("iter_secs", "stall_secs", "persist_secs", "slowdown_secs", "restart_secs"):
@@ -43,6 +49,18 @@ class JobModel:
                 raise ValueError(f"JobModel.{f} must be >= 0, got {getattr(self, f)}")
         if self.iter_secs <= 0 or self.iterations < 1:
             raise ValueError("JobModel needs iter_secs > 0 and iterations >= 1")
+        if self.speed_trace is not None:
+            times = [t for t, _ in self.speed_trace]
+            if times != sorted(times) or any(not f > 0 for _, f in self.speed_trace):
+                raise ValueError("JobModel.speed_trace needs increasing times and factors > 0")
+
+    def iter_secs_at(self, t: float) -> float:
+        """Wall-clock time of an iteration that starts at ``t`` (``iter_secs`` on a steady host)."""
+        trace = self.speed_trace
+        if not trace:
+            return self.iter_secs
+        i = bisect.bisect_right(trace, t, key=lambda p: p[0])
+        return self.iter_secs * (trace[i - 1][1] if i else 1.0)
 
     @property
     def work_secs(self) -> float:
