@@ -30,6 +30,10 @@ KILL_POINTS: tuple[str, ...] = (
     "flush.mid",  # multi-level: a rank's files of a flush on the shared level, not committed
     "lightning.pointer",  # Lightning: a pointer file renamed into place (the step committed)
     "lightning.registry",  # Lightning: the root's registry of pointer paths rewritten
+    "keeper.seal",  # memory level: the keeper about to seal a staged slot (the state a kill
+    # after hashing, before the header flip leaves: hashing writes nothing the header names)
+    "keeper.persist",  # memory level: a slot's data and objects written to the next level,
+    # not committed (the keeper, or the training process when it persists itself)
 )
 
 _lock = threading.Lock()

@@ -59,10 +59,13 @@ def _check_restore(root: str, expected_step: int) -> None:
 MULTILEVEL = {"replicate.mid", "flush.mid"}
 # kill points of the Lightning integration, killed in tests/integrations/test_lightning.py
 LIGHTNING = {"lightning.pointer", "lightning.registry"}
+# kill points of the memory level's keeper, killed in tests/memory/test_memory_kills.py
+KEEPER = {"keeper.seal", "keeper.persist"}
 
 
 def test_every_kill_point_is_covered() -> None:
-    assert {k.split(":")[0] for k in EXPECTED} | MULTILEVEL | LIGHTNING == set(KILL_POINTS)
+    covered = {k.split(":")[0] for k in EXPECTED} | MULTILEVEL | LIGHTNING | KEEPER
+    assert covered == set(KILL_POINTS)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(here, "multilevel", "test_multilevel.py")) as f:
         text = f.read()
@@ -70,6 +73,9 @@ def test_every_kill_point_is_covered() -> None:
     with open(os.path.join(here, "integrations", "test_lightning.py")) as f:
         text = f.read()
     assert all(f'    "{name}:' in text for name in LIGHTNING)
+    with open(os.path.join(here, "memory", "test_memory_kills.py")) as f:
+        text = f.read()
+    assert all(f'kill_at="{name}:' in text for name in KEEPER)
 
 
 @pytest.mark.parametrize("kill_at", sorted(EXPECTED))

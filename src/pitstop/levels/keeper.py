@@ -49,6 +49,7 @@ from typing import Any
 
 from pitstop.engine.catalog import Catalog
 from pitstop.errors import CheckpointExistsError, CorruptCheckpointError
+from pitstop.faults import killpoint
 from pitstop.format.checksum import get_checksum, segments
 from pitstop.format.manifest import Manifest, TensorEntry
 from pitstop.format.names import data_file_name, objects_file_name, step_dir_name
@@ -122,6 +123,7 @@ def persist_slot(
                 directory, data_file_name(rank), view, extents, pool=pool, on_extent=check
             )
             storage.write_object(directory, objects_file_name(rank), objects)
+            killpoint("keeper.persist")  # data and objects written, not committed
             storage.commit(directory, raw)
         except BaseException:
             storage.abort(directory)
@@ -254,6 +256,7 @@ class Keeper:
             self.send(event="error", op=op, slot=index, message="no such slot")
             return
         try:
+            killpoint("keeper.seal")  # a staged slot not yet flipped (hashing writes nothing)
             head = seal(slot, pool=self.hashers)
             if head is not None:
                 self.send(event="sealed", slot=index, step=head.step)

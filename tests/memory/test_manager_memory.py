@@ -1,0 +1,365 @@
+"""``CheckpointManager([pitstop.Memory(...), pitstop.Local(dir)])`` used as a user would (issue
+27): memory snapshots between the policy's durable saves, the restart from memory, the
+bad situations (a killed keeper, /dev/shm too small, a damaged snapshot, two jobs on one
+node, a rollback, a killed job and ``pitstop gc``) and bad input. Every test works in a
+private directory under /dev/shm with its own job token; none may leave a segment.
+
+Subprocess runs use ``memory_worker.py`` (a small model, Adam, ``pitstop.RNGState``, random
+batches); "bit-exact" compares with the uninterrupted run without checkpoints."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import pitstop
+from pitstop.cli.main import main
+from pitstop.levels.shm import (
+    COMMITTED,
+    DATA_OFFSET,
+    iter_slots,
+    new_job_token,
+    open_slot,
+    remove_job,
+)
+
+from . import memory_worker as w
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+
+STEPS, EVERY = 40, 20  # the subprocess runs: 40 steps, durable every 20
+
+
+@functools.cache
+def _ref() -> tuple[dict[int, str], dict[str, torch.Tensor]]:
+    return w.reference(STEPS)
+
+
+def _levels(job: str, shm: str, root: str, **kw: Any) -> list[Any]:
+    return [
+        pitstop.Memory(job=job, directory=shm, **kw),
+        pitstop.Local(root, redundancy="single"),
+    ]
+
+
+def _train(ckpt: Any, state: dict[str, Any], steps: range, digests: dict[int, str]) -> None:
+    for step in steps:
+        w.train_step(state, step)
+        time.sleep(0.005)  # a step's compute: the keeper seals meanwhile
+        ckpt.step(step, state)
+        digests[step] = w.digest(state)
+
+
+def _newest_committed(memory: Any, at_least: int, timeout: float = 30.0) -> int | None:
+    """The step of the newest committed memory snapshot once it is ``at_least`` (or the
+    deadline passed): a staged snapshot is committed when the keeper (or a thread) sealed it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        newest = memory.slots.newest(COMMITTED)
+        step = newest[1].step if newest is not None else None
+        if (step is not None and step >= at_least) or time.monotonic() > deadline:
+            return step
+        time.sleep(0.01)
+
+
+def _restore_fresh(root: str) -> tuple[int | None, str]:
+    """Restore ``root`` (its disk level only) into a fresh state: (step, digest)."""
+    state = w.build(seed=99)
+    with pitstop.CheckpointManager(root) as ckpt:
+        step = ckpt.restore(state)
+    return step, w.digest(state)
+
+
+def _assert_final(path: str) -> None:
+    got, (_, want) = torch.load(path), _ref()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+# ---------------------------------------------------------------------- one process
+def test_lifecycle_snapshots_each_step_durable_every_n_close_writes_newest(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    state, digests = w.build(), {}
+    ckpt = pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(10))
+    _train(ckpt, state, range(1, 26), digests)
+    ckpt.wait()
+    memory = ckpt.hooks.levels.memory
+    assert memory is not None and memory.active
+    taken = sorted({h.step for h in ckpt.history})
+    assert set(taken) - {10, 20}, f"no memory snapshot between the durable saves: {taken}"
+    assert ckpt.steps() == [10, 20]  # only the policy's saves are on disk
+    assert _newest_committed(memory, 25) in (24, 25)
+    assert os.listdir(shm_dir)  # the slots and the lock file
+    keeper = memory.keeper.pid if memory.keeper is not None else None
+    assert keeper is not None
+    ckpt.close()
+    w.wait_gone(keeper)
+    assert os.listdir(shm_dir) == []  # close() removed the segments
+    step, digest = _restore_fresh(root)  # close() wrote the newest snapshot to disk
+    assert step == 25 and digest == digests[25]
+
+
+def test_a_killed_keeper_training_goes_on_in_process(
+    job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    state, digests = w.build(), {}
+    ckpt = pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(10))
+    memory = ckpt.hooks.levels.memory
+    try:
+        _train(ckpt, state, range(1, 6), digests)
+        assert memory.keeper is not None
+        pid = memory.keeper.pid
+        os.kill(pid, signal.SIGKILL)
+        w.wait_gone(pid)
+        with caplog.at_level(logging.WARNING, logger="pitstop"):
+            _train(ckpt, state, range(6, 16), digests)
+            durable = [h for h in ckpt.history if h.step == 10]
+            assert durable, [h.step for h in ckpt.history]
+            durable[0].wait(timeout=5)  # committed in ms; a bound, not a timing assertion
+            _train(ckpt, state, range(16, 36), digests)
+            ckpt.wait()
+        assert "keeper ended" in caplog.text, caplog.text
+        assert {20, 30} <= set(ckpt.steps())  # durable saves landed without the keeper
+        assert _newest_committed(memory, 35) in (34, 35)  # sealed (in-process or a keeper)
+        ckpt.save(36, state)  # and an explicit save
+        digests[36] = w.digest(state)
+        assert ckpt.steps()[-1] == 36
+    finally:
+        _close_or_abandon(ckpt, memory, job, shm_dir)
+    assert os.listdir(shm_dir) == []
+    assert _restore_fresh(root) == (36, digests[36])
+
+
+def _close_or_abandon(ckpt: Any, memory: Any, job: str, shm_dir: str) -> None:
+    """``ckpt.close()``; if it hangs (a bug), end its keeper and remove the job's segments so
+    that the test fails instead of hanging (its thread is left behind)."""
+    import threading
+
+    closer = threading.Thread(target=ckpt.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    if closer.is_alive():
+        keeper = memory.keeper
+        if keeper is not None:
+            keeper.proc.kill()
+            keeper.proc.wait()
+        remove_job(shm_dir, job)
+        raise AssertionError("ckpt.close() hangs")
+
+
+def test_shm_too_small_warns_and_saves_go_to_the_next_level(
+    job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    state, digests = w.build(), {}
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        ckpt = pitstop.CheckpointManager(
+            _levels(job, shm_dir, root, limit_bytes=4096), policy=pitstop.EveryN(5)
+        )
+        _train(ckpt, state, range(1, 13), digests)
+        ckpt.save(12, state)
+        ckpt.wait()
+        assert os.listdir(shm_dir) == []  # no slot was made
+        ckpt.close()
+    assert "memory level is off" in caplog.text, caplog.text
+    assert _restore_fresh(root) == (12, digests[12])
+    fresh = w.build(seed=5)
+    with pitstop.CheckpointManager(_levels(job, shm_dir, root, limit_bytes=4096)) as again:
+        assert again.restore(fresh) == 12
+        assert again.last_restore is not None and again.last_restore.level != "memory"
+        assert again.steps() == [10, 12]
+    assert w.digest(fresh) == digests[12]
+    assert os.listdir(shm_dir) == []
+
+
+def test_two_jobs_on_one_node_restore_their_own(job: str, shm_dir: str, tmp_path: Any) -> None:
+    other = "t" + new_job_token()
+    roots = [os.path.join(str(tmp_path), n) for n in ("a", "b")]
+    a = pitstop.CheckpointManager(_levels(job, shm_dir, roots[0]), policy=pitstop.EveryN(100))
+    b = pitstop.CheckpointManager(_levels(other, shm_dir, roots[1]), policy=pitstop.EveryN(100))
+    sa, sb, da, db = w.build(0), w.build(1), {}, {}
+    try:
+        for step in range(1, 8):
+            _train(a, sa, range(step, step + 1), da)
+            if step <= 5:
+                _train(b, sb, range(step, step + 1), db)
+        a.wait(), b.wait()
+        assert _newest_committed(a.hooks.levels.memory, 7) in (6, 7)
+        assert _newest_committed(b.hooks.levels.memory, 5) in (4, 5)
+        for ckpt, digests in ((a, da), (b, db)):
+            fresh = w.build(seed=9)
+            step = ckpt.restore(fresh)
+            assert ckpt.last_restore is not None and ckpt.last_restore.level == "memory"
+            assert step is not None and w.digest(fresh) == digests[step]
+        a.close()
+        assert os.listdir(shm_dir), "closing one job removed the other's segments"
+        fresh = w.build(seed=9)
+        step = b.restore(fresh)
+        assert b.last_restore.level == "memory" and w.digest(fresh) == db[step]
+    finally:
+        a.close()
+        b.close()
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda j, s, r: [pitstop.Memory(slots=1, job=j, directory=s), pitstop.Local(r)],
+        lambda j, s, r: [pitstop.Memory(every=0, job=j, directory=s), pitstop.Local(r)],
+        lambda j, s, r: [pitstop.Memory(job="bad token!", directory=s), pitstop.Local(r)],
+        lambda j, s, r: [pitstop.Local(r), pitstop.Memory(job=j, directory=s)],
+        lambda j, s, r: [pitstop.Memory(job=j, directory=s)],
+    ],
+    ids=["slots=1", "every=0", "job", "memory-after-local", "memory-alone"],
+)
+def test_bad_input_is_a_value_error_naming_it(
+    job: str, shm_dir: str, tmp_path: Any, build: Any, request: pytest.FixtureRequest
+) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    names = {"slots=1": "slots=", "every=0": "every=", "job": "job="}
+    with pytest.raises(ValueError) as info:
+        pitstop.CheckpointManager(build(job, shm_dir, root))
+    named = names.get(request.node.callspec.id, "pitstop.Memory()")
+    assert named in str(info.value), str(info.value)
+    assert not os.path.exists(root) and os.listdir(shm_dir) == []  # refused before anything
+
+
+# ---------------------------------------------------------------------- killed training
+def test_sigkill_of_the_trainer_resumes_from_memory_bit_exact(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    root, out = os.path.join(str(tmp_path), "ck"), os.path.join(str(tmp_path), "final.pt")
+    digests, _ = _ref()
+    code, lines, err = w.run(root, shm_dir, job, STEPS, "--kill-at", "25")
+    assert code == -signal.SIGKILL, err
+    keeper = w.first(lines, "keeper")
+    code, lines, err = w.run(root, shm_dir, job, STEPS, "--final", out)
+    assert code == 0, err
+    start = lines[0]
+    assert start["level"] == "memory", start
+    assert start["restored"] >= 24, start
+    assert start["digest"] == digests[start["restored"]]
+    w.wait_gone(keeper)  # the old keeper saw the adoption and left
+    _assert_final(out)
+    assert os.listdir(shm_dir) == []
+
+
+def test_sigkill_of_the_process_group_resumes_from_disk_bit_exact(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    root, out = os.path.join(str(tmp_path), "ck"), os.path.join(str(tmp_path), "final.pt")
+    digests, _ = _ref()
+    code, lines, err = w.run(
+        root, shm_dir, job, STEPS, "--kill-at", "25", "--kill-group", group=True
+    )
+    assert code == -signal.SIGKILL, err
+    w.wait_gone(w.first(lines, "keeper"))
+    with pitstop.CheckpointManager(root) as disk:
+        newest_disk = disk.latest_step()
+    assert newest_disk == 20
+    code, lines, err = w.run(root, shm_dir, job, STEPS, "--final", out)
+    assert code == 0, err
+    start = lines[0]
+    assert start["restored"] >= newest_disk, start
+    assert start["digest"] == digests[start["restored"]]
+    _assert_final(out)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_damaged_memory_snapshot_falls_back(job: str, shm_dir: str, tmp_path: Any) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    digests, _ = _ref()
+    code, lines, err = w.run(root, shm_dir, job, STEPS, "--kill-at", "25")
+    assert code == -signal.SIGKILL, err
+    keeper = w.first(lines, "keeper")
+    # the lingering keeper seals the newest snapshot and writes it to disk: wait for that
+    deadline, newest = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        newest = _newest_slot(shm_dir, job)
+        if newest is not None and _on_disk(root, newest[1]):
+            break
+        time.sleep(0.05)
+    assert newest is not None
+    path, step = newest
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, DATA_OFFSET + 100)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), DATA_OFFSET + 100)
+    finally:
+        os.close(fd)
+    code, lines, err = w.run(root, shm_dir, job, STEPS)
+    assert code == 0, err
+    start = lines[0]
+    assert any("memory" in " ".join(map(str, s)) or "pitstop-mem" in " ".join(map(str, s))
+               for s in start["skipped"]), start  # fmt: skip
+    assert start["restored"] is not None and start["restored"] <= step
+    assert not (start["level"] == "memory" and start["restored"] == step), start
+    assert start["digest"] == digests[start["restored"]]
+    w.wait_gone(keeper)
+    assert os.listdir(shm_dir) == []
+
+
+def _newest_slot(shm: str, job: str) -> tuple[str, int] | None:
+    """(path, step) of the job's newest committed slot, read without adopting the slots."""
+    best = None
+    for path in iter_slots(shm, job, 0):
+        slot = open_slot(path, job=job, rank=0, populate=False)
+        try:
+            head = slot.header()
+        finally:
+            slot.close()
+        ok = head is not None and head.state == COMMITTED and head.step is not None
+        if ok and (best is None or head.gen > best[0]):  # type: ignore[union-attr]
+            best = (head.gen, path, head.step)  # type: ignore[union-attr]
+    return None if best is None else (best[1], best[2])
+
+
+def _on_disk(root: str, step: int) -> bool:
+    with pitstop.CheckpointManager(root) as disk:
+        return step in disk.steps()
+
+
+def test_a_rollback_drops_newer_memory_snapshots(job: str, shm_dir: str, tmp_path: Any) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    log = os.path.join(str(tmp_path), "digests")
+    code, _, err = w.run(
+        root, shm_dir, job, STEPS, "--rollback-at", "30", "--rollback-to", "20",
+        "--kill-at", "24", "--digests", log,
+    )  # fmt: skip
+    assert code == -signal.SIGKILL, err
+    seen = w.read_digests(log)
+    new = dict(seen[30:])  # the new timeline: 21..24 after the rollback to 20
+    old = dict(seen[:30])
+    assert sorted(new) == [21, 22, 23, 24] and all(new[s] != old[s] for s in new)
+    code, lines, err = w.run(root, shm_dir, job, 25)
+    assert code == 0, err
+    start = lines[0]
+    assert start["restored"] in (23, 24), start  # never the abandoned 25..30
+    assert start["digest"] == new[start["restored"]], start
+    assert os.listdir(shm_dir) == []
+
+
+def test_gc_removes_the_segments_of_a_killed_job(job: str, shm_dir: str, tmp_path: Any) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    code, lines, err = w.run(
+        root, shm_dir, job, STEPS, "--kill-at", "25", "--kill-group", group=True
+    )
+    assert code == -signal.SIGKILL, err
+    w.wait_gone(w.first(lines, "keeper"))
+    assert os.listdir(shm_dir), "the killed job left no segment: nothing to test"
+    assert main(["gc", root, "--shm-dir", shm_dir]) == 0
+    assert os.listdir(shm_dir) == []
+    with pitstop.CheckpointManager(root) as disk:
+        assert disk.steps() == [20]  # gc of shared memory took nothing from disk
