@@ -355,8 +355,10 @@ class MemorySaver(Saver):
     # ------------------------------------------------------------------ arenas
     def reserve_async(self, state: Mapping[str, Any]) -> None:
         """The slots are the arenas: made in the background at the first ``step()``."""
-        if self._reserver is not None or self._closed or not self.memory.active:
+        if self._reserver is not None or self._closed:
             return
+        if not self.memory.active:  # no memory level: the plain arena, as without it
+            return super().reserve_async(state)
         _, plan = self._plan(state)
 
         def run() -> None:
