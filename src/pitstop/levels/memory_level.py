@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
@@ -156,13 +157,16 @@ class MemoryLevel(RootLevel):
         self.keeper = None
         self.spec = _no_keeper(self.spec)
 
-    def begin(self, step: int, *, avoid: set[int], wait_secs: float = 0.0) -> Slot | None:
-        """A slot to stage ``step`` into (see ``SlotSet.begin``); with ``wait_secs``, wait that
-        long for one to be freed (the keeper sealing or writing), else None at once."""
+    def begin(
+        self, step: int, *, avoid: Callable[[], set[int]], wait_secs: float = 0.0
+    ) -> Slot | None:
+        """A slot to stage ``step`` into (see ``SlotSet.begin``; ``avoid()``: the slots the
+        keeper is writing); with ``wait_secs``, wait that long for one to be freed (the
+        keeper sealing or writing), else None at once."""
         assert self.slots is not None
         deadline = time.monotonic() + wait_secs
         while True:
-            slot = self.slots.begin(step, avoid=avoid)
+            slot = self.slots.begin(step, avoid=avoid())
             if slot is not None or time.monotonic() >= deadline:
                 return slot
             time.sleep(0.002)

@@ -139,8 +139,11 @@ class MemorySaver(Saver):
                 raise NoFreeSlotError("the memory level is off", step=step, phase="stage")
             return super()._stage(flat, plan)
         self._listen()
-        with self._cond:
-            avoid = set(self._writing)
+
+        def avoid() -> set[int]:  # the slots being written now (asked again while waiting)
+            with self._cond:
+                return set(self._writing)
+
         wait = _DURABLE_WAIT_SECS if durable else 0.0
         slot = self.memory.begin(step, avoid=avoid, wait_secs=wait)
         if slot is None:
