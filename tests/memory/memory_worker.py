@@ -260,6 +260,7 @@ def main() -> int:
     p.add_argument("--linger", type=float, default=30.0)
     p.add_argument("--step-secs", type=float, default=0.0, help="a step's compute time")
     p.add_argument("--kill-delay", type=float, default=0.0, help="secs from step() to the kill")
+    p.add_argument("--settle", action="store_true", help="ckpt.wait() before the kill")
     p.add_argument("--no-keeper", action="store_true", help="Memory(keeper=False)")
     p.add_argument("--plain", action="store_true")
     p.add_argument("--digests", default=None)
@@ -313,12 +314,17 @@ def main() -> int:
             keeper = level.keeper.pid  # started at the first save
             print(json.dumps({"keeper": keeper}), flush=True)
         if a.kill_at is not None and step == a.kill_at and a.rollback_at is None:
+            if a.settle:  # the durable saves in flight are on disk (memory snapshots too)
+                ckpt.wait()
+            taken = [h.step for h in ckpt.history][-6:]  # the newest snapshots taken
+            print(json.dumps({"taken": taken}), flush=True)
             time.sleep(a.kill_delay)  # the save's threads go on meanwhile
             if a.kill_group:
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if a.rollback_at is not None and step == a.rollback_at:
             assert a.rollback_to is not None
+            ckpt.wait()  # the durable save of the step rolled back to is committed
             step = ckpt.restore(state, step=a.rollback_to) or 0
             assert step == a.rollback_to, step
             state["progress"]["timeline"] += 1  # a new timeline: other data from here on
