@@ -256,6 +256,9 @@ class Keeper:
             self.send(event="error", op=op, slot=index, message="no such slot")
             return
         try:
+            if op == "seal" and self._superseded(slot):
+                self.send(event="superseded", slot=index)  # a newer snapshot is staged: the
+                return  # trainer may take this slot again; hashing it would be wasted
             killpoint("keeper.seal")  # a staged slot not yet flipped (hashing writes nothing)
             head = seal(slot, pool=self.hashers)
             if head is not None:
@@ -264,6 +267,28 @@ class Keeper:
                 self.persister.submit(self._persist_index, index)
         except Exception as e:
             self.send(event="error", op=op, slot=index, message=f"{type(e).__name__}: {e}")
+
+    def _superseded(self, slot: Slot) -> bool:
+        """Whether staged ``slot`` has a newer staged or committed snapshot beside it."""
+        head = slot.header()
+        if head is None or head.state != STAGED:
+            return False
+        for path in iter_slots(self.shm, self.job, self.rank):
+            if path == slot.path:
+                continue
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                try:
+                    other = read_header(fd)
+                finally:
+                    os.close(fd)
+                if (
+                    other is not None
+                    and other.state in (STAGED, COMMITTED)
+                    and other.gen > head.gen
+                ):
+                    return True
+        return False
 
     def _persist_index(self, index: int) -> None:
         """The persist thread: slot ``index`` as it is now, to the next level."""

@@ -244,22 +244,25 @@ class SlotSet:
 
     def begin(self, step: int, *, avoid: Collection[int] = ()) -> Slot | None:
         """A slot to stage ``step`` into, held exclusively, its header ``staging``: never the
-        newest committed one, never one a reader pins, never a staged snapshot newer than
-        every committed one (it awaits its seal: overwritten, a crash in the copy would
-        fall back two steps), never one whose index is in ``avoid`` (the caller's: a slot
-        it asked the keeper to write to the next level). None when no slot is free: the
-        caller skips this memory checkpoint (the keeper's sealing throttles how often one
-        is taken)."""
+        newest committed one, never one a reader pins, never the newest staged snapshot
+        when it is newer than every committed one (it awaits its seal: overwritten, a crash
+        in the copy would fall back two steps; an older staged one is superseded by it and
+        may be taken, so a keeper slow to seal does not make the level skip snapshots),
+        never one whose index is in ``avoid`` (the caller's: a slot it asked the keeper to
+        write to the next level). None when no slot is free: the caller skips this memory
+        checkpoint."""
         heads = self.headers()
         newest = self.newest()
         top = newest[1].gen if newest is not None else -1
         gen = max((h.gen for h in heads if h is not None), default=0) + 1
+        staged = [_gen(h) for h in heads if _state(h) == STAGED and _gen(h) > top]
+        top_staged = max(staged, default=None)  # awaits its seal: kept
         order = sorted(
             (
                 i
                 for i in range(len(self.slots))
                 if (newest is None or self.slots[i] is not newest[0])
-                and not (_state(heads[i]) == STAGED and _gen(heads[i]) > top)
+                and not (_state(heads[i]) == STAGED and _gen(heads[i]) == top_staged)
                 and self.slots[i].index not in avoid
                 and self.slots[i].index not in self._begun
             ),
