@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import random
+import statistics
 from dataclasses import dataclass, field
 
 from pitstop.policy.base import CheckpointPolicy, PolicyContext
@@ -62,6 +63,41 @@ class RunResult:
     @property
     def lost_per_failure_secs(self) -> float:
         return self.lost_secs / self.failures if self.failures else 0.0
+
+
+_COSTS = 16  # paired measurements the profiler's estimate is made of (pitstop.profiler)
+
+
+@dataclass
+class _Measured:
+    """What the profiler of one process has measured of the checkpoint cost: one sample per
+    committed checkpoint (the true cost plus noise of ``job.cost_noise_secs``), its mean of
+    the last 16 plus the standard error (the first sample left out once there are more), as
+    ``pitstop.profiler`` estimates it. Noise makes each process's intervals differ, and so
+    where its checkpoints fall against the failures."""
+
+    job: JobModel
+    rng: random.Random
+    samples: list[float] = field(default_factory=list)
+    step: int | None = None  # progress at the newest sample
+
+    def add(self, progress: int) -> None:
+        noise = self.job.cost_noise_secs
+        true = self.job.stall_secs + self.job.slowdown_secs
+        self.samples.append(true + (self.rng.gauss(0.0, noise) if noise > 0 else 0.0))
+        self.samples = self.samples[-(_COSTS + 1) :]
+        self.step = progress
+
+    def cost(self) -> float | None:
+        xs = self.samples[1:] if len(self.samples) > 1 else self.samples
+        xs = xs[-_COSTS:]
+        if len(xs) < 2:
+            return xs[0] if xs else None
+        return statistics.fmean(xs) + statistics.stdev(xs) / len(xs) ** 0.5
+
+    def slowdown(self) -> float:
+        """The model's slowdown: the measured cost beyond the stall (never below 0)."""
+        return max((self.cost() or 0.0) - self.job.stall_secs, 0.0)
 
 
 def _name(policy: CheckpointPolicy) -> str:
@@ -114,6 +150,9 @@ def simulate(
     iters_since_restart = 0
     restarted = False
     drifting, since = job.speed_trace, 0.0  # wall secs of iterations since the checkpoint
+    noisy = job.cost_noise_secs > 0  # else the policies see the true cost, as they always did
+    noise_rng = random.Random(seed * 104729 + 3)  # the measurement noise (its own stream)
+    seen = _Measured(job, noise_rng)  # what this process's profiler measured
 
     def fail(at: float) -> None:
         nonlocal \
@@ -129,7 +168,8 @@ def simulate(
             restarted, \
             iters_since_restart, \
             ckpt_count, \
-            since
+            since, \
+            seen
         while queue and queue[0][0] <= at:  # persists that finished before the failure count
             committed = queue.pop(0)[1]
             measured = True
@@ -155,6 +195,7 @@ def simulate(
         fi += 1
         secs_since_restart = 0.0
         measured, restarted, iters_since_restart, ckpt_count, since = False, True, 0, 0, 0.0
+        seen = _Measured(job, noise_rng)
 
     cap = job.work_secs * max_wall_factor
     while progress < target:
@@ -176,6 +217,7 @@ def simulate(
         while queue and queue[0][0] <= t:
             committed = queue.pop(0)[1]
             measured = True
+            seen.add(progress)
             if record:
                 result.events.append((t, "commit", committed * it))
         ctx = PolicyContext(
@@ -186,7 +228,9 @@ def simulate(
             iter_secs=step_secs if iters_since_restart > WARMUP else None,
             stall_secs=job.stall_secs if measured else None,
             persist_secs=job.persist_secs if measured else None,
-            slowdown_secs=job.slowdown_secs if measured else None,
+            slowdown_secs=(seen.slowdown() if noisy else job.slowdown_secs) if measured else None,
+            measured_cost_secs=seen.cost() if noisy else None,
+            measured_cost_step=seen.step if noisy else None,
             in_flight=len(queue),
             max_in_flight=job.max_in_flight,
             checkpoints=ckpt_count,
@@ -219,6 +263,7 @@ def simulate(
             committed = progress
             queue.pop()
             measured = True
+            seen.add(progress)
     result.wall_secs = t
     result.work_secs = (target if result.finished else committed) * it
     if until_secs is not None:

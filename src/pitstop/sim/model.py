@@ -39,12 +39,20 @@ class JobModel:
     restart_secs: float = 60.0
     max_in_flight: int = 2
     iterations_per_epoch: int | None = None
+    cost_noise_secs: float = 0.0
+    """Standard deviation of one checkpoint's cost as the loop measures it (its stall plus
+    the excess of the iterations beside its persist: noisy on a shared machine). The
+    policies see what the profiler would: a first estimate from one noisy checkpoint, then
+    the mean of the last 16 plus its standard error; 0: the true cost at once."""
     speed_trace: tuple[tuple[float, float], ...] | None = None
     """``(wall secs, factor)`` pairs, times increasing: from that time on (until the next)
     an iteration takes ``iter_secs * factor`` of wall-clock time; before the first, 1."""
 
     def __post_init__(self) -> None:
-        for f in ("iter_secs", "stall_secs", "persist_secs", "slowdown_secs", "restart_secs"):
+        for f in (
+            "iter_secs", "stall_secs", "persist_secs", "slowdown_secs", "restart_secs",
+            "cost_noise_secs",
+        ):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"JobModel.{f} must be >= 0, got {getattr(self, f)}")
         if self.iter_secs <= 0 or self.iterations < 1:
