@@ -146,6 +146,8 @@ class MemorySaver(Saver):
 
         wait = _DURABLE_WAIT_SECS if durable else 0.0
         slot = self.memory.begin(step, avoid=avoid, wait_secs=wait)
+        if slot is None and self._settle_staging():  # once the snapshots in flight are
+            slot = self.memory.begin(step, avoid=avoid)  # staged, the older is superseded
         if slot is None:
             raise NoFreeSlotError(
                 "no memory slot is free (the keeper is still sealing or writing the others)"
@@ -165,6 +167,19 @@ class MemorySaver(Saver):
         self._modes[step] = durable
         return job, plan, slot, None, waited  # type: ignore[return-value]
 
+    def _settle_staging(self, timeout_secs: float = 2.0) -> bool:
+        """Training thread: wait until no snapshot of this process is still being staged (the
+        persist thread marks them staged right after their copy); True if there were some. A
+        fast loop would otherwise find every slot busy (the newest committed, the newest
+        staged awaiting its seal, the one in flight) and skip snapshots while the keeper
+        seals: a crash then lost more than the step under way."""
+        slots = self.memory.slots
+        if slots is None or not slots.staging:
+            return False
+        with self._cond:
+            self._cond.wait_for(lambda: not slots.staging, timeout_secs)
+        return True
+
     # ------------------------------------------------------------------ persist thread
     def _persist(
         self,
@@ -183,7 +198,7 @@ class MemorySaver(Saver):
         slot, durable = arena, self._modes.pop(handle.step, True)
         t1 = time.perf_counter()
         error: BaseException | None = None
-        writing = False
+        writing = staged = False
         try:
             objects = encode_objects(flat.tree, rank=self.group.rank)
             job.wait_copied()
@@ -197,13 +212,10 @@ class MemorySaver(Saver):
                 lineage=meta.lineage, metrics=meta.metrics, library=library,
             )  # fmt: skip
             assert self.memory.slots is not None
-            staged = False
-            try:
-                self.memory.slots.staged(slot, record, objects, plan.file_bytes)
-                staged = True
-            finally:
-                if not staged:
-                    self.memory.slots.abandon(slot)
+            self.memory.slots.staged(slot, record, objects, plan.file_bytes)
+            staged = True
+            with self._cond:
+                self._cond.notify_all()  # _settle_staging
             if durable:
                 with self._cond:
                     self._writing[slot.index] = _Durable(handle, slot, directory, t0, t1)
@@ -215,6 +227,11 @@ class MemorySaver(Saver):
         except BaseException as e:
             error = e
             job.settle()
+            if not staged and self.memory.slots is not None:  # the slot is free again
+                with contextlib.suppress(Exception):
+                    self.memory.slots.abandon(slot)
+                with self._cond:
+                    self._cond.notify_all()
             if writing:
                 with self._cond:
                     self._writing.pop(slot.index, None)

@@ -287,6 +287,11 @@ class SlotSet:
             return slot
         return None
 
+    @property
+    def staging(self) -> int:
+        """How many slots this process is staging into (begun, not yet staged or abandoned)."""
+        return len(self._begun)
+
     def staged(self, slot: Slot, record: bytes, objects: bytes, file_bytes: int) -> None:
         """The snapshot in ``slot`` is consistent: write its record and objects after the
         data, mark it ``staged`` and let go of it (the keeper or :func:`seal` commits it)."""
