@@ -64,6 +64,8 @@ __all__ = ["MemorySaver", "NoFreeSlotError"]
 
 _log = get_logger("pitstop.levels")
 _DURABLE_WAIT_SECS = 120.0  # a durable save waits this long for a slot the keeper frees
+_SNAPSHOT_WAIT_SECS = 1.0  # a memory snapshot this long (then it is skipped): the loop waits
+# for a keeper that falls behind rather than lose more than the step under way in a crash
 
 
 class NoFreeSlotError(CheckpointError):
@@ -146,8 +148,9 @@ class MemorySaver(Saver):
 
         wait = _DURABLE_WAIT_SECS if durable else 0.0
         slot = self.memory.begin(step, avoid=avoid, wait_secs=wait)
-        if slot is None and self._settle_staging():  # once the snapshots in flight are
-            slot = self.memory.begin(step, avoid=avoid)  # staged, the older is superseded
+        if slot is None:  # once the snapshots in flight are staged the older is superseded,
+            self._settle_staging()  # and a slot the keeper is sealing is let go
+            slot = self.memory.begin(step, avoid=avoid, wait_secs=_SNAPSHOT_WAIT_SECS)
         if slot is None:
             raise NoFreeSlotError(
                 "no memory slot is free (the keeper is still sealing or writing the others)"
@@ -167,7 +170,7 @@ class MemorySaver(Saver):
         self._modes[step] = durable
         return job, plan, slot, None, waited  # type: ignore[return-value]
 
-    def _settle_staging(self, timeout_secs: float = 2.0) -> bool:
+    def _settle_staging(self, timeout_secs: float = 2.0) -> None:
         """Training thread: wait until no snapshot of this process is still being staged (the
         persist thread marks them staged right after their copy); True if there were some. A
         fast loop would otherwise find every slot busy (the newest committed, the newest
@@ -175,10 +178,9 @@ class MemorySaver(Saver):
         seals: a crash then lost more than the step under way."""
         slots = self.memory.slots
         if slots is None or not slots.staging:
-            return False
+            return
         with self._cond:
             self._cond.wait_for(lambda: not slots.staging, timeout_secs)
-        return True
 
     # ------------------------------------------------------------------ persist thread
     def _persist(
