@@ -19,25 +19,36 @@ and a digest of its state. Contenders, each in its own run of the same trace:
 Goodput = steps reached at ``T`` / steps the yardstick reached at ``T``. Also reported:
 checkpoints, work lost per failure (steps reached before the kill minus the step
 resumed from), restart time (kill to the first step trained after the restore). A
-restart takes a warm spare (a process that has imported torch and pitstop and built the
-model: imports take 3-15 s on this host) and starts a new spare warming up beside the
-training, as an elastic agent keeps one; the spare's CPU is part of the restart's cost. Every run's final state is checked bit-exact against an uninterrupted run to
-the same step (a separate worker at the end, hashing the state at those steps).
+restart takes a warm spare (a process that has imported torch and pitstop, the modules
+pitstop imports lazily included, and built the model: imports take 3-15 s on this host),
+one pre-warmed per failure of the trace; a replacement warms up at nice 19 beside the
+training (on a cluster the spare is another machine). Every run's final state is checked
+bit-exact against an uninterrupted run to the same step (a separate worker at the end,
+hashing the state at those steps).
 
 Beside each measurement: the simulator's prediction (``pitstop.sim.simulate``, what
-``pitstop simulate`` runs) with the parameters this run measured: iteration time of the
-yardstick, the contender's stall, persist time and slowdown (extra time of iterations while
-a save is in flight, per checkpoint), the restart time and the very same failure trace.
+``pitstop simulate`` runs) with what this run measured: its iteration time and the host's
+speed through the run (per second, the quiet iterations over their mean: ``speed_trace``),
+the contender's stall (plus its per-step loop work beyond the yardstick's, per checkpoint),
+persist time, slowdown (the excess of iterations while a save is in flight over the quiet
+ones of the same second, per checkpoint), the restart time, the failures as they happened
+and, for the policies that decide on measured costs, the noise of one checkpoint's
+measured cost (``cost_noise_secs``; the prediction is then the mean over 20 seeds, +- its
+standard deviation). ``--dump FILE`` writes each run's timeline and the model's events.
 
 This machine has 2 cores shared with other jobs: the figures are noisy (each contender is
 one run, minutes apart from the others; a neighbour's burst moves one run, not all).
+A run whose checkpoints fall within a fraction of a second of a kill is chaotic: a
+1 % timing error moves a checkpoint to the other side of it, and the prediction by
+tens of steps (``--dump`` shows it).
 Prints a table and a final JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import math
 import os
 import random
 import shutil
@@ -61,6 +72,7 @@ WIDTH, LAYERS, BATCH = 768, 6, 128  # ~3.6 M parameters: ~43 MB with Adam's two 
 def worker(args: argparse.Namespace) -> None:
     """One incarnation: restore, then train and checkpoint until SIGUSR1 (or a SIGKILL)."""
     stop = threading.Event()
+    os.nice(19)  # a spare warms up at low priority: on a real cluster it is another machine
     signal.signal(signal.SIGUSR1, lambda *_: stop.set())
     import hashlib
 
@@ -107,10 +119,13 @@ def worker(args: argparse.Namespace) -> None:
     import pitstop
     from pitstop.policy import CheckFreq, EveryN, YoungDaly
 
+    _ = pitstop.CheckpointManager  # its modules are imported lazily: a warm spare has them
     say("W")  # a warm spare: imports done, model built; told what to run when needed
     words = sys.stdin.readline().split()
     if not words:
         return
+    with contextlib.suppress(PermissionError):  # taken: back to normal (needs root here)
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
     args.worker, args.k, args.root, args.mtbf = words[0], int(words[1]), words[2], float(words[3])
     args.digests = words[4] if len(words) > 4 else ""
     kind, k, root = args.worker, args.k, args.root
@@ -152,8 +167,11 @@ def worker(args: argparse.Namespace) -> None:
 
     pending: Any = None  # DCP: (future, step, started)
     pending_dirs: list[int] = []
+    inflight: list[Any] = []  # pitstop: saves started and not yet seen done
+    t2 = 0.0
     while not stop.is_set():
         step += 1
+        gap = time.perf_counter() - t2 if t2 else 0.0  # the loop's own work after the last step
         t0 = time.perf_counter()
         busy = 0
         if ckpt is not None:
@@ -184,6 +202,13 @@ def worker(args: argparse.Namespace) -> None:
             os.replace(path + ".tmp", path)
             saved = 1
         t2 = time.perf_counter()
+        if ckpt is not None:  # each commit said as it happens: a kill loses what is unsaid
+            if saved:
+                inflight.append(ckpt.history[-1])
+            for h in [h for h in inflight if h.done()]:
+                inflight.remove(h)
+                if h.committed:
+                    say("C", h.step, f"{h.stats.total_secs - h.stats.stall_secs:.6f}")
         if pending is not None and pending[0].done():
             pending[0].result()
             say("C", pending[1], f"{time.perf_counter() - pending[2]:.6f}")
@@ -192,10 +217,7 @@ def worker(args: argparse.Namespace) -> None:
             for old in pending_dirs[:-2]:
                 shutil.rmtree(f"{root}/s{old}", ignore_errors=True)
             pending_dirs = pending_dirs[-2:]
-        say("S", step, f"{t1 - t0:.6f}", f"{t2 - t1:.6f}", busy, saved)
-    if ckpt is not None:
-        persists = [h.stats.total_secs - h.stats.stall_secs for h in ckpt.history if h.committed]
-        say("P", json.dumps(persists))
+        say("S", step, f"{t1 - t0:.6f}", f"{t2 - t1:.6f}", busy, saved, f"{gap:.6f}")
     say("F", step, digest())
     os._exit(0)  # a save in flight is abandoned, as a kill would
 
@@ -219,9 +241,15 @@ class Run:
     busy_secs: list[float] = field(default_factory=list)  # iterations with a save in flight
     save_secs: list[float] = field(default_factory=list)  # the time ckpt.step / the save took
     persist_secs: list[float] = field(default_factory=list)
+    other_secs: list[float] = field(default_factory=list)  # per step: the loop's own work
+    kills: list[float] = field(default_factory=list)  # when each failure happened (s)
+    seconds: float = 0.0  # the run's wall-clock time T
+    timeline: list[dict[str, Any]] = field(default_factory=list)  # per incarnation (--dump)
+    sim_events: list[tuple[float, str, int]] = field(default_factory=list)  # (secs, kind, step)
     goodput: float = 0.0
     adjusted: float = 0.0
     predicted: float | None = None
+    predicted_sd: float | None = None  # over the measurement noise's seeds (NOISY policies)
     sim: dict[str, float] = field(default_factory=dict)  # the simulator's inputs
 
     @property
@@ -237,9 +265,11 @@ class Run:
             "name": self.name, "k": self.k or None, "goodput": round(self.goodput, 4),
             "adjusted": round(self.adjusted, 4), "own_iter_secs": self.own_iter_secs,
             "predicted": None if self.predicted is None else round(self.predicted, 4),
+            "predicted_sd": None if self.predicted_sd is None else round(self.predicted_sd, 4),
             "checkpoints": self.checkpoints, "failures": self.failures,
             "lost_steps_per_failure": mean(self.lost_steps),
             "restart_secs": mean(self.restart_secs), "final_step": self.final_step,
+            "other_secs_per_step": mean(self.other_secs),
             "bit_exact": self.exact, "sim": self.sim,
         }  # fmt: skip
 
@@ -318,6 +348,7 @@ class Pool:
 def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, pool: Pool) -> Run:
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
+    run.seconds = args.seconds
     order = f"{run.kind} {run.k} {root} {args.mtbf}"
     first = pool.take()
     for spare in pool.spares:  # no spare warms up in the first seconds of a run
@@ -330,8 +361,9 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
         delay = start + at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
+        born = time.perf_counter() - start  # the failure: restart and loss count from here
         incarnations[-1][1].kill()
-        born = time.perf_counter() - start
+        run.kills.append(born)
         incarnations.append((born, pool.take()))
         incarnations[-1][1].go(order)
     delay = start + args.seconds - time.perf_counter()
@@ -363,13 +395,25 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
         for w in steps:
             secs, save, busy, saved = float(w[2]), float(w[3]), int(w[4]), int(w[5])
             (run.busy_secs if busy else run.train_secs).append(secs)
+            run.other_secs.append(float(w[6]) + (0.0 if saved else save))
             if saved:
                 run.checkpoints += 1
                 run.save_secs.append(save)
+        stamped = [(t - start, w) for t, w in inc.lines if w[0] in "RSC"]
+        run.timeline.append({
+            "born": born, "restored": restored,
+            "first_step": next((t for t, w in stamped if w[0] == "S"), None),
+            "reached": int(steps[-1][1]) if steps else None,
+            "last_step": next((t for t, w in reversed(stamped) if w[0] == "S"), None),
+            "commits": [(round(t, 3), int(w[1])) for t, w in stamped if w[0] == "C"],
+            "saves": [(round(t, 3), int(w[1])) for t, w in stamped if w[0] == "S" and w[5] == "1"],
+            "iters": [  # (start, training secs, a save in flight, its save's secs or 0): the
+                # line comes at the iteration's end
+                (t - float(w[2]) - float(w[3]), float(w[2]), int(w[4]), float(w[3]) * int(w[5]))
+                for t, w in stamped if w[0] == "S"
+            ],
+        })  # fmt: skip
         run.persist_secs += [float(w[2]) for _, w in inc.lines if w[0] == "C"]
-        for _, w in inc.lines:
-            if w[0] == "P":
-                run.persist_secs += json.loads(w[1])
         if steps:
             reached_before = int(steps[-1][1])
         elif restored is not None:
@@ -380,6 +424,28 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
     return run
 
 
+SPEED_BIN_SECS = 1.0
+NOISY = ("checkfreq", "youngdaly")  # policies that decide on measured costs
+
+
+def speed_trace(run: Run, it: float) -> tuple[tuple[float, float], ...]:
+    """The host's speed through the run, as the simulator's ``speed_trace``: per second of
+    the run, the mean quiet iteration (no save in flight) started in it over ``it`` (a
+    second with none: the one before). This host's speed drifts by 10-30 % within a run
+    (other jobs, a spare warming up after a restart), and with constant iterations the model
+    puts checkpoints on the wrong side of failures."""
+    bins: dict[int, list[float]] = {}
+    for inc in run.timeline:
+        for t, secs, busy, _ in inc["iters"]:
+            if not busy:
+                bins.setdefault(int(t / SPEED_BIN_SECS), []).append(secs)
+    out, last = [], 1.0
+    for b in range(math.ceil(run.seconds / SPEED_BIN_SECS) + 1):
+        last = statistics.fmean(bins[b]) / it if b in bins else last
+        out.append((b * SPEED_BIN_SECS, last))
+    return tuple(out)
+
+
 def predict(run: Run, base: Run, args: argparse.Namespace, trace: list[float]) -> float:
     """The simulator's goodput for ``run`` with what this benchmark measured."""
     from pitstop.policy import CheckFreq, EveryN, YoungDaly
@@ -387,8 +453,26 @@ def predict(run: Run, base: Run, args: argparse.Namespace, trace: list[float]) -
 
     mean = lambda xs, d=0.0: sum(xs) / len(xs) if xs else d  # noqa: E731
     it = run.own_iter_secs  # compared with the adjusted goodput: this run's own speed
-    slowdown = sum(b - it for b in run.busy_secs) / max(run.checkpoints, 1)
-    stall = mean(run.save_secs)
+    speed = speed_trace(run, it)
+    factor = lambda t: speed[min(int(t / SPEED_BIN_SECS), len(speed) - 1)][1]  # noqa: E731
+    # slowdown: the iterations beside a save in flight over the quiet ones of the same second
+    slowdown = sum(
+        secs - it * factor(t) for inc in run.timeline for t, secs, busy, _ in inc["iters"] if busy
+    ) / max(run.checkpoints, 1)
+    # each checkpoint's cost as a profiler sees it: its save plus the excess of the busy
+    # iterations after it; their spread is the noise the policy's estimate carries
+    costs: list[float] = []
+    for inc in run.timeline:
+        for t, secs, busy, save in inc["iters"]:
+            if save:
+                costs.append(save)
+            elif busy and costs:
+                costs[-1] += secs - it * factor(t)
+    noise = statistics.stdev(costs) if len(costs) > 1 else 0.0
+    # the loop's own per-step work beyond the yardstick's (ckpt.step's bookkeeping, DCP's
+    # removal of old directories): a cost of checkpointing, charged per checkpoint
+    extra = sum(run.other_secs) - len(run.other_secs) * mean(base.other_secs)
+    stall = mean(run.save_secs) + max(extra, 0.0) / max(run.checkpoints, 1)
     policy = {
         "checkfreq": lambda: CheckFreq(0.02),
         "youngdaly": lambda: YoungDaly(mtbf_secs=args.mtbf),
@@ -397,12 +481,22 @@ def predict(run: Run, base: Run, args: argparse.Namespace, trace: list[float]) -
         iter_secs=it, stall_secs=stall, persist_secs=mean(run.persist_secs),
         slowdown_secs=max(slowdown, 0.0), iterations=10 * max(1, round(args.seconds / it)),
         restart_secs=max(mean(run.restart_secs, 3.0) - it, 0.0), max_in_flight=1,
+        speed_trace=speed, cost_noise_secs=noise if run.kind in NOISY else 0.0,
     )  # fmt: skip
     run.sim = {f: getattr(job, f) for f in ("iter_secs", "stall_secs", "persist_secs",
-               "slowdown_secs", "restart_secs")}  # fmt: skip
-    failures = FailureModel(mtbf_secs=args.mtbf, trace=tuple(trace))
+               "slowdown_secs", "restart_secs", "cost_noise_secs")}  # fmt: skip
+    # the failures as they happened (a kill waits for the supervisor: a few ms after the trace's)
+    failures = FailureModel(mtbf_secs=args.mtbf, trace=tuple(run.kills or trace))
     # a run of T seconds, as measured (goodput over a fixed job would dilute the failures)
-    return simulate(job, failures, policy, until_secs=args.seconds).goodput
+    result = simulate(job, failures, policy, until_secs=args.seconds, record=True)
+    run.sim_events = [(round(t, 3), kind, round(p / it)) for t, kind, p in result.events]
+    if not job.cost_noise_secs:
+        return result.goodput
+    # a policy deciding on noisy measurements: its intervals, and so where its checkpoints
+    # fall against the failures, differ from run to run; the prediction is their mean
+    seeds = [simulate(job, failures, policy, seed=s, until_secs=args.seconds) for s in range(20)]
+    run.predicted_sd = statistics.stdev(r.goodput for r in seeds)
+    return statistics.fmean(r.goodput for r in seeds)
 
 
 def main() -> None:
@@ -415,6 +509,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=26)
     p.add_argument("--sweep", default=None, help="intervals k (steps) of the fixed contenders")
     p.add_argument("--root", default=None)
+    p.add_argument("--only", default=None, help="contenders whose name contains this (and none)")
+    p.add_argument("--dump", default=None, help="write each run's timeline and the sim's here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--digests", default="", help=argparse.SUPPRESS)
@@ -441,7 +537,10 @@ def main() -> None:
         ("torchsave", "torch.save"),
     ):
         runs += [Run(f"{label}({k})", kind, k) for k in sweep]
-    pool = Pool(3)  # clustered failures: a warm spare for each of a quick succession
+    runs = [r for r in runs if r.kind == "none" or not args.only or args.only in r.name]
+    # a warm spare for each failure of a run: on this host a spare warming up at low priority
+    # beside the training and other jobs may take longer than a quick succession of failures
+    pool = Pool(max(3, len(trace) + 1))
     try:
         for r in runs:
             run_one(r, args, trace, os.path.join(base_dir, "ckpt"), pool)
@@ -472,15 +571,17 @@ def main() -> None:
     for r in runs[1:]:
         if r.kind not in best or r.adjusted > best[r.kind].adjusted:
             best[r.kind] = r
-    print(f"{'contender':28s} {'goodput':>8s} {'adjusted':>8s} {'predicted':>9s} {'ckpts':>6s} {'fails':>5s} "
+    print(f"{'contender':28s} {'goodput':>8s} {'adjusted':>8s} {'predicted':>12s} {'ckpts':>6s} {'fails':>5s} "
           f"{'lost/fail':>9s} {'restart':>8s} {'exact':>6s}")  # fmt: skip
     for r in runs:
         row = r.row()
         star = "*" if best.get(r.kind) is r and r.kind in ("everyn", "dcp", "torchsave") else " "
         lost = row["lost_steps_per_failure"]
+        pred = "" if r.predicted is None else f"{r.predicted:.3f}"
+        pred += "" if r.predicted_sd is None else f"+-{r.predicted_sd:.3f}"
         rs = row["restart_secs"]
         print(f"{r.name + star:28s} {r.goodput:8.3f} {r.adjusted:8.3f} "
-              f"{'' if r.predicted is None else f'{r.predicted:.3f}':>9s} {r.checkpoints:6d} "
+              f"{pred:>12s} {r.checkpoints:6d} "
               f"{r.failures:5d} {'' if lost is None else f'{lost:.1f}':>9s} "
               f"{'' if rs is None else f'{rs:.2f}s':>8s} {r.exact!s:>6s}")  # fmt: skip
     print(
@@ -496,6 +597,11 @@ def main() -> None:
         "all_exact": all(r.exact for r in runs),
     }  # fmt: skip
     print(json_line(result))
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(json_line({"trace": trace, "runs": [
+                {**r.row(), "timeline": r.timeline, "sim_events": r.sim_events} for r in runs
+            ]}) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":
