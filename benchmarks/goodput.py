@@ -72,7 +72,7 @@ WIDTH, LAYERS, BATCH = 768, 6, 128  # ~3.6 M parameters: ~43 MB with Adam's two 
 def worker(args: argparse.Namespace) -> None:
     """One incarnation: restore, then train and checkpoint until SIGUSR1 (or a SIGKILL)."""
     stop = threading.Event()
-    os.nice(19)  # a spare warms up at low priority: on a real cluster it is another machine
+    os.nice(args.nice)  # a replacement warms up at low priority: on a cluster, another machine
     signal.signal(signal.SIGUSR1, lambda *_: stop.set())
     import hashlib
 
@@ -333,11 +333,11 @@ class Pool:
 
     def __init__(self, size: int) -> None:
         self.argv = [sys.executable, os.path.abspath(__file__), "--worker", "spare"]
-        self.spares = [Incarnation(self.argv) for _ in range(size)]
+        self.spares = [Incarnation(self.argv) for _ in range(size)]  # before any run: nice 0
 
     def take(self) -> Incarnation:
         spare = self.spares.pop(0)
-        self.spares.append(Incarnation(self.argv))
+        self.spares.append(Incarnation([*self.argv, "--nice", "19"]))  # beside a run
         return spare
 
     def close(self) -> None:
@@ -352,6 +352,8 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
     order = f"{run.kind} {run.k} {root} {args.mtbf}"
     first = pool.take()
     for spare in pool.spares:  # no spare warms up in the first seconds of a run
+        with contextlib.suppress(OSError):  # no run beside it now: full speed (needs root)
+            os.setpriority(os.PRIO_PROCESS, spare.proc.pid, 0)
         spare.warm.wait(timeout=600)
     first.go(order)
     first.ready.wait(timeout=600)  # the clock starts once the first incarnation trains
@@ -514,6 +516,7 @@ def main() -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--digests", default="", help=argparse.SUPPRESS)
+    p.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
