@@ -22,6 +22,7 @@ from pitstop.levels.shm import (
     COMMITTED,
     DATA_OFFSET,
     HEADER_PAGE,
+    META_RESERVE,
     SHM_DIR,
     STAGED,
     STAGING,
@@ -283,7 +284,8 @@ def test_a_full_tmpfs_is_said_at_allocation_not_a_sigbus(tiny_tmpfs: str) -> Non
     job = "t" + new_job_token()
     with pytest.raises(ShmSpaceError, match="cannot reserve") as info:
         SlotSet.create(job, data_bytes=2 << 20, directory=tiny_tmpfs)  # 2 x 4 MiB > 4 MiB
-    assert str(DATA_OFFSET + (2 << 20)) in str(info.value) and tiny_tmpfs in str(info.value)
+    whole = DATA_OFFSET + (2 << 20) + META_RESERVE  # data and room for the metadata
+    assert str(whole) in str(info.value) and tiny_tmpfs in str(info.value)
     assert os.listdir(tiny_tmpfs) == []
 
 

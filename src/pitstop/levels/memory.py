@@ -239,6 +239,7 @@ class SlotStorage:
         self.io = io if io is not None else IOOptions.from_env()
         self._slots: list[Slot] = []
         self._seen: dict[str, tuple[int, int]] = {}  # path -> (dev, inode) of the slots opened
+        self._bad: dict[str, tuple[int, int]] = {}  # slot files that could not be opened
         self._refresh()
         self._marks: dict[str, dict[str, str]] = {}
 
@@ -246,7 +247,10 @@ class SlotStorage:
         """Open the job's slots as they are now: slots made (or remade larger) since the last
         look are opened, removed ones closed (the training process makes its slots at its
         first save, after this storage may have been opened for the restore)."""
-        paths = list(iter_slots(self.directory, self.job, self.rank))
+        try:
+            paths = list(iter_slots(self.directory, self.job, self.rank))
+        except OSError:  # not a directory, unreadable: no memory snapshots
+            paths = []
         keep: list[Slot] = []
         for s in self._slots:
             try:
@@ -263,13 +267,21 @@ class SlotStorage:
             if path in self._seen:
                 continue
             try:
+                ident = _ident(os.lstat(path))
+            except OSError:
+                continue
+            if self._bad.get(path) == ident:
+                continue  # said before, unchanged
+            try:
                 # mapped writable only so that its address can be taken (and a rollback can
                 # drop a snapshot: its header); the data is never written here
                 slot = open_slot(path, job=self.job, rank=self.rank, populate=False)
             except FileNotFoundError:
                 continue
-            except CheckpointError as e:  # no valid header (torn twice): holds no checkpoint
-                _log.warning("memory slot skipped: %s", e, phase="restore")
+            except (OSError, ValueError, CheckpointError) as e:  # no valid header (torn
+                # twice), truncated, a symlink, not ours to open: holds no checkpoint
+                _log.warning("memory slot %s skipped: %s", path, e, phase="restore")
+                self._bad[path] = ident
                 continue
             self._seen[path] = _ident(os.fstat(slot.fd))
             self._slots.append(slot)

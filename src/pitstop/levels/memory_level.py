@@ -25,10 +25,12 @@ Under torch.distributed the level is not used yet: a warning, and saves go to th
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -41,7 +43,18 @@ from pitstop.io.locks import pid_alive
 from pitstop.levels.keeper import KeeperHandle, persist_slot, start_keeper
 from pitstop.levels.memory import SlotStorage
 from pitstop.levels.root import RootLevel
-from pitstop.levels.shm import Slot, SlotSet, boot_id, lock_name, remove_stale, seal
+from pitstop.levels.shm import (
+    EMPTY,
+    Slot,
+    SlotSet,
+    boot_id,
+    hold_job_lock,
+    iter_slots,
+    lock_name,
+    read_header,
+    remove_stale,
+    seal,
+)
 from pitstop.levels.spec import Memory
 from pitstop.log import get_logger
 from pitstop.options import IOOptions
@@ -91,23 +104,74 @@ class MemoryLevel(RootLevel):
         elif not self.active:
             _log.warning("pitstop.Memory(directory=%r): no such directory; saves go to the "
                          "next level only", self.directory, phase="plan")  # fmt: skip
+        self._claim = -1  # the job's lock file, held and naming this process from the start
         other = _live_owner(self.directory, self.job, group.rank) if self.active else None
         if other is not None:
             self.active = False
             _log.warning(
-                "the memory level is off: its segments (job %s in %s) belong to process %d, "
-                "which is running (the same script twice on one checkpoint directory? give "
-                "each its own pitstop.Memory(job=...)); saves go to the next level only",
-                self.job, self.directory, other, phase="plan",
+                "the memory level is off: its segments (job %s in %s) %s (the same script "
+                "twice on one checkpoint directory? give each its own pitstop.Memory(job=...)); "
+                "saves go to the next level only", self.job, self.directory,
+                f"belong to process {other}, which is running" if other > 0
+                else "have a lock file that is not a regular file", phase="plan",
             )  # fmt: skip
         if self.active:
             with contextlib.suppress(OSError):  # dead jobs' segments, never a live one's
                 for name in remove_stale(self.directory, keep=self.job):
                     _log.info("removed a dead job's memory segment %s", name, phase="gc")
-            with contextlib.suppress(OSError, CheckpointError):
+            with contextlib.suppress(OSError, ValueError, CheckpointError):
                 self.slots = SlotSet.attach(self.job, rank=group.rank, directory=self.directory)
+            self._claim_job(group.rank)
         self._slot_storage = SlotStorage(self.directory, self.job, rank=group.rank, io=io)
         super().__init__(self._slot_storage, group, None, name="memory")
+
+    def _claim_job(self, rank: int) -> None:
+        """Name this process in the job's lock file now, not at the first save: a second
+        process of the same job started meanwhile sees a living owner and stays off."""
+        try:
+            self._claim = hold_job_lock(self.directory, self.job, rank)
+            owner = {"job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
+                     "boot": boot_id()}  # fmt: skip
+            os.pwrite(self._claim, json.dumps(owner).encode().ljust(512), 0)
+        except (OSError, CheckpointError) as e:
+            self.off(f"its lock file cannot be held ({e})")
+
+    def off(self, why: str) -> None:
+        """Turn the memory level off for the rest of the run (said once): saves go to the
+        next level as without it."""
+        if self.active:
+            self.active = False
+            _log.warning("the memory level is off: %s; saves go to the next level (%s) as "
+                         "without it", why, self.next_storage.url, phase="stage")  # fmt: skip
+
+    def drop_after(self, step: int) -> list[str]:
+        """A rollback to ``step``: every snapshot of a newer step (committed, staged or
+        being staged; of the abandoned timeline) is removed, so that no later restart
+        resumes it; its slot is made anew at the next save. Unlinked, not rewritten: a
+        keeper may hold it."""
+        dropped = []
+        try:
+            paths = list(iter_slots(self.directory, self.job, self.group.rank))
+        except OSError:
+            return []
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    head = read_header(fd)
+                finally:
+                    os.close(fd)
+            except (OSError, CheckpointError):
+                continue
+            if head is not None and head.step is not None and head.step > step \
+                    and head.state != EMPTY:  # fmt: skip
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    dropped.append(f"memory:{step_dir_name(head.step)}")
+        if dropped and self.slots is not None:
+            self.slots.close(unlink=False)  # made anew (all of them) at the next save
+            self.slots = None
+        return dropped
 
     # ------------------------------------------------------------------ save side
     def ready(self, nbytes: int) -> bool:
@@ -128,12 +192,8 @@ class MemoryLevel(RootLevel):
                 self.job, data_bytes=nbytes, count=self.spec.slots, rank=self.group.rank,
                 directory=self.directory, limit_bytes=self.spec.limit_bytes,
             )  # fmt: skip
-        except (ShmSpaceError, OSError) as e:
-            self.active = False
-            _log.warning(
-                "the memory level is off: %s; saves go to the next level (%s) as without it",
-                e, self.next_storage.url, phase="stage",
-            )  # fmt: skip
+        except (ShmSpaceError, OSError, ValueError, CheckpointError) as e:
+            self.off(str(e))
             return False
         self._start_keeper()
         return True
@@ -217,18 +277,33 @@ class MemoryLevel(RootLevel):
             if self.slots is not None:
                 self.slots.close(unlink=unlink)
                 self.slots = None
+            elif unlink and self._claim >= 0:  # no slots were made: the claimed lock file
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, lock_name(self.job, self.group.rank)))
+            if self._claim >= 0:
+                os.close(self._claim)
+                self._claim = -1
             super().close()
             self._slot_storage.close()
 
 
 def _live_owner(directory: str, job: str, rank: int) -> int | None:
     """The pid of another living training process that owns the job's segments on this
-    host (its lock file names it), else None (no segments, a dead owner: ours to adopt)."""
+    host (its lock file names it), -1 for a lock file that is not a regular file, else None
+    (no segments, a dead owner: ours to adopt)."""
+    path = os.path.join(directory, lock_name(job, rank))
     try:
-        with open(os.path.join(directory, lock_name(job, rank)), "rb") as f:
-            owner = json.loads(f.read(512).strip() or b"{}")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        return -1 if e.errno == errno.ELOOP else None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return -1  # a FIFO, a device...: never read (a FIFO would hang the read)
+        owner = json.loads(os.pread(fd, 512, 0).strip() or b"{}")
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
     pid = owner.get("pid") if isinstance(owner, dict) else None
     if not isinstance(pid, int) or pid in (0, os.getpid()):
         return None

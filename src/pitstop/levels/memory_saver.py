@@ -214,7 +214,13 @@ class MemorySaver(Saver):
                 lineage=meta.lineage, metrics=meta.metrics, library=library,
             )  # fmt: skip
             assert self.memory.slots is not None
-            self.memory.slots.staged(slot, record, objects, plan.file_bytes)
+            try:
+                self.memory.slots.staged(slot, record, objects, plan.file_bytes)
+            except OSError as e:  # shared memory full (ShmSpaceError) or gone
+                self.memory.off(f"its slot could not be written ({e})")
+                if not durable:
+                    raise
+                return self._persist_plain(handle, job, flat, plan, slot, directory, t0, meta)
             staged = True
             with self._cond:
                 self._cond.notify_all()  # _settle_staging
@@ -249,6 +255,32 @@ class MemorySaver(Saver):
             _log.warning("memory snapshot of step %d not taken: %r", handle.step, error,
                          phase="stage")  # fmt: skip
         self._finish(handle, error, report=durable)
+
+    def _persist_plain(
+        self,
+        handle: SaveHandle,
+        job: StageJob,
+        flat: Flat,
+        plan: SavePlan,
+        slot: Slot,
+        directory: str,
+        t0: float,
+        meta: _Meta,
+    ) -> None:
+        """A durable save whose slot could not be marked staged: written from the slot's
+        data (complete: the copy is done) by the plain persist and commit round, as
+        without the level; the slot is not kept as an arena."""
+        assert self.memory.slots is not None
+        with contextlib.suppress(Exception):
+            self.memory.slots.abandon(slot)
+        with self._cond:
+            self._cond.notify_all()
+        super()._persist(handle, job, flat, plan, slot, directory, t0, meta)  # type: ignore[arg-type]
+
+    def _release_arena(self, arena: Arena) -> None:
+        """A slot is never one of the plain arenas (``_persist_plain`` writes from one)."""
+        if not isinstance(arena, Slot):
+            super()._release_arena(arena)
 
     def _finish(self, handle: SaveHandle, error: BaseException | None, report: bool = True) -> None:
         with self._cond:
@@ -363,7 +395,11 @@ class MemorySaver(Saver):
         now on this process seals and writes."""
         if not self._said_dead:
             self._said_dead = True
-            code = self.memory.keeper.proc.poll() if self.memory.keeper else None
+            code: Any = None
+            if self.memory.keeper is not None:
+                with contextlib.suppress(Exception):
+                    code = self.memory.keeper.proc.wait(1.0)
+            code = "unknown" if code is None else code
             _log.warning(
                 "the memory level's keeper ended (exit %s): training goes on, sealing and "
                 "writing in the training process", code, phase="persist",

@@ -88,6 +88,7 @@ __all__ = [
     "DATA_OFFSET",
     "EMPTY",
     "HEADER_PAGE",
+    "META_RESERVE",
     "PREFIX",
     "SHM_DIR",
     "STAGED",
@@ -135,6 +136,10 @@ def hold_job_lock(directory: str, job: str, rank: int) -> int:
     raise CheckpointError(f"cannot hold {path}", path=path, phase="stage")
 
 
+META_RESERVE = 4 << 20  # room reserved after each slot's data for its record, objects and
+# manifest (larger metadata is reserved when written)
+
+
 class SlotSet:
     """The slots of one job's rank on this node (see the module docstring)."""
 
@@ -172,8 +177,10 @@ class SlotSet:
                     os.unlink(path)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
-                    budget = None if limit_bytes is None else limit_bytes - i * (DATA_OFFSET + size)
-                    reserve(fd, 0, DATA_OFFSET + size, path, budget)
+                    whole = DATA_OFFSET + size + META_RESERVE  # the metadata's room too: a
+                    # shared memory that fills later fails no save at its staged() write
+                    budget = None if limit_bytes is None else limit_bytes - i * whole
+                    reserve(fd, 0, whole, path, budget)
                     o = _owner(job)
                     head = SlotHeader(job, rank, i, o["host"], o["pid"], o["boot"], data_bytes=size)
                     write_header(fd, head)
@@ -205,8 +212,9 @@ class SlotSet:
         os.pwrite(lock_fd, json.dumps(_owner(job)).encode().ljust(512), 0)  # adopted: ours now
         slots: list[Slot] = []
         try:
-            for p in paths:  # a slot without a valid header (torn twice) is left out
-                with contextlib.suppress(FileNotFoundError, CheckpointError):
+            for p in paths:  # a slot without a valid header (torn twice), truncated, a
+                # symlink or not ours to open is left out (made anew if too few remain)
+                with contextlib.suppress(OSError, ValueError, CheckpointError):
                     slots.append(open_slot(p, job=job, rank=rank))
         except BaseException:
             for s in slots:

@@ -90,7 +90,7 @@ def segment_names(directory: str, job: str) -> list[str]:
     """Every segment (slots and lock files, any rank) of ``job`` under ``directory``."""
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(n for n in names if (m := _NAME.fullmatch(n)) and m.group(1) == job)
 

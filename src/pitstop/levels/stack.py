@@ -250,6 +250,8 @@ class LevelStack:
         )
         if rollback:
             self._newest = None  # a step this process committed may be set aside now
+            if self.memory is not None and result.step is not None:  # staged ones too, and
+                result.set_aside += self.memory.drop_after(result.step)  # those a keeper pins
         return result
 
     # ------------------------------------------------------------------ misc
