@@ -1,0 +1,205 @@
+"""The memory level against what a hostile review found (issue 27): a rollback with a newer
+snapshot still staged, two processes of one job started at once, damaged slot files and
+lock files, a directory that is a file, shared memory that fills after the slots were made.
+In one process, each test in a private directory under /dev/shm with its own job token."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import pitstop
+from pitstop.levels.shm import STAGED, iter_slots, lock_name, read_header
+
+from . import memory_worker as w
+
+
+def _levels(job: str, shm: str, root: str, **kw: Any) -> list[Any]:
+    return [pitstop.Memory(job=job, directory=shm, **kw), pitstop.Local(root, redundancy="single")]
+
+
+def _slot_steps(shm: str, job: str) -> dict[int, str]:
+    out = {}
+    for path in iter_slots(shm, job, 0):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = read_header(fd)
+        finally:
+            os.close(fd)
+        if head is not None and head.step is not None:
+            out[head.step] = head.state
+    return out
+
+
+def test_a_rollback_removes_newer_snapshots_even_staged_ones(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """A newer snapshot still awaiting its seal (staged) is removed by a rollback too: were
+    it left, the keeper would seal it and a crash would resume the abandoned timeline."""
+    root = os.path.join(str(tmp_path), "ck")
+    state = w.build()
+    ckpt = pitstop.CheckpointManager(
+        _levels(job, shm_dir, root, keeper=False), policy=pitstop.EveryN(10)
+    )
+    for step in range(1, 14):
+        w.train_step(state, step)
+        ckpt.step(step, state)
+    ckpt.wait()
+    slots = ckpt.hooks.levels.memory.slots
+    newest = max(_slot_steps(shm_dir, job))
+    victim = next(s for s in slots.slots if s.header() and s.header().step == newest)
+    head = victim.header()
+    from dataclasses import replace
+
+    from pitstop.levels.shm import write_header
+
+    write_header(victim.fd, replace(head, state=STAGED, seq=head.seq + 1))  # not sealed yet
+    assert _slot_steps(shm_dir, job)[newest] == STAGED
+    assert ckpt.restore(state, step=10) == 10
+    assert all(s <= 10 for s in _slot_steps(shm_dir, job)), _slot_steps(shm_dir, job)
+    assert any("memory:" in name for name in ckpt.last_restore.set_aside)
+    w.train_step(state, 11)
+    ckpt.step(11, state)
+    ckpt.wait()
+    ckpt.close()
+
+
+def test_two_processes_of_one_job_the_second_stays_off(
+    job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first manager names its process in the job's lock file when it is made, before
+    any save: a second one made at once (same job token) runs without the memory level."""
+    root = os.path.join(str(tmp_path), "ck")
+    first = pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(10))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q: Any = ctx.Queue()
+    p = ctx.Process(target=_second, args=(job, shm_dir, root, q))
+    p.start()
+    active = q.get(timeout=120)
+    p.join(60)
+    assert active is False
+    assert first.hooks.levels.memory.active
+    first.close()
+
+
+def _second(job: str, shm: str, root: str, q: Any) -> None:
+    ckpt = pitstop.CheckpointManager(_levels(job, shm, root), policy=pitstop.EveryN(10))
+    q.put(ckpt.hooks.levels.memory.active)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "symlink"])
+def test_a_damaged_slot_file_never_stops_the_job(
+    job: str, shm_dir: str, tmp_path: Any, damage: str
+) -> None:
+    root = os.path.join(str(tmp_path), "ck")
+    state = w.build()
+    ckpt = pitstop.CheckpointManager(
+        _levels(job, shm_dir, root, keeper=False, linger_secs=0), policy=pitstop.EveryN(5)
+    )
+    for step in range(1, 8):
+        w.train_step(state, step)
+        ckpt.step(step, state)
+    ckpt.wait()
+    paths = sorted(iter_slots(shm_dir, job, 0))
+    ckpt.hooks.levels.memory.slots.close()  # a crash: the slots stay
+    ckpt.hooks.levels.memory.slots = None
+    ckpt.close(flush=False)
+    victim = paths[0]
+    if damage == "truncate":
+        os.truncate(victim, 4096 * 3)
+    else:
+        os.unlink(victim)
+        os.symlink("/etc/hostname", victim)
+    fresh = w.build(seed=1)
+    again = pitstop.CheckpointManager(_levels(job, shm_dir, root, keeper=False))
+    got = again.restore(fresh)  # from the slots left whole, or from disk
+    assert got is not None and got >= 5
+    again.close()
+    for p in paths:  # close() removed what it could; the rest goes here
+        if os.path.lexists(p):
+            os.unlink(p)
+
+
+def test_a_lock_file_that_is_a_fifo_turns_the_level_off(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    os.mkfifo(os.path.join(shm_dir, lock_name(job, 0)))
+    ckpt = pitstop.CheckpointManager(
+        _levels(job, shm_dir, os.path.join(str(tmp_path), "ck")), policy=pitstop.EveryN(2)
+    )
+    try:
+        assert ckpt.hooks.levels.memory.active is False
+        state = w.build()
+        for step in range(1, 5):
+            w.train_step(state, step)
+            ckpt.step(step, state)
+        ckpt.wait()
+        assert ckpt.steps() == [2, 4]
+    finally:
+        ckpt.close()
+        os.unlink(os.path.join(shm_dir, lock_name(job, 0)))
+
+
+def test_a_directory_that_is_a_file_turns_the_level_off(job: str, tmp_path: Any) -> None:
+    a_file = os.path.join(str(tmp_path), "not-a-dir")
+    open(a_file, "w").close()
+    root = os.path.join(str(tmp_path), "ck")
+    ckpt = pitstop.CheckpointManager(
+        [pitstop.Memory(job=job, directory=a_file), pitstop.Local(root, redundancy="single")],
+        policy=pitstop.EveryN(2),
+    )
+    state = w.build()
+    for step in range(1, 3):
+        w.train_step(state, step)
+        ckpt.step(step, state)
+    ckpt.close()
+    assert ckpt.hooks.levels.memory.active is False
+    assert pitstop.CheckpointManager(root).latest_step() == 2
+
+
+def test_shared_memory_that_fills_after_the_slots_were_made_loses_no_durable_save(
+    job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slot whose record cannot be written (shared memory full, simulated: the write
+    fails with ENOSPC) turns the level off; the durable save is written from the slot's
+    data by the plain commit round, and later saves go to disk as without the level."""
+    root = os.path.join(str(tmp_path), "ck")
+    state = w.build()
+    ckpt = pitstop.CheckpointManager(  # snapshots only at the durable saves: step 5's finds
+        _levels(job, shm_dir, root, every=1000),
+        policy=pitstop.EveryN(5),  # the full memory
+    )
+    slots_type = type(ckpt.hooks.levels.memory)
+    assert slots_type is not None
+    for step in range(1, 4):
+        w.train_step(state, step)
+        ckpt.step(step, state)
+    ckpt.wait()
+    slots = ckpt.hooks.levels.memory.slots
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise pitstop.ShmSpaceError("cannot reserve: /dev/shm is full (simulated)")
+
+    slots.staged = full  # every record write from now on
+    expected = {}
+    for step in range(4, 12):
+        w.train_step(state, step)
+        ckpt.step(step, state)
+        expected[step] = {k: v.clone() for k, v in w.tensors(state).items()}
+    ckpt.wait()
+    assert ckpt.hooks.levels.memory.active is False
+    assert ckpt.steps() == [5, 10]
+    ckpt.close()
+    fresh = w.build(seed=3)
+    again = pitstop.CheckpointManager(root)
+    assert again.restore(fresh) == 10  # the durable saves landed; off, memory holds no more
+    again.close()
+    got = w.tensors(fresh)
+    for k, v in expected[10].items():
+        assert torch.equal(got[k], v), k
