@@ -3,6 +3,7 @@
     python benchmarks/overhead.py            # ~350 MB of state, 0.4-0.5 s iterations (a few minutes)
     python benchmarks/overhead.py --quick    # ~100 MB, short segments (under a minute)
     python benchmarks/overhead.py --only drift   # only the drift case (2-3 minutes)
+    python benchmarks/overhead.py --only loops   # CheckFreq's budget on 3 loop shapes (~5 min)
 
 This machine's speed drifts by 10-20 % within minutes (the host is shared), which
 swamps a 2 % effect if configurations are timed minutes apart. So each configuration
@@ -28,6 +29,14 @@ quiet iterations with the same neighbour state; the A/B wall clock of the chunks
 noisier cross-check), and the mean interval within 2x of the interval the measured
 cost allows, k_allowed = cost per checkpoint / (0.02 x iteration), at least
 persist / iteration. ``--drift-trace FILE`` writes every iteration's timings.
+
+Loops case (``--only loops``; ~5 minutes, ``--quick`` about one): ``CheckFreq(0.02)`` on a
+wide MLP (~85 MB with Adam), a small conv net and a small transformer encoder, one
+training thread, each without and with a neighbour process burning a core throughout:
+a warm-up (12 s), then 5 pairs of ~4 s segments with and without ``ckpt.step``. Targets:
+the in-run paired overhead (as in the drift case) <= 3 %, and the longest gap between
+checkpoints <= 4 x k_allowed; the A/B ratio of the segments, the policy's own cost
+estimate beside the measured one, and the host's load are printed too.
 """
 
 from __future__ import annotations
@@ -489,6 +498,235 @@ def drift_case(args: argparse.Namespace, root: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# --------------------------------------------------------------------------- loops
+
+LOOP_SHAPES = ("mlp", "conv", "transformer")
+
+
+def build_shape(shape: str, quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """A model of one loop shape and a function that returns one step's loss (fixed data)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if shape == "mlp":  # wide and shallow: ~85 MB with Adam (quick ~38 MB)
+        width, batch = (1024, 128) if quick else (1536, 128)
+        model: nn.Module = nn.Sequential(
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10),
+        )  # fmt: skip
+        x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    elif shape == "conv":  # small images, few parameters, compute-heavy
+        ch, batch = (16, 16) if quick else (32, 16)
+        model = nn.Sequential(
+            nn.Conv2d(3, ch, 3, padding=1), nn.BatchNorm2d(ch), nn.ReLU(),
+            nn.Conv2d(ch, 2 * ch, 3, padding=1), nn.BatchNorm2d(2 * ch), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(2 * ch, 2 * ch, 3, padding=1), nn.BatchNorm2d(2 * ch), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * ch * 8 * 8, 10),
+        )  # fmt: skip
+        x, y = (
+            torch.randn(batch, 3, 32, 32, generator=g),
+            torch.randint(0, 10, (batch,), generator=g),
+        )
+    elif shape == "transformer":  # a small encoder over token embeddings
+        d, layers, seq, batch = (128, 2, 32, 8) if quick else (256, 3, 32, 16)
+        vocab = 2000
+        enc = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True), layers
+        )
+        model = nn.ModuleDict(
+            {"emb": nn.Embedding(vocab, d), "enc": enc, "head": nn.Linear(d, vocab)}
+        )
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        y = torch.randint(0, vocab, (batch, seq), generator=g)
+    else:
+        raise ValueError(shape)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def loss() -> torch.Tensor:
+        if shape == "transformer":
+            h = model["head"](model["enc"](model["emb"](x)))  # type: ignore[index]
+            return loss_fn(h.reshape(-1, h.shape[-1]), y.reshape(-1))
+        return loss_fn(model(x), y)
+
+    return model, loss
+
+
+def loop_case(
+    args: argparse.Namespace, root: str, shape: str, neighbour_on: bool
+) -> dict[str, Any]:
+    """CheckFreq(0.02) on one loop shape (one training thread): a warm-up, then pairs of
+    segments with and without ``ckpt.step`` (order alternating), the neighbour burning a
+    core throughout or not at all.
+
+    Overhead (the target, <= 3 %), measured in pairs within the run as in the drift case:
+    per checkpoint, ``ckpt.step``'s stall plus the excess of the iterations during its
+    persist over the nearest quiet ones, plus ``ckpt.step``'s bookkeeping on the other
+    steps, over the training time. A segment with checkpoints goes on until its last
+    persist is done (no wait at its end). Cross-check: the median over pairs of (with /
+    without - 1) per iteration (A/B: under a load of 3-6 on 2 cores its pairs scatter by
+    tens of percent). The cost per checkpoint gives the interval the budget allows,
+    k_allowed = cost / (0.02 x iteration), at least persist / iteration; the longest gap
+    between checkpoints after the warm-up must stay within 4 x k_allowed. The policy's own
+    estimate of the cost is printed beside the measured one (what its estimate misses)."""
+    torch.set_num_threads(1)  # one training thread: with two, a busy core stalls every op
+    model, loss_of = build_shape(shape, args.quick)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    state = {"model": model, "optimizer": opt}
+
+    def train() -> float:
+        loss = loss_of()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    for _ in range(3):
+        train()  # Adam state exists, kernels and allocator warm
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+    policy = CheckFreq(0.02)
+    d = os.path.join(root, f"loops-{shape}-{int(neighbour_on)}")
+    shutil.rmtree(d, ignore_errors=True)
+    ckpt = pitstop.CheckpointManager(d, keep_last=2, policy=policy)
+    neighbour = Neighbour()
+    steps = 0
+    train_s: list[float] = []  # per iteration with ckpt.step: training alone
+    calls: list[float] = []  # the ckpt.step call
+    busy: list[bool] = []  # a save in flight as it started
+    saved: list[bool] = []
+    first: list[bool] = []  # first of its segment (no quiet baseline before it)
+    waits: dict[int, float] = {}
+    inflight: list[Any] = []
+    persists: list[float] = []
+
+    def with_ckpt(n: int, record: bool = True, secs: float = 0.0) -> tuple[float, int]:
+        """n iterations (and ``secs``) with ``ckpt.step``, then more until no save is in
+        flight: its persist overlaps training, as in a real run, not a wait at the end."""
+        nonlocal steps
+        t_seg = time.perf_counter()
+        for j in itertools.count():
+            if j >= n and time.perf_counter() - t_seg >= secs and not inflight:
+                break
+            was_busy = any(not h.done() for h in inflight)
+            t0 = time.perf_counter()
+            loss = train()
+            t1 = time.perf_counter()
+            steps += 1
+            result = ckpt.step(steps, state, loss=loss)
+            t2 = time.perf_counter()
+            inflight[:] = [h for h in inflight if not h.done()]
+            if result:
+                inflight.append(ckpt.history[-1])
+            if record:
+                train_s.append(t1 - t0)
+                calls.append(t2 - t1)
+                busy.append(was_busy)
+                saved.append(bool(result))
+                first.append(j == 0)
+        t0 = time.perf_counter()
+        ckpt.wait()  # the segment pays for its last persist
+        if record and train_s:
+            waits[len(train_s) - 1] = time.perf_counter() - t0
+        ckpt.pause()
+        inflight.clear()
+        return time.perf_counter() - t_seg, j
+
+    def without(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            train()
+        return time.perf_counter() - t0
+
+    ratios: list[float] = []
+    load0 = os.getloadavg()[0]
+    try:
+        neighbour.set(neighbour_on)
+        with_ckpt(0, record=False, secs=args.loops_warmup)  # probe, first intervals
+        seg = max(10, round(args.loops_segment / (without(5) / 5)))  # iterations per segment
+        for r in range(args.loops_pairs):
+            if r % 2 == 0:
+                tw, nw = with_ckpt(seg)
+                to = without(seg)
+            else:
+                to = without(seg)
+                tw, nw = with_ckpt(seg)
+            ratios.append((tw / nw) / (to / seg) - 1)  # per iteration
+        stats = ckpt.stats()
+        persists = [max(h.stats.total_secs - h.stats.stall_secs, 0.0) for h in ckpt.history]
+    finally:
+        neighbour.close()
+        ckpt.close()
+        shutil.rmtree(d, ignore_errors=True)
+    n = len(train_s)
+    quiet = [not b and not f for b, f in zip(busy, first, strict=True)]
+    costs: list[float] = []
+    for i in range(n):
+        if busy[i] and costs:
+            costs[-1] += train_s[i] - _nearest_median(train_s, quiet, i)
+        if saved[i]:
+            costs.append(calls[i])
+        if costs and i in waits:
+            costs[-1] += waits[i]
+    it = statistics.median([t for t, q in zip(train_s, quiet, strict=True) if q] or train_s)
+    stall = statistics.median([c for c, s in zip(calls, saved, strict=True) if s] or [0.0])
+    cost = max(statistics.fmean(costs), stall) if costs else stall
+    persist = statistics.median(persists) if persists else 0.0
+    k_allowed = max(1.0, cost / (0.02 * it), persist / it)
+    idx = [i for i in range(n) if saved[i]]
+    gaps = [b - a for a, b in itertools.pairwise(idx)] + [n - idx[-1] if idx else n]
+    if idx:
+        gaps[0:0] = [idx[0]]  # the measured stretch begins mid-interval: its head is a gap too
+    longest = max(gaps)
+    bookkeeping = sum(c for c, s in zip(calls, saved, strict=True) if not s)
+    overhead = statistics.median(ratios)
+    return {
+        "shape": shape, "neighbour": neighbour_on, "state_bytes": nbytes, "iter_secs": it,
+        "segment": seg,
+        "ab_overhead": overhead, "pairs": ratios,
+        "overhead": (sum(costs) + bookkeeping) / (it * n) if n else float("nan"),
+        "checkpoints": sum(saved), "cost_secs": cost, "stall_secs": stall, "persist_secs": persist,
+        "policy_cost_secs": stats.checkpoint_cost_secs, "interval": policy.interval,
+        "k_allowed": k_allowed, "longest_gap": longest, "gap_ratio": longest / k_allowed,
+        "bookkeeping_secs_per_step": bookkeeping / max(n - sum(saved), 1),
+        "loadavg": [load0, os.getloadavg()[0]],
+    }  # fmt: skip
+
+
+def loops_case(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """Every loop shape, without and with a neighbour burning a core; a table and verdicts."""
+    print(
+        f"\n{'loop':12} {'neighbour':>9} {'MB':>5} {'iter s':>7} {'overhead':>9} {'A/B':>7} "
+        f"{'A/B pairs (%)':>30} {'ckpts':>5} {'cost s':>7} {'policy s':>8} {'k_allow':>7} {'interval':>8} "
+        f"{'gap/k':>6} {'load':>9}"
+    )  # fmt: skip
+    out: dict[str, Any] = {}
+    for shape in args.loop_shapes:
+        for on in (False, True):
+            t0 = time.perf_counter()
+            r = loop_case(args, root, shape, on)
+            pc = r["policy_cost_secs"]
+            print(
+                f"{shape:12} {'on' if on else 'off':>9} {r['state_bytes'] / 1e6:5.0f} "
+                f"{r['iter_secs']:7.3f} {100 * r['overhead']:8.2f}% {100 * r['ab_overhead']:6.1f}% "
+                f"{' '.join(f'{100 * x:+.1f}' for x in r['pairs']):>30} {r['checkpoints']:5d} {r['cost_secs']:7.4f} "
+                f"{'-' if pc is None else f'{pc:.4f}':>8} {r['k_allowed']:7.1f} "
+                f"{r['interval']!s:>8} {r['gap_ratio']:6.2f} "
+                f"{r['loadavg'][0]:4.1f}>{r['loadavg'][1]:.1f}",
+                flush=True,
+            )  # fmt: skip
+            r["secs"] = time.perf_counter() - t0
+            out[f"{shape}/{'neighbour' if on else 'alone'}"] = r
+    worst = max(r["overhead"] for r in out.values())
+    worst_gap = max(r["gap_ratio"] for r in out.values())
+    print(
+        f"loops_overhead worst {100 * worst:.2f}% (in-run, paired; target <= 3%): "
+        f"{'PASS' if worst <= 0.03 else 'MISS'}"
+    )
+    print(
+        f"loops_longest_gap worst {worst_gap:.2f} x k_allowed (target <= 4): "
+        f"{'PASS' if worst_gap <= 4 else 'MISS'}"
+    )
+    return out
+
+
 CONFIGS = (
     "pitstop EveryN(1)",
     "pitstop EveryN(10)",
@@ -601,6 +839,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drift-layers", type=int, default=2)
     p.add_argument("--drift-batch", type=int, default=None)
     p.add_argument("--drift-trace", default=None, help="write the drift case's iterations here")
+    p.add_argument("--loop-shapes", default=",".join(LOOP_SHAPES), help="loops case: shapes")
+    p.add_argument("--loops-pairs", type=int, default=None, help="loops case: pairs per case")
+    p.add_argument("--loops-segment", type=float, default=None, help="loops case: segment s")
+    p.add_argument("--loops-warmup", type=float, default=None, help="loops case: warm-up s")
     args = p.parse_args(argv)
     args.width = args.width or (1536 if args.quick else 2048)
     args.layers = args.layers or (3 if args.quick else 7)
@@ -610,6 +852,10 @@ def main(argv: list[str] | None = None) -> int:
     args.drift_iters = args.drift_iters or (DRIFT_QUICK_ITERS if args.quick else DRIFT_ITERS)
     args.drift_chunk = args.drift_chunk or (DRIFT_QUICK_CHUNK if args.quick else DRIFT_CHUNK)
     args.drift_batch = args.drift_batch or DRIFT_BATCH
+    args.loop_shapes = args.loop_shapes.split(",")
+    args.loops_pairs = args.loops_pairs or (2 if args.quick else 5)
+    args.loops_segment = args.loops_segment or (1.0 if args.quick else 4.0)
+    args.loops_warmup = args.loops_warmup or (3.0 if args.quick else 12.0)
     torch.set_num_threads(2)
     root = args.dir or tempfile.mkdtemp(prefix="pitstop-overhead-")
     names = [k for k in CONFIGS if not args.only or args.only in k]
@@ -619,6 +865,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             results = pairs_case(args, root, names)
             log(f"configurations took {time.perf_counter() - t0:.0f} s")
+        if not args.only or args.only == "loops":
+            t0 = time.perf_counter()
+            results["loops"] = loops_case(args, root)
+            log(f"loops case took {time.perf_counter() - t0:.0f} s")
         if not args.only or args.only in "drift":
             t0 = time.perf_counter()
             drift = drift_case(args, root)
