@@ -74,6 +74,12 @@ def test_two_processes_of_one_job_the_second_stays_off(
     any save: a second one made at once (same job token) runs without the memory level."""
     root = os.path.join(str(tmp_path), "ck")
     first = pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(10))
+    state = w.build()
+    for step in range(1, 14):
+        w.train_step(state, step)
+        first.step(step, state)
+    first.wait()
+    before = _slot_steps(shm_dir, job)
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -84,12 +90,20 @@ def test_two_processes_of_one_job_the_second_stays_off(
     p.join(60)
     assert active is False
     assert first.hooks.levels.memory.active
+    assert max(_slot_steps(shm_dir, job)) == max(before)  # its restore took none of ours
+    for step in range(14, 21):  # and the first goes on: snapshots and a durable save
+        w.train_step(state, step)
+        first.step(step, state)
+    first.wait()
+    assert 20 in first.steps() and max(_slot_steps(shm_dir, job)) >= 19
     first.close()
 
 
 def _second(job: str, shm: str, root: str, q: Any) -> None:
     ckpt = pitstop.CheckpointManager(_levels(job, shm, root), policy=pitstop.EveryN(10))
-    q.put(ckpt.hooks.levels.memory.active)
+    active = ckpt.hooks.levels.memory.active
+    ckpt.restore(w.build(seed=2))  # a rollback restore: of disk only, never the first's memory
+    q.put(active)
     ckpt.close()
 
 

@@ -250,8 +250,9 @@ class LevelStack:
         )
         if rollback:
             self._newest = None  # a step this process committed may be set aside now
-            if self.memory is not None and result.step is not None:  # staged ones too, and
-                result.set_aside += self.memory.drop_after(result.step)  # those a keeper pins
+            if self.memory is not None and self.memory.active and result.step is not None:
+                # staged ones too, and those a keeper pins (off: another process's, untouched)
+                result.set_aside += self.memory.drop_after(result.step)
         return result
 
     # ------------------------------------------------------------------ misc
