@@ -30,7 +30,8 @@ noisier cross-check), and the mean interval within 2x of the interval the measur
 cost allows, k_allowed = cost per checkpoint / (0.02 x iteration), at least
 persist / iteration. ``--drift-trace FILE`` writes every iteration's timings.
 
-Loops case (``--only loops``; ~5 minutes, ``--quick`` about one): ``CheckFreq(0.02)`` on a
+Loops case (``--only loops``; ~5 minutes; ``--quick`` under one, a smoke test too short
+for its verdicts): ``CheckFreq(0.02)`` on a
 wide MLP (~85 MB with Adam), a small conv net and a small transformer encoder, one
 training thread, each without and with a neighbour process burning a core throughout:
 a warm-up (12 s), then 5 pairs of ~4 s segments with and without ``ckpt.step``. Targets:
