@@ -560,9 +560,14 @@ class Saver:
                 self._on_commit(handle.step)
             except Exception as e:  # retention never fails (or hangs) a committed save
                 _log.warning("retention after step %d failed: %r", handle.step, e, phase="gc")
+        self._finish(handle, error)
+
+    def _finish(self, handle: SaveHandle, error: BaseException | None, report: bool = True) -> None:
+        """A save ended (persist thread, or whatever finished it): no longer in flight; its
+        error, if ``report``, is raised from the next call that waits; then its handle."""
         with self._cond:
             self._inflight.pop(handle.step, None)
-            if error is not None:
+            if error is not None and report:
                 self._unreported.append(handle)
             self._cond.notify_all()
         handle._finish(error)

@@ -282,14 +282,6 @@ class MemorySaver(Saver):
         if not isinstance(arena, Slot):
             super()._release_arena(arena)
 
-    def _finish(self, handle: SaveHandle, error: BaseException | None, report: bool = True) -> None:
-        with self._cond:
-            self._inflight.pop(handle.step, None)
-            if error is not None and report:
-                self._unreported.append(handle)
-            self._cond.notify_all()
-        handle._finish(error)
-
     def _written(self, index: int, error: BaseException | None) -> None:
         """A durable save's slot was written to the next level (or failed): the commit's
         bookkeeping (flushes, retention) runs, then its handle is done."""
