@@ -3,6 +3,7 @@ left no segment of that job in /dev/shm (whatever it left is removed, then the t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from pitstop.levels.keeper import keeper_log
 from pitstop.levels.shm import SHM_DIR, new_job_token, remove_job, segment_names
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -23,6 +25,8 @@ def job() -> Iterator[str]:
     yield token
     left = segment_names(SHM_DIR, token)
     remove_job(SHM_DIR, token)
+    with contextlib.suppress(FileNotFoundError):  # a killed or adopted keeper's (empty) log
+        os.unlink(keeper_log(token))
     assert not left, f"segments left in {SHM_DIR}: {left}"
 
 
