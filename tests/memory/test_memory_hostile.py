@@ -189,11 +189,11 @@ def test_shared_memory_that_fills_after_the_slots_were_made_loses_no_durable_sav
         _levels(job, shm_dir, root, every=1000),
         policy=pitstop.EveryN(5),  # the full memory
     )
-    ckpt.reserve(state)  # the slots now (else a background reservation makes them)
     for step in range(1, 4):
         w.train_step(state, step)
         ckpt.step(step, state)
     ckpt.wait()
+    ckpt.reserve(state)  # the slots of the state as it is now (after the background one)
     slots = ckpt.hooks.levels.memory.slots
 
     def full(*args: Any, **kwargs: Any) -> None:

@@ -184,17 +184,19 @@ class MemoryLevel(RootLevel):
         ) and len(self.slots.slots) >= 2:  # fmt: skip
             self._start_keeper()
             return True
+        old = self.slots  # too small (the state grew) or torn: made anew, then swapped in
         try:
-            if self.slots is not None:  # too small (the state grew) or torn: made anew
-                self.slots.close(unlink=True)
-                self.slots = None
-            self.slots = SlotSet.create(
+            self.slots = SlotSet.create(  # (it replaces the files of the same names)
                 self.job, data_bytes=nbytes, count=self.spec.slots, rank=self.group.rank,
                 directory=self.directory, limit_bytes=self.spec.limit_bytes,
             )  # fmt: skip
         except (ShmSpaceError, OSError, ValueError, CheckpointError) as e:
+            self.slots = None
             self.off(str(e))
             return False
+        finally:
+            if old is not None:
+                old.close(unlink=False)
         self._start_keeper()
         return True
 

@@ -420,6 +420,8 @@ class MemorySaver(Saver):
 
     def reserve(self, state: Mapping[str, Any]) -> int:
         """Make the slots now; their bytes (the plain arena's when the level is off)."""
+        if self._reserver is not None:
+            self._reserver.join()  # one maker of the slots at a time
         _, plan = self._plan(state)
         if self.memory.ready(plan.file_bytes):
             assert self.memory.slots is not None
