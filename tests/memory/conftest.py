@@ -72,3 +72,24 @@ def shm_dir() -> Iterator[str]:
     left = os.listdir(where)
     shutil.rmtree(where, ignore_errors=True)
     assert not left, f"segments left in {where}: {left}"
+
+
+def dead_job(shm_dir: str) -> tuple[str, list[str]]:
+    """A job whose process exited without cleaning up (its lock: nobody's): its token and
+    its segments (two slots and the lock file) under ``shm_dir``."""
+    import subprocess
+    import textwrap
+
+    dead = "t" + new_job_token()
+    script = textwrap.dedent(
+        f"""
+        import os
+        from pitstop.levels.shm import SlotSet
+        SlotSet.create({dead!r}, data_bytes=8192, directory={shm_dir!r})
+        os._exit(0)  # no cleanup: the segments stay
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+    names = segment_names(shm_dir, dead)
+    assert len(names) == 3  # two slots and the lock file
+    return dead, names

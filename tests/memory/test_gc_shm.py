@@ -15,24 +15,13 @@ import pytest
 from pitstop.cli.main import main
 from pitstop.levels.shm import SlotSet, lock_name, new_job_token, segment_names, write_header
 
+from .conftest import dead_job
+
 pytestmark = pytest.mark.fault
 
 
 def _dead_job(shm_dir: str) -> list[str]:
-    """The segments of a job whose process exited without cleaning up (its lock: nobody's)."""
-    dead = "t" + new_job_token()
-    script = textwrap.dedent(
-        f"""
-        import os
-        from pitstop.levels.shm import SlotSet
-        SlotSet.create({dead!r}, data_bytes=8192, directory={shm_dir!r})
-        os._exit(0)  # no cleanup: the segments stay
-        """
-    )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
-    names = segment_names(shm_dir, dead)
-    assert len(names) == 3  # two slots and the lock file
-    return names
+    return dead_job(shm_dir)[1]
 
 
 def _other_boot_job(shm_dir: str) -> list[str]:

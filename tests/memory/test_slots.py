@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
-import textwrap
 from collections.abc import Iterator
 
 import pytest
@@ -36,7 +34,7 @@ from pitstop.levels.shm import (
     segment_names,
 )
 
-from .conftest import assert_same, small_state
+from .conftest import assert_same, dead_job, small_state
 
 
 def _slots(job: str, count: int = 2) -> SlotSet:
@@ -207,18 +205,7 @@ def test_two_jobs_never_open_each_others_segments(job: str, shm_dir: str) -> Non
 
 @pytest.mark.fault
 def test_stale_segments_of_a_dead_process_are_removed(job: str, shm_dir: str) -> None:
-    dead = "t" + new_job_token()
-    script = textwrap.dedent(
-        f"""
-        import os
-        from pitstop.levels.shm import SlotSet
-        SlotSet.create({dead!r}, data_bytes=8192, directory={shm_dir!r})
-        os._exit(0)  # no cleanup: the segments stay
-        """
-    )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
-    left = segment_names(shm_dir, dead)
-    assert len(left) == 3  # two slots and the lock file
+    dead, left = dead_job(shm_dir)
     alive = SlotSet.create(job, data_bytes=8192, directory=shm_dir)
     try:
         assert sorted(remove_stale(shm_dir)) == left
