@@ -29,6 +29,7 @@ __all__ = [
     "EMPTY",
     "HEADER_PAGE",
     "HEADER_VERSION",
+    "JOB_TOKEN",
     "MAGIC",
     "PREFIX",
     "SHM_DIR",
@@ -54,7 +55,7 @@ DATA_OFFSET = 2 << 20
 EMPTY, STAGING, STAGED, COMMITTED = "empty", "staging", "staged", "committed"
 _STATES = (EMPTY, STAGING, STAGED, COMMITTED)
 _HEAD = struct.Struct("<8sIII")  # magic, version, body length, crc32 of version+length+body
-_JOB = re.compile(r"[A-Za-z0-9_]{1,64}")
+JOB_TOKEN = re.compile(r"[A-Za-z0-9_]{1,64}")  # what a job token may be
 _NAME = re.compile(r"pitstop-mem-([A-Za-z0-9_]{1,64})-r([0-9]{5,})(?:-s([0-9]+)|\.lock)")
 
 
@@ -73,7 +74,7 @@ def boot_id() -> str:
 
 
 def _check_job(job: str) -> str:
-    if not _JOB.fullmatch(job):
+    if not JOB_TOKEN.fullmatch(job):
         raise ValueError(f"job token {job!r}: 1-64 letters, digits or underscores")
     return job
 

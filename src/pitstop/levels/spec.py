@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pitstop.errors import UnsupportedSetupError
+from pitstop.levels.shm_header import JOB_TOKEN
 from pitstop.options import env_node
 from pitstop.policy.base import CheckpointPolicy
 from pitstop.policy.fixed import EveryN
@@ -270,7 +271,7 @@ class Memory:
                 f"{self.linger_secs!r}"
             )
         if self.job is not None and not (
-            isinstance(self.job, str) and re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.job)
+            isinstance(self.job, str) and JOB_TOKEN.fullmatch(self.job)
         ):
             raise ValueError(f"Memory(job=) takes 1-64 letters, digits or '_', got {self.job!r}")
         if not isinstance(self.directory, (str, os.PathLike)) or not os.fspath(self.directory):
