@@ -126,6 +126,11 @@ class PlanCache:
         """The previous plan if it was made for ``signature``."""
         return self._plan if self._plan is not None and self._plan.signature == signature else None
 
+    @property
+    def newest(self) -> SavePlan | None:
+        """The previous plan, whatever its signature."""
+        return self._plan
+
     def put(self, plan: SavePlan) -> SavePlan:
         self.misses += 1
         self._plan = plan

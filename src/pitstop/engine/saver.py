@@ -185,7 +185,8 @@ class Saver:
         handle.stats.alloc_secs = alloc
         handle.stats.nbytes = plan.file_bytes
         self.history.append(handle)
-        self._seq += 1
+        if self._in_round():
+            self._seq += 1
         meta = _Meta(lineage, dict(metrics or {}), self._seq)
         self._persist_pool.submit(
             self._persist, handle, job, flat, plan, arena, directory, t0, meta, ring
@@ -299,8 +300,7 @@ class Saver:
                 check()
             flat = flatten(state, allow_pickle=self.options.allow_pickle)
             items = local_items(flat, overlap=self.options.overlap)
-            digest = hashlib.sha256(repr((chunk, self.options.replicated, items)).encode())
-            mine = Outcome.ok(rank, "plan", {**context, "digest": digest.hexdigest()})
+            mine = Outcome.ok(rank, "plan", {**context, "digest": self._digest(items)})
         except Exception as e:
             mine = Outcome.of(e, rank, "plan", context)
         outcomes = gather(self.group, mine, "plan")
@@ -328,6 +328,16 @@ class Saver:
             layout = assign(everyone, self.options.replicated)[self.group.rank]
             plan = self._plans.put(plan_from_layout(layout, chunk, signature))
         return flat, plan
+
+    def _in_round(self) -> bool:
+        """Whether the save being started takes a commit round (every one does here): its
+        number names the round, and every rank must count the same saves."""
+        return True
+
+    def _digest(self, items: list[Any]) -> str:
+        """What tells this rank's layouts apart (a plan's ``signature`` has every rank's)."""
+        key = (self.options.io.chunk_bytes, self.options.replicated, items)
+        return hashlib.sha256(repr(key).encode()).hexdigest()
 
     def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveHandle:
         """Durable and committed when it returns: ``async_save(...).wait()``."""

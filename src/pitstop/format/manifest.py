@@ -60,6 +60,8 @@ __all__ = [
     "Lineage",
     "Manifest",
     "TensorEntry",
+    "join_parts",
+    "part_dumps",
     "seal",
     "segment_count",
 ]
@@ -230,6 +232,71 @@ class Manifest:
         of a newer format a FormatVersionError."""
         raw = load_json(data, what="manifest.json", path=path, max_depth=8)
         return _parse(raw, path)
+
+
+def part_dumps(manifest: Manifest, rank: int, plan: str) -> bytes:
+    """One rank's part of a manifest of several ranks (the memory level seals one per rank
+    and slot, no rank waiting for another): ``manifest`` lists only ``rank``'s files and
+    tensors; ``part`` names the rank and the plan every part of the step must share. A part
+    never parses as a manifest (its files are not every rank's); :func:`join_parts` makes
+    one of every rank's parts."""
+    body = manifest.to_json()
+    body["part"] = {"rank": rank, "plan": plan}
+    sealed = seal(body, manifest.checksum_algorithm)
+    return (json.dumps(sealed, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+_JOINED = ("format", "format_version", "step", "world_size", "checksum", "lineage")
+"""Fields every part of one step must have alike."""
+
+
+def join_parts(parts: list[bytes], *, path: str | None = None) -> Manifest:
+    """The manifest of a step from every rank's part (rank order): each part's integrity is
+    checked, they must agree on the step, world size, checksum settings, lineage and plan,
+    and the joined manifest is validated like any (tiling, layout); ManifestError (naming
+    the rank at fault) otherwise."""
+    bodies = []
+    for r, data in enumerate(parts):
+        raw = load_json(data, what=f"manifest part of rank {r}", path=path, max_depth=8)
+        if not isinstance(raw, dict) or not _check_integrity(raw, path):
+            raise ManifestError(f"the manifest part of rank {r} has no integrity checksum",
+                                path=path)  # fmt: skip
+        part = raw.get("part")
+        if not isinstance(part, dict) or part.get("rank") != r:
+            raise ManifestError(f"the manifest part of rank {r} is not that rank's", path=path)
+        bodies.append(raw)
+    if not bodies:
+        raise ManifestError("no manifest parts to join", path=path)
+    first = bodies[0]
+    if first.get("world_size") != len(bodies):
+        raise ManifestError(
+            f"{len(bodies)} manifest parts for a world of {first.get('world_size')!r}", path=path
+        )
+    for r, b in enumerate(bodies[1:], 1):
+        for k in (*_JOINED, "part"):
+            mine, theirs = b.get(k), first.get(k)
+            if k == "part":
+                mine, theirs = b[k].get("plan"), first[k].get("plan")
+            if mine != theirs:
+                raise ManifestError(
+                    f"the manifest parts of ranks 0 and {r} disagree on {k}", path=path
+                )
+    body = {k: v for k, v in first.items() if k not in ("part", "integrity")}
+    body["created_unix_secs"] = max(b.get("created_unix_secs", 0) for b in bodies)
+    hosts = [h for b in bodies for h in (b.get("topology") or {}).get("hosts") or []]
+    body["topology"] = {"world_size": len(bodies), "hosts": list(dict.fromkeys(hosts))}
+    body["files"] = [f for r, b in enumerate(bodies) for f in _part_list(b, "files", r, path)]
+    body["tensors"] = [t for r, b in enumerate(bodies) for t in _part_list(b, "tensors", r, path)]
+    algorithm = (first.get("checksum") or {}).get("algorithm")
+    joined = seal(body, algorithm if algorithm in ALGORITHMS else "xxh3_64")
+    return Manifest.loads(json.dumps(joined, allow_nan=False), path=path)
+
+
+def _part_list(body: dict[str, Any], key: str, rank: int, path: str | None) -> list[Any]:
+    value = body.get(key)
+    if not isinstance(value, list):
+        raise ManifestError(f"the manifest part of rank {rank} has no list of {key}", path=path)
+    return value
 
 
 def manifest_digest(manifest: Manifest) -> str:

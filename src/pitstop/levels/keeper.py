@@ -74,7 +74,10 @@ from pitstop.options import IOOptions
 from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage
 
-__all__ = ["KeeperHandle", "keeper_log", "main", "newest_step", "persist_slot", "start_keeper"]
+__all__ = [
+    "KeeperHandle", "keeper_log", "main", "newest_step", "persist_slot", "start_keeper",
+    "write_slot",
+]  # fmt: skip
 
 _log = get_logger("pitstop.levels")
 
@@ -106,23 +109,14 @@ def persist_slot(
             return None
         _, objects, raw = read_meta(slot, head)
         manifest = Manifest.loads(raw, path=slot.path)
-        directory, rank = step_dir_name(head.step), head.rank
-        view = slot.view[: head.file_bytes]
-        extents = plan_extents(
-            _segments(manifest, data_file_name(rank)),
-            head.file_bytes,
-            chunk_bytes or storage.io.chunk_bytes,
-        )
-        check = _checker(manifest, view, slot.path)
+        directory = step_dir_name(head.step)
         try:
             storage.prepare(directory)
         except CheckpointExistsError:
             return None
         try:
-            storage.write_data(
-                directory, data_file_name(rank), view, extents, pool=pool, on_extent=check
-            )
-            storage.write_object(directory, objects_file_name(rank), objects)
+            write_slot(slot, head, manifest, objects, storage, directory, pool=pool,
+                       chunk_bytes=chunk_bytes)  # fmt: skip
             killpoint("keeper.persist")  # data and objects written, not committed
             storage.commit(directory, raw)
         except BaseException:
@@ -131,6 +125,32 @@ def persist_slot(
         return head
     finally:
         slot.unlock()
+
+
+def write_slot(
+    slot: Slot,
+    head: SlotHeader,
+    manifest: Manifest,
+    objects: bytes,
+    storage: Storage,
+    directory: str,
+    *,
+    pool: Executor,
+    chunk_bytes: int | None = None,
+) -> int:
+    """Write the rank's files of the pinned, committed ``slot`` (its data file and objects)
+    into ``directory`` of ``storage``, checking every segment against ``manifest`` (the
+    step's; its entries of the slot's rank) as it is written; the bytes written."""
+    rank, view = head.rank, slot.view[: head.file_bytes]
+    extents = plan_extents(
+        _segments(manifest, data_file_name(rank)),
+        head.file_bytes,
+        chunk_bytes or storage.io.chunk_bytes,
+    )
+    check = _checker(manifest, view, slot.path)
+    storage.write_data(directory, data_file_name(rank), view, extents, pool=pool, on_extent=check)
+    storage.write_object(directory, objects_file_name(rank), objects)
+    return head.file_bytes + len(objects)
 
 
 def _segments(manifest: Manifest, name: str) -> list[tuple[int, int, object]]:

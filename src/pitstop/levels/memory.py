@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -107,7 +108,8 @@ def record_for(
 ) -> bytes:
     """The record of a staged slot: the plan's items and what the manifest needs besides
     the checksums (``library``: the versions the manifest names; the training process
-    knows torch's)."""
+    knows torch's). ``plan``: what tells the job's plans apart (several ranks: every rank's
+    part of a step must name the same one)."""
     items = [
         {
             "key": it.key, "dtype": it.dtype_name, "shape": list(it.shape), "offset": it.offset,
@@ -120,11 +122,18 @@ def record_for(
         "step": step, "rank": rank, "world_size": world_size,
         "algorithm": algorithm or default_algorithm(), "segment_bytes": plan.segment_bytes,
         "file_bytes": plan.file_bytes, "stream_nbytes": plan.stream_nbytes, "items": items,
+        "plan": plan_id(plan),
         "library": dict(library or {"pitstop": __version__}), "hosts": [socket.gethostname()],
         "lineage": lineage.to_json() if lineage is not None else None,
         "metrics": dict(metrics or {}), "created": time.time(),
     }  # fmt: skip
     return json.dumps(record, separators=(",", ":")).encode()
+
+
+def plan_id(plan: SavePlan) -> str:
+    """A short digest of the plan's signature (every rank's layout): the same on every rank
+    of one plan."""
+    return hashlib.blake2b(repr(plan.signature).encode(), digest_size=8).hexdigest()
 
 
 def _list(v: tuple[int, ...] | None) -> list[int] | None:
@@ -242,6 +251,9 @@ class SlotStorage:
         self._bad: dict[str, tuple[int, int]] = {}  # slot files that could not be opened
         self._refresh()
         self._marks: dict[str, dict[str, str]] = {}
+        self.joined: dict[str, tuple[int, bytes]] | None = None
+        """Several ranks: the steps every rank holds a part of (name -> the gen of this rank's
+        slot, the joined manifest); only they are listed (``MemoryLevel.prepare_survey``)."""
 
     def _refresh(self) -> None:
         """Open the job's slots as they are now: slots made (or remade larger) since the last
@@ -308,6 +320,27 @@ class SlotStorage:
             name = step_dir_name(h.step)
             if name not in out or out[name][1].gen < h.gen:
                 out[name] = (s, h)
+        if self.joined is not None:  # several ranks: the joined steps, in the same slot still
+            out = {n: v for n, v in out.items() if self.joined.get(n, (-1,))[0] == v[1].gen}
+        return out
+
+    def slot_of(self, directory: str) -> tuple[Slot, SlotHeader]:
+        """The committed slot that holds ``directory`` and its header (CheckpointNotFoundError
+        if none does)."""
+        return self._find(directory)
+
+    def parts(self) -> dict[str, tuple[int, bytes]]:
+        """Every committed slot's step: (its gen, its manifest part as sealed), the slots whose
+        metadata is damaged left out (several ranks: what ``MemoryLevel.prepare_survey``
+        gathers)."""
+        self._refresh()
+        self.joined = None
+        out = {}
+        for name, (slot, head) in self._committed().items():
+            try:
+                out[name] = (head.gen, read_meta(slot, head)[2])
+            except CheckpointError as e:
+                _log.warning("memory %s skipped: %s", name, e, phase="restore")
         return out
 
     def _find(self, directory: str) -> tuple[Slot, SlotHeader]:
@@ -339,7 +372,8 @@ class SlotStorage:
 
     # ------------------------------------------------------------------ read
     def read_manifest(self, directory: str) -> bytes:
-        return self._meta(directory)[3]
+        manifest = self._meta(directory)[3]
+        return manifest if self.joined is None else self.joined[directory][1]
 
     def read_object(self, directory: str, name: str) -> bytes:
         if name != objects_file_name(self.rank):

@@ -19,7 +19,11 @@ Call sequence (training thread unless said; one process)::
                                               #   when it is gone: ``in_process``)
     memory.close(persist_newest=...)          # the keeper stopped, the segments removed
 
-Under torch.distributed the level is not used yet: a warning, and saves go to the next level.
+Under torch.distributed every rank has its slots (its part of each step: its data file, its
+objects, its part of the manifest, sealed by its keeper), and the level is on for every rank or
+for none. A memory snapshot plans alone (no rank waits for another); a durable save is written
+by the save's commit round from the slots. A restart joins the parts of the steps every rank
+holds (``prepare_survey``); each rank then reads its own slot.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import replace
 from typing import Any
 
 from pitstop.errors import CheckpointError, ShmSpaceError
+from pitstop.format.manifest import Manifest, join_parts
 from pitstop.format.names import step_dir_name
 from pitstop.io.locks import pid_alive
 from pitstop.levels.keeper import KeeperHandle, persist_slot, start_keeper
@@ -95,13 +100,8 @@ class MemoryLevel(RootLevel):
         self.next_dir = local_dir(next_storage)
         self.slots: SlotSet | None = None
         self.keeper: KeeperHandle | None = None
-        self.active = group.size == 1 and os.path.isdir(self.directory)
-        if group.size > 1:
-            _log.warning(
-                "pitstop.Memory() does not run under torch.distributed yet (%d ranks): saves go "
-                "to the next level (%s) only", group.size, next_storage.url, phase="plan",
-            )  # fmt: skip
-        elif not self.active:
+        self.active = os.path.isdir(self.directory)
+        if not self.active:
             _log.warning("pitstop.Memory(directory=%r): no such directory; saves go to the "
                          "next level only", self.directory, phase="plan")  # fmt: skip
         self._claim = -1  # the job's lock file, held and naming this process from the start
@@ -124,6 +124,32 @@ class MemoryLevel(RootLevel):
             self._claim_job(group.rank)
         self._slot_storage = SlotStorage(self.directory, self.job, rank=group.rank, io=io)
         super().__init__(self._slot_storage, group, None, name="memory")
+        self._agreed = self._agree()
+
+    @property
+    def listed(self) -> bool:
+        """A level of the restart's walk: on every rank or none (several ranks: as agreed when
+        the level was made, whatever happened since, for the walk to stay collective)."""
+        return self._agreed and (self.active or self.group.size > 1)
+
+    def _agree(self) -> bool:
+        """Collective under torch.distributed: the level is used on every rank or on none (a
+        step in memory is every rank's part of it); said once, naming the ranks without it."""
+        if self.group.size == 1:
+            return self.active
+        flags = self.group.all_gather(self.active, "plan")
+        if all(flags):
+            return True
+        if self.active:
+            self.active = False
+        if self.group.coordinator:
+            _log.warning(
+                "the memory level is off on every rank: rank(s) %s cannot use it (see their "
+                "warnings); saves go to the next level (%s) as without it",
+                ", ".join(str(r) for r, f in enumerate(flags) if not f), self.next_storage.url,
+                phase="plan",
+            )  # fmt: skip
+        return False
 
     def _claim_job(self, rank: int) -> None:
         """Name this process in the job's lock file now, not at the first save: a second
@@ -204,8 +230,9 @@ class MemoryLevel(RootLevel):
         if self.keeper is not None or not self.spec.keeper:
             return
         try:
-            self.keeper = start_keeper(
-                self.job, rank=self.group.rank, shm_dir=self.directory, next_dir=self.next_dir,
+            self.keeper = start_keeper(  # several ranks: a slot is a part; never written alone
+                self.job, rank=self.group.rank, shm_dir=self.directory,
+                next_dir=self.next_dir if self.group.size == 1 else None,
                 linger_secs=float(self.spec.linger_secs),
             )  # fmt: skip
         except Exception as e:
@@ -264,6 +291,49 @@ class MemoryLevel(RootLevel):
         return step_dir_name(head.step)
 
     # ------------------------------------------------------------------ restart
+    def lists(self, group: Group) -> bool:
+        """Every rank lists its own slots (one process: the coordinator, itself)."""
+        return True
+
+    def prepare_survey(self) -> None:
+        """Collective under torch.distributed, before the restart's survey: each rank's slot
+        of a step holds its part of the manifest (sealed alone, no rank waiting for another);
+        the steps every rank holds a part of, of one plan, are joined into their manifest
+        (``join_parts``: checked like any) and listed. A step some rank lacks (it skipped
+        that snapshot, or its slot was reused) or whose parts disagree is not one."""
+        if self.group.size == 1:
+            return
+        mine = self._slot_storage.parts()
+        joined = {
+            name: (mine[name][0], manifest.dumps())
+            for name, manifest in self.joined_steps(mine, "restore").items()
+        }  # fmt: skip
+        self._slot_storage.joined = joined
+
+    @property
+    def slot_storage(self) -> SlotStorage:
+        return self._slot_storage
+
+    def joined_steps(
+        self, mine: dict[str, tuple[int, bytes]], phase: str, *, newest_only: bool = False
+    ) -> dict[str, Manifest]:
+        """Collective (several ranks): every rank's parts (``SlotStorage.parts``) gathered;
+        the manifests of the steps every rank holds a part of that join (newest first;
+        ``newest_only``: the newest that joins). A step whose parts disagree is said and
+        passed over."""
+        words = self.group.all_gather({name: part for name, (_, part) in mine.items()}, phase)
+        out: dict[str, Manifest] = {}
+        for name in sorted(set.intersection(*(set(w) for w in words)), reverse=True):
+            try:
+                out[name] = join_parts([w[name] for w in words], path=f"memory {name}")
+            except CheckpointError as e:
+                if self.group.coordinator:
+                    _log.warning("memory %s is not a checkpoint: %s", name, e, phase=phase)
+                continue
+            if newest_only:
+                break
+        return out
+
     def restarted(self, holds: bool) -> None:
         """Nothing to count: every save is a memory snapshot."""
 

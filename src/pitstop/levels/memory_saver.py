@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pitstop._version import __version__
-from pitstop.engine.collective import NodeCommit
+from pitstop.engine.collective import NodeCommit, commit_together, local_items
 from pitstop.engine.handle import SaveHandle
-from pitstop.engine.persist import encode_objects
+from pitstop.engine.persist import PersistResult, encode_objects
 from pitstop.engine.plan import SavePlan
 from pitstop.engine.saver import Saver, _Meta
 from pitstop.engine.stage import (
@@ -51,13 +51,14 @@ from pitstop.errors import CheckpointError, CheckpointExistsError, CheckpointIOE
 from pitstop.format.manifest import Lineage
 from pitstop.format.names import step_dir_name
 from pitstop.io.arena import Arena
+from pitstop.levels.keeper import newest_step, write_slot
 from pitstop.levels.memory import record_for
 from pitstop.levels.memory_level import MemoryLevel
-from pitstop.levels.shm import STAGED, Slot, seal
+from pitstop.levels.shm import STAGED, Slot, read_meta, seal
 from pitstop.log import get_logger
 from pitstop.options import SaveOptions
 from pitstop.ranks.group import Group
-from pitstop.state.tree import Flat
+from pitstop.state.tree import Flat, flatten
 from pitstop.storage.base import Storage
 
 __all__ = ["MemorySaver", "NoFreeSlotError"]
@@ -108,6 +109,8 @@ class MemorySaver(Saver):
         self._modes: dict[int, bool] = {}  # step -> durable, for the persist thread
         self._writing: dict[int, _Durable] = {}  # slot index -> a durable save being written
         self._here = ThreadPoolExecutor(1, thread_name_prefix="pitstop-memory")
+        self._busy: set[int] = set()  # slot indices a commit round writes from (several ranks)
+        self._rounds = ThreadPoolExecutor(1, thread_name_prefix="pitstop-persist-round")
         self._listener: threading.Thread | None = None
         self._stopping = False
         self._said_dead = False
@@ -125,7 +128,10 @@ class MemorySaver(Saver):
         """As ``Saver.async_save``; ``durable=False``: a memory snapshot only (NoFreeSlotError
         when no slot is free: skipped)."""
         self._durable_next, self._step_next = durable, step
-        return super().async_save(step, state, lineage=lineage, metrics=metrics)
+        try:
+            return super().async_save(step, state, lineage=lineage, metrics=metrics)
+        finally:
+            self._durable_next = True  # reserve() and the plain saver's calls plan as ever
 
     def _stage(
         self, flat: Flat, plan: SavePlan
@@ -144,7 +150,7 @@ class MemorySaver(Saver):
 
         def avoid() -> set[int]:  # the slots being written now (asked again while waiting)
             with self._cond:
-                return set(self._writing)
+                return set(self._writing) | self._busy
 
         wait = _DURABLE_WAIT_SECS if durable else 0.0
         slot = self.memory.begin(step, avoid=avoid, wait_secs=wait)
@@ -210,8 +216,9 @@ class MemorySaver(Saver):
                 self._staging = [j for j in self._staging if j is not job]
             library = {"pitstop": __version__, "torch": sys.modules["torch"].__version__}
             record = record_for(
-                plan, handle.step, rank=self.group.rank, algorithm=self.algorithm,
-                lineage=meta.lineage, metrics=meta.metrics, library=library,
+                plan, handle.step, rank=self.group.rank, world_size=self.group.size,
+                algorithm=self.algorithm, lineage=meta.lineage, metrics=meta.metrics,
+                library=library,
             )  # fmt: skip
             assert self.memory.slots is not None
             try:
@@ -224,6 +231,13 @@ class MemorySaver(Saver):
             staged = True
             with self._cond:
                 self._cond.notify_all()  # _settle_staging
+            if durable and self.group.size > 1:  # every rank's files, one commit round
+                self.memory.seal(slot, self._here)
+                with self._cond:
+                    self._busy.add(slot.index)
+                self._rounds.submit(self._persist_round, handle, job, flat, plan, slot,
+                                    directory, t0, meta)  # fmt: skip
+                return
             if durable:
                 with self._cond:
                     self._writing[slot.index] = _Durable(handle, slot, directory, t0, t1)
@@ -276,6 +290,62 @@ class MemorySaver(Saver):
         with self._cond:
             self._cond.notify_all()
         super()._persist(handle, job, flat, plan, slot, directory, t0, meta)  # type: ignore[arg-type]
+
+    def _persist_round(
+        self,
+        handle: SaveHandle,
+        job: StageJob,
+        flat: Flat,
+        plan: SavePlan,
+        slot: Slot,
+        directory: str,
+        t0: float,
+        meta: _Meta,
+    ) -> None:
+        """Several ranks: a durable save is every rank's part of one step directory, so it
+        is written by the save's commit round (this process's writers, from the slot: the
+        slot is the arena), not by the keeper, which seals the slot meanwhile. The slot
+        stays out of ``begin`` until the round ends. Its own thread: the persist thread
+        goes on marking memory snapshots staged."""
+        try:
+            super()._persist(handle, job, flat, plan, slot, directory, t0, meta)  # type: ignore[arg-type]
+        finally:
+            with self._cond:
+                self._busy.discard(slot.index)
+                self._cond.notify_all()
+
+    def _plan(
+        self,
+        state: Mapping[str, Any],
+        check: Any = None,
+        step: int | None = None,
+    ) -> tuple[Flat, SavePlan]:
+        """As ``Saver._plan``; under torch.distributed a memory snapshot plans alone (no rank
+        waits for another: a rank whose slots are busy skips its snapshot, the others do
+        not): the plan of the last save, if this rank's layout is unchanged since; the
+        restart joins only parts of one plan (``plan_id``)."""
+        if self._durable_next or self.group.size == 1:
+            return super()._plan(state, check, step)
+        flat = flatten(state, allow_pickle=self.options.allow_pickle)
+        digest = self._digest(local_items(flat, overlap=self.options.overlap))
+        plan = self._plans.newest
+        if plan is None or plan.signature[self.group.rank] != digest:
+            raise NoFreeSlotError(
+                "the state's layout changed since the last save (a memory snapshot uses the "
+                "plan every rank agreed on; the next save makes a new one)", step=step,
+                phase="plan",
+            )  # fmt: skip
+        return flat, plan
+
+    def _in_round(self) -> bool:
+        """A memory snapshot takes no commit round: it is not counted (under torch.distributed
+        a rank may skip one the others take; the rounds of durable saves stay numbered alike)."""
+        return self._durable_next
+
+    def _fail_together(self, directory: str, error: BaseException) -> None:
+        """A memory snapshot has no commit round to take part in (no rank waits for it)."""
+        if self._durable_next:
+            super()._fail_together(directory, error)
 
     def _release_arena(self, arena: Arena) -> None:
         """A slot is never one of the plain arenas (``_persist_plain`` writes from one)."""
@@ -434,15 +504,11 @@ class MemorySaver(Saver):
         level unless that level holds it (the memory level's snapshots go with the job)."""
         self.wait_all()
         slots = self.memory.slots
+        if self.group.size > 1 and self.memory.listed:
+            return self._write_newest_together(slots)
         if slots is None or not self.memory.active:
             return
-        deadline = time.monotonic() + 10.0
-        while (s := slots.newest(STAGED)) is not None and time.monotonic() < deadline:
-            c = slots.newest()
-            if c is not None and c[1].gen > s[1].gen:
-                break
-            if seal(s[0]) is None:  # the keeper is sealing it: wait for it
-                time.sleep(0.01)
+        self._seal_newest(slots)
         newest = slots.newest()
         if newest is None or newest[1].step is None:
             return
@@ -465,6 +531,75 @@ class MemorySaver(Saver):
             _log.warning("the newest memory snapshot (step %d) was not written to %s: %r",
                          step, self.storage.url, e, phase="persist")  # fmt: skip
 
+    @staticmethod
+    def _seal_newest(slots: Any) -> None:
+        """A staged snapshot newer than every committed one is sealed (here, unless the
+        keeper is sealing it: then waited for, up to 10 s)."""
+        deadline = time.monotonic() + 10.0
+        while (s := slots.newest(STAGED)) is not None and time.monotonic() < deadline:
+            c = slots.newest()
+            if c is not None and c[1].gen > s[1].gen:
+                break
+            if seal(s[0]) is None:  # the keeper is sealing it: wait for it
+                time.sleep(0.01)
+
+    def _write_newest_together(self, slots: Any) -> None:
+        """Several ranks (collective): the newest step every rank holds in memory is written
+        to the next level by a commit round from the slots (each rank writes its part,
+        checked against the joined manifest as it goes), unless a node of that level holds
+        it already. A failure is said, never raised: the committed steps stay."""
+        mine: dict[str, tuple[int, bytes]] = {}
+        if slots is not None and self.memory.active:
+            self._seal_newest(slots)
+            mine = self.memory.slot_storage.parts()
+        newest = self.memory.joined_steps(mine, "commit", newest_only=True)
+        if not newest:
+            return
+        ((directory, manifest),) = newest.items()
+        try:
+            there = newest_step(self.storage)  # this node's copy of the level
+        except CheckpointError:
+            there = None
+        held = self.group.all_gather(there is not None and there >= manifest.step, "commit")
+        if any(held):  # a node holds it, or a newer step
+            return
+        self._seq += 1
+        rank = self.group.rank
+
+        def write() -> PersistResult:
+            t0 = time.perf_counter()
+            slot, head = self.memory.slot_storage.slot_of(directory)
+            if not slot.try_lock(exclusive=False):
+                raise CheckpointError(f"memory slot {slot.index} is being staged into",
+                                      step=manifest.step, phase="persist")  # fmt: skip
+            try:
+                objects = read_meta(slot, head)[1]
+                n = write_slot(slot, head, manifest, objects, self.storage, directory,
+                               pool=self.io_pool)  # fmt: skip
+            finally:
+                slot.unlock()
+            return PersistResult(
+                files=tuple(f for f in manifest.files if f.rank == rank),
+                tensors=tuple(t for t in manifest.tensors if t.rank == rank), nbytes=n,
+                write_secs=time.perf_counter() - t0, direct=False,
+            )  # fmt: skip
+
+        try:
+            commit_together(self.group, self.storage, directory, self._seq, write,
+                            lambda results, hosts: manifest.dumps(), self.nodes)  # fmt: skip
+        except Exception as e:
+            self._abort(directory)
+            _log.warning("the newest memory snapshot (step %d) was not written to %s: %r",
+                         manifest.step, self.storage.url, e, phase="persist")  # fmt: skip
+            return
+        _log.info("checkpoint step=%d written from memory to %s at the end", manifest.step,
+                  self.storage.url, phase="commit")  # fmt: skip
+        if self._on_commit is not None:
+            try:
+                self._on_commit(manifest.step)
+            except Exception as e:
+                _log.warning("retention after step %d failed: %r", manifest.step, e, phase="gc")
+
     def close(self) -> None:
         """As ``Saver.close``, then the keeper's report thread and the in-process pool."""
         try:
@@ -478,3 +613,4 @@ class MemorySaver(Saver):
             if self._listener is not None:
                 self._listener.join(timeout=5.0)
             self._here.shutdown(wait=True)
+            self._rounds.shutdown(wait=True)

@@ -162,6 +162,9 @@ class NodeLevel:
         return [(self.root, {"level": "local", "node": self.node})] if self.leader else []
 
     # ------------------------------------------------------------------ restart
+    def prepare_survey(self) -> None:
+        """Collective, before the restart's survey: nothing to do (``held`` compares nodes)."""
+
     def lists(self, group: Group) -> bool:
         return self.leader
 

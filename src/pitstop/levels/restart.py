@@ -172,6 +172,8 @@ class Restart:
         mine: list[list[tuple[Any, ...]]] = []
         unlisted: list[tuple[int, str, int | None]] = []
         errors: dict[int, CheckpointError] = {}
+        for level in self.levels:
+            level.prepare_survey()
         for j, level in enumerate(self.levels):
             entries: list[tuple[Any, ...]] = []
             if level.lists(self.group):

@@ -9,6 +9,7 @@ Call sequence (every rank; :class:`~pitstop.levels.stack.LevelStack` makes these
     level.committed(step, identity)        # persist thread, after a commit: retention (rank 0;
                                            #   the retired stop being checkpoints now, their
                                            #   files go in the background)
+    level.prepare_survey()                 # collective, before the restart's survey: nothing
     level.lists(group); level.held(words)  # the restart's survey (rank 0 lists it)
     level.serve(walk, load, s, window, ...)   # collective: recover over the window
     level.close()
@@ -68,6 +69,9 @@ class RootLevel:
         return []
 
     # ------------------------------------------------------------------ restart
+    def prepare_survey(self) -> None:
+        """Collective, before the restart's survey: nothing to do for a plain level."""
+
     def lists(self, group: Group) -> bool:
         return group.coordinator
 

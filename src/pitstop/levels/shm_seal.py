@@ -20,7 +20,7 @@ from typing import Any
 
 from pitstop.errors import CorruptCheckpointError
 from pitstop.format.checksum import get_checksum, segments
-from pitstop.format.manifest import FileEntry, Lineage, Manifest, TensorEntry
+from pitstop.format.manifest import FileEntry, Lineage, Manifest, TensorEntry, part_dumps
 from pitstop.format.names import data_file_name, objects_file_name
 from pitstop.levels.shm_header import COMMITTED, STAGED, SlotHeader, write_header
 from pitstop.levels.shm_slot import Slot, write_meta
@@ -55,9 +55,13 @@ def seal(slot: Slot, *, pool: Executor | None = None, hold: bool = False) -> Slo
         if head is None or head.state != STAGED:
             return None
         record, objects, _ = read_meta(slot, head)
-        manifest = manifest_of(json.loads(record), slot.view, objects, pool=pool)
-        data = manifest.dumps()
-        Manifest.loads(data, path=slot.path)  # what no reader would accept is never committed
+        plan = json.loads(record)
+        manifest = manifest_of(plan, slot.view, objects, pool=pool)
+        if manifest.world_size > 1:  # one rank's part: joined with the others' at a restart
+            data = part_dumps(manifest, plan["rank"], str(plan.get("plan", "")))
+        else:
+            data = manifest.dumps()
+            Manifest.loads(data, path=slot.path)  # what no reader would accept: never committed
         at = head.meta_offset + head.record_bytes + head.objects_bytes
         write_meta(slot, at, data)
         committed = replace(

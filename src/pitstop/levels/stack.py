@@ -132,7 +132,7 @@ class LevelStack:
     @property
     def levels(self) -> list[Any]:
         """Every level, fastest first (the memory level, the first, the flushed ones)."""
-        memory = [self.memory] if self.memory is not None and self.memory.active else []
+        memory = [self.memory] if self.memory is not None and self.memory.listed else []
         return [*memory, self.first, *self.targets]
 
     def bind(self, identity: RunIdentity) -> None:
@@ -244,13 +244,13 @@ class LevelStack:
         fetch: bool = True,
     ) -> RestoreResult:
         """Collective: the one recovery walk over the list (:mod:`pitstop.levels.restart`)."""
-        commits_to = 1 if self.memory is not None and self.memory.active else 0
+        commits_to = 1 if self.memory is not None and self.memory.listed else 0
         result = Restart(self.group, self.levels, commits_to=commits_to).recover(
             load, step, rollback=rollback, fetch=fetch
         )
         if rollback:
             self._newest = None  # a step this process committed may be set aside now
-            if self.memory is not None and self.memory.active and result.step is not None:
+            if self.memory is not None and self.memory.listed and result.step is not None:
                 # staged ones too, and those a keeper pins (off: another process's, untouched)
                 result.set_aside += self.memory.drop_after(result.step)
         return result

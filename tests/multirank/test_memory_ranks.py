@@ -1,0 +1,233 @@
+"""The memory level under torch.distributed (issue 27): every rank stages its part of each
+step into its own slots (its keeper seals them: its data file, its objects, its part of the
+manifest), and a restart after every rank was killed joins the parts of the newest step that
+every rank holds and restores from memory, bit for bit. A step one rank lacks, or whose part
+on one rank is damaged, is passed over for the next older one.
+
+Two ranks on gloo, one node, a private directory under /dev/shm; a "crash" is ``os._exit``
+of every rank once its newest memory snapshot is sealed (nothing cleans up: the segments and
+the lingering keepers stay, as after a SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import pitstop
+from conftest import flip_byte, make_state, tensors_of
+from pitstop.levels.shm import (
+    COMMITTED,
+    DATA_OFFSET,
+    SHM_DIR,
+    iter_slots,
+    new_job_token,
+    read_header,
+    remove_job,
+)
+from pitstop.testing.distributed import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+TIMEOUT = 30.0
+STEPS, EVERY = 7, 4  # durable at step 4; memory snapshots at every other step
+
+
+def _state(rank: int, seed: int = 1) -> dict[str, Any]:
+    state = make_state(seed=seed, steps=1)
+    state["local"] = {"t": torch.full((3,), float(rank)), "rank": rank}
+    return state
+
+
+def _advance(state: dict[str, Any], rank: int, step: int) -> None:
+    """One deterministic step: equal on every rank (a replicated model, as under DDP) but for
+    the per-rank values."""
+    torch.manual_seed(1000 + step)
+    model, opt = state["model"], state["optimizer"]
+    x = torch.randint(0, 10, (8,))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    state["local"]["t"] += step * (rank + 1)
+
+
+def _digest(state: dict[str, Any]) -> dict[str, list[float]]:
+    return {k: v.double().flatten().tolist() for k, v in tensors_of(state).items()}
+
+
+def _newest_sealed(shm: str, job: str, rank: int) -> int | None:
+    newest = None
+    for path in iter_slots(shm, job, rank):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = read_header(fd)
+        finally:
+            os.close(fd)
+        if head is not None and head.state == COMMITTED and head.step is not None:
+            newest = max(newest or -1, head.step)
+    return newest
+
+
+def _run(
+    rank: int,
+    world: int,
+    base: str,
+    shm: str,
+    job: str,
+    steps: int,
+    crash: bool,
+    skip: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """Resume (from whatever is there) and train to ``steps``: memory every step, durable
+    every ``EVERY``; ``crash``: every rank dies once its snapshot of ``steps`` is sealed;
+    ``skip`` (rank, step): that rank finds no free slot for that step's snapshot."""
+    import torch.distributed as dist
+
+    expected = _state(rank)
+    reference = {0: _digest(expected)}
+    for s in range(1, steps + 1):  # the uninterrupted run, in this process (its threads)
+        _advance(expected, rank, s)
+        reference[s] = _digest(expected)
+    state = _state(rank)  # what a restore overwrites (step 0's state: a fresh start)
+    ckpt = pitstop.CheckpointManager(
+        [
+            pitstop.Memory(job=job, directory=shm, linger_secs=120),
+            pitstop.Local(os.path.join(base, "local"), redundancy="single"),
+        ],
+        policy=pitstop.EveryN(EVERY),
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
+    )
+    memory = ckpt.hooks.levels.memory
+    if skip is not None and skip[0] == rank:
+        begin = memory.begin
+        memory.begin = lambda step, **kw: None if step == skip[1] else begin(step, **kw)
+    start = ckpt.restore(state) or 0
+    info = ckpt.last_restore
+    out = {
+        "start": start,
+        "level": info.level if info is not None else None,
+        "restored_ok": _digest(state) == reference[start] if start else None,
+        "skipped": [list(s) for s in info.skipped] if info is not None else [],
+        "memory_on": memory.active,
+    }
+    for step in range(start + 1, steps + 1):
+        _advance(state, rank, step)
+        ckpt.step(step, state)
+    out["final_ok"] = _digest(state) == reference[steps]
+    if crash:
+        deadline = time.monotonic() + TIMEOUT
+        while _newest_sealed(shm, job, rank) != steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["sealed"] = _newest_sealed(shm, job, rank)
+        dist.barrier()
+        with open(os.path.join(base, f"crash-{rank}.json"), "w") as f:
+            json.dump(out, f)
+        os._exit(9)  # no close, no cleanup: as after a SIGKILL of every rank
+    ckpt.close()
+    out["latest_disk"] = ckpt.latest_step()
+    return out
+
+
+@pytest.fixture
+def where() -> Iterator[tuple[str, str, str]]:
+    """(a checkpoint directory, a private directory under /dev/shm, a job token); no segment
+    may be left in the shm directory when the test ends."""
+    base = tempfile.mkdtemp(prefix="pitstop-memranks-")
+    shm = tempfile.mkdtemp(prefix="pitstop-test-", dir=SHM_DIR)
+    job = "t" + new_job_token()
+    yield base, shm, job
+    deadline = time.monotonic() + 10.0  # keepers of the closed run remove theirs as they exit
+    while os.listdir(shm) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = os.listdir(shm)
+    remove_job(shm, job)
+    shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
+    assert not left, f"segments left in {shm}: {left}"
+
+
+def _crash(base: str, shm: str, job: str) -> list[dict[str, Any]]:
+    run_ranks(_run, 2, base, shm, job, STEPS, True, timeout_secs=TIMEOUT * 3, allow_failures=True)
+    out = []
+    for r in range(2):
+        with open(os.path.join(base, f"crash-{r}.json")) as f:
+            out.append(json.load(f))
+    for r, o in enumerate(out):
+        assert o["memory_on"] and o["final_ok"] and o["sealed"] == STEPS, (r, o)
+    return out
+
+
+def _resume(base: str, shm: str, job: str, steps: int = STEPS + 3) -> list[dict[str, Any]]:
+    return run_ranks(_run, 2, base, shm, job, steps, False, timeout_secs=TIMEOUT * 3)
+
+
+def _slot_of(shm: str, job: str, rank: int, step: int) -> str:
+    for path in iter_slots(shm, job, rank):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = read_header(fd)
+        finally:
+            os.close(fd)
+        if head is not None and head.state == COMMITTED and head.step == step:
+            return path
+    raise AssertionError(f"rank {rank} holds no sealed snapshot of step {step}")
+
+
+def test_every_rank_killed_resumes_from_memory_bit_exact(where: tuple[str, str, str]) -> None:
+    base, shm, job = where
+    _crash(base, shm, job)
+    out = _resume(base, shm, job)
+    for r, o in enumerate(out):
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS, "memory", True), (r, o)
+        assert o["final_ok"], (r, o)
+        assert o["latest_disk"] == STEPS + 3, (r, o)  # close wrote the newest snapshot
+    # closed: the segments are gone; the next run resumes from the disk, bit-exact
+    again = _resume(base, shm, job, steps=STEPS + 4)
+    for r, o in enumerate(again):
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS + 3, "local", True), (r, o)
+
+
+def test_a_snapshot_one_rank_skips_does_not_upset_the_durable_saves(
+    where: tuple[str, str, str],
+) -> None:
+    """Rank 1 finds no free slot at step 3: it skips that snapshot alone (no rank waits for
+    another), and the durable saves after it (step 4, and the newest at close) are still one
+    commit round of both ranks."""
+    base, shm, job = where
+    out = run_ranks(_run, 2, base, shm, job, 6, False, (1, 3), timeout_secs=TIMEOUT * 3)
+    for r, o in enumerate(out):
+        assert o["final_ok"] and o["latest_disk"] == 6, (r, o)
+    again = _resume(base, shm, job, steps=8)
+    for r, o in enumerate(again):
+        assert (o["start"], o["level"], o["restored_ok"]) == (6, "local", True), (r, o)
+
+
+def test_a_step_one_rank_lacks_is_passed_over(where: tuple[str, str, str]) -> None:
+    """Rank 1's snapshot of the newest step is gone (it skipped it: its slots were busy):
+    the step is no checkpoint; the one before it, which both hold, serves from memory."""
+    base, shm, job = where
+    _crash(base, shm, job)
+    os.unlink(_slot_of(shm, job, 1, STEPS))
+    out = _resume(base, shm, job)
+    for r, o in enumerate(out):
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS - 1, "memory", True), (r, o)
+        assert o["final_ok"], (r, o)
+
+
+def test_a_damaged_part_on_one_rank_falls_back_on_every_rank(where: tuple[str, str, str]) -> None:
+    """A flipped byte in rank 1's slot of the newest step: every rank passes the step over
+    together (the checksum fails on rank 1 only) and restores the older one, bit-exact."""
+    base, shm, job = where
+    _crash(base, shm, job)
+    flip_byte(_slot_of(shm, job, 1, STEPS), DATA_OFFSET + 100)
+    out = _resume(base, shm, job)
+    for r, o in enumerate(out):
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS - 1, "memory", True), (r, o)
+        assert any(f"step-{STEPS:010d}" in s[0] for s in o["skipped"]), (r, o)
+        assert o["final_ok"], (r, o)
