@@ -295,7 +295,10 @@ class CheckpointManager:
         level after all: skipped. Its time is not an iteration's (the policy measures
         iterations)."""
         assert self._memory is not None and isinstance(self._saver, MemorySaver)
-        if not self._memory.active or step % self._memory.spec.every:
+        if step % self._memory.spec.every:
+            return
+        if not self._memory.active:
+            self._saver.skip_snapshot(step)
             return
         t0 = time.perf_counter()
         try:

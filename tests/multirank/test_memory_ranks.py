@@ -23,6 +23,7 @@ import torch
 
 import pitstop
 from conftest import flip_byte, make_state, tensors_of
+from pitstop.levels.memory_peers import peer_token
 from pitstop.levels.shm import (
     COMMITTED,
     DATA_OFFSET,
@@ -30,7 +31,6 @@ from pitstop.levels.shm import (
     iter_slots,
     new_job_token,
     read_header,
-    remove_job,
 )
 from pitstop.testing.distributed import run_ranks
 
@@ -83,6 +83,7 @@ def _run(
     steps: int,
     crash: bool,
     skip: tuple[int, int] | None = None,
+    redundancy: str | None = None,
 ) -> dict[str, Any]:
     """Resume (from whatever is there) and train to ``steps``: memory every step, durable
     every ``EVERY``; ``crash``: every rank dies once its snapshot of ``steps`` is sealed;
@@ -95,12 +96,17 @@ def _run(
         _advance(expected, rank, s)
         reference[s] = _digest(expected)
     state = _state(rank)  # what a restore overwrites (step 0's state: a fresh start)
+    nodes = None if redundancy is None else [f"n{r}" for r in range(world)]  # a node each
+    where = os.path.join(shm, "{node}") if nodes else shm
     ckpt = pitstop.CheckpointManager(
         [
-            pitstop.Memory(job=job, directory=shm, linger_secs=120),
-            pitstop.Local(os.path.join(base, "local"), redundancy="single"),
+            pitstop.Memory(
+                job=job, directory=where, linger_secs=120, redundancy=redundancy or "single"
+            ),
+            pitstop.Local(os.path.join(base, "local", "{node}"), redundancy="single"),
         ],
         policy=pitstop.EveryN(EVERY),
+        topology=nodes,
         options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
     )
     memory = ckpt.hooks.levels.memory
@@ -121,10 +127,16 @@ def _run(
         ckpt.step(step, state)
     out["final_ok"] = _digest(state) == reference[steps]
     if crash:
+        mine = os.path.join(shm, f"n{rank}") if nodes else shm
+        copies = (peer_token(job), (rank - 1) % world)  # the other rank's, on a ring of 2
         deadline = time.monotonic() + TIMEOUT
-        while _newest_sealed(shm, job, rank) != steps and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            _newest_sealed(mine, job, rank) != steps
+            or (redundancy == "partner" and _newest_sealed(mine, *copies) != steps)
+        ):  # fmt: skip
             time.sleep(0.01)
-        out["sealed"] = _newest_sealed(shm, job, rank)
+        out["sealed"] = _newest_sealed(mine, job, rank)
+        out["copied"] = _newest_sealed(mine, *copies)
         dist.barrier()
         with open(os.path.join(base, f"crash-{rank}.json"), "w") as f:
             json.dump(out, f)
@@ -142,18 +154,24 @@ def where() -> Iterator[tuple[str, str, str]]:
     shm = tempfile.mkdtemp(prefix="pitstop-test-", dir=SHM_DIR)
     job = "t" + new_job_token()
     yield base, shm, job
+
+    def left() -> list[str]:
+        return [f for _, _, files in os.walk(shm) for f in files]
+
     deadline = time.monotonic() + 10.0  # keepers of the closed run remove theirs as they exit
-    while os.listdir(shm) and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = os.listdir(shm)
-    remove_job(shm, job)
+    remaining = left()
     shutil.rmtree(shm, ignore_errors=True)
     shutil.rmtree(base, ignore_errors=True)
-    assert not left, f"segments left in {shm}: {left}"
+    assert not remaining, f"segments left in {shm}: {remaining}"
 
 
-def _crash(base: str, shm: str, job: str) -> list[dict[str, Any]]:
-    run_ranks(_run, 2, base, shm, job, STEPS, True, timeout_secs=TIMEOUT * 3, allow_failures=True)
+def _crash(base: str, shm: str, job: str, redundancy: str | None = None) -> list[dict[str, Any]]:
+    run_ranks(
+        _run, 2, base, shm, job, STEPS, True, None, redundancy, timeout_secs=TIMEOUT * 3,
+        allow_failures=True,
+    )  # fmt: skip
     out = []
     for r in range(2):
         with open(os.path.join(base, f"crash-{r}.json")) as f:
@@ -163,8 +181,12 @@ def _crash(base: str, shm: str, job: str) -> list[dict[str, Any]]:
     return out
 
 
-def _resume(base: str, shm: str, job: str, steps: int = STEPS + 3) -> list[dict[str, Any]]:
-    return run_ranks(_run, 2, base, shm, job, steps, False, timeout_secs=TIMEOUT * 3)
+def _resume(
+    base: str, shm: str, job: str, steps: int = STEPS + 3, redundancy: str | None = None
+) -> list[dict[str, Any]]:
+    return run_ranks(
+        _run, 2, base, shm, job, steps, False, None, redundancy, timeout_secs=TIMEOUT * 3
+    )
 
 
 def _slot_of(shm: str, job: str, rank: int, step: int) -> str:
@@ -230,4 +252,25 @@ def test_a_damaged_part_on_one_rank_falls_back_on_every_rank(where: tuple[str, s
     for r, o in enumerate(out):
         assert (o["start"], o["level"], o["restored_ok"]) == (STEPS - 1, "memory", True), (r, o)
         assert any(f"step-{STEPS:010d}" in s[0] for s in o["skipped"]), (r, o)
+        assert o["final_ok"], (r, o)
+
+
+@pytest.mark.parametrize("redundancy", ["partner", "single"])
+def test_a_lost_node_restores_from_its_partner_copy_in_memory(
+    where: tuple[str, str, str], redundancy: str
+) -> None:
+    """Two nodes of one rank each; node n1 is lost with everything in its memory (and comes
+    back empty). With partner copies, rank 1's snapshot of the newest step comes back from
+    the copy in n0's memory: the restart restores it from memory, bit-exact. Without them,
+    the restart comes from the local disk's newest durable step."""
+    base, shm, job = where
+    out = _crash(base, shm, job, redundancy)
+    if redundancy == "partner":
+        assert [o["copied"] for o in out] == [STEPS, STEPS], out
+    for name in os.listdir(os.path.join(shm, "n1")):  # node n1 lost: its memory is gone
+        os.unlink(os.path.join(shm, "n1", name))
+    back = _resume(base, shm, job, redundancy=redundancy)
+    expected = (STEPS, "memory") if redundancy == "partner" else (EVERY, "local")
+    for r, o in enumerate(back):
+        assert (o["start"], o["level"], o["restored_ok"]) == (*expected, True), (r, o)
         assert o["final_ok"], (r, o)

@@ -187,6 +187,10 @@ class Keeper:
         self.parent, self.linger = args.parent, args.linger_secs
         self.sock = socket.socket(fileno=args.fd)
         self.lock_fd = hold_job_lock(self.shm, self.job, self.rank)  # the segments are alive
+        self.also: list[tuple[str, int, int]] = []  # other segments of the job's: partner
+        for word in args.also or []:  # copies this node holds (job, rank, their lock)
+            job, rank = word.rsplit(":", 1)
+            self.also.append((job, int(rank), hold_job_lock(self.shm, job, int(rank))))
         io = IOOptions.from_env()
         self.storage: Storage | None = LocalStorage(args.next, io) if args.next else None
         self.pool = ThreadPoolExecutor(io.threads, thread_name_prefix="pitstop-keeper-io")
@@ -359,12 +363,15 @@ class Keeper:
             with contextlib.suppress(OSError):  # a log with nothing in it goes too
                 if os.path.getsize(keeper_log(self.job, self.rank)) == 0:
                     os.unlink(keeper_log(self.job, self.rank))
-            for path in iter_slots(self.shm, self.job, self.rank):
+            for job, rank in [(self.job, self.rank), *((j, r) for j, r, _ in self.also)]:
+                for path in iter_slots(self.shm, job, rank):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.shm, lock_name(self.job, self.rank)))
+                    os.unlink(os.path.join(self.shm, lock_name(job, rank)))
         os.close(self.lock_fd)
+        for _, _, fd in self.also:
+            os.close(fd)
         self.pool.shutdown(wait=True)
         self.hashers.shutdown(wait=True)
         return 0
@@ -422,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent", type=int, required=True, help="the training process's pid")
     p.add_argument("--fd", type=int, required=True, help="the command socket's fd")
     p.add_argument("--linger-secs", type=float, default=0.0)
+    p.add_argument(
+        "--also",
+        action="append",
+        metavar="JOB:RANK",
+        help="other segments to keep alive and remove with the job's (partner copies)",
+    )
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of the job: the parent decides
     keeper = Keeper(args)
@@ -545,6 +558,7 @@ def start_keeper(
     linger_secs: float = 0.0,
     timeout: float = 30.0,
     kill_at: str | None = None,
+    also: list[tuple[str, int]] | None = None,
 ) -> KeeperHandle:
     """Start the keeper of (``job``, ``rank``) and wait until it is ready. Its environment
     is the caller's without ``PITSTOP_KILL_AT`` (a training process's kill point is not
@@ -560,6 +574,8 @@ def start_keeper(
     ]  # fmt: skip
     if next_dir is not None:
         cmd += ["--next", os.path.abspath(next_dir)]
+    for other, other_rank in also or []:
+        cmd += ["--also", f"{other}:{other_rank}"]
     log = open(keeper_log(job, rank), "ab")  # noqa: SIM115 (the child's stderr)
     try:
         proc = subprocess.Popen(  # neither the trainer's stdout nor its stderr: a launcher

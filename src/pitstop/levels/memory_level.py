@@ -36,7 +36,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
@@ -47,6 +47,7 @@ from pitstop.format.names import step_dir_name
 from pitstop.io.locks import pid_alive
 from pitstop.levels.keeper import KeeperHandle, persist_slot, start_keeper
 from pitstop.levels.memory import SlotStorage
+from pitstop.levels.memory_peers import PeerCopies, peer_token
 from pitstop.levels.root import RootLevel
 from pitstop.levels.shm import (
     EMPTY,
@@ -60,7 +61,7 @@ from pitstop.levels.shm import (
     remove_stale,
     seal,
 )
-from pitstop.levels.spec import Memory
+from pitstop.levels.spec import Memory, Placement, memory_dir, node_ids
 from pitstop.log import get_logger
 from pitstop.options import IOOptions
 from pitstop.ranks.group import Group
@@ -92,10 +93,24 @@ class MemoryLevel(RootLevel):
 
     quiet_when_empty = True  # nothing in memory (a clean start): a slower level serving is normal
 
-    def __init__(self, spec: Memory, group: Group, io: IOOptions, next_storage: Storage) -> None:
+    def __init__(
+        self,
+        spec: Memory,
+        group: Group,
+        io: IOOptions,
+        next_storage: Storage,
+        *,
+        topology: Mapping[int, str] | Sequence[str] | None = None,
+    ) -> None:
         self.spec, self.io = spec, io
-        self.directory = os.fspath(spec.directory)
+        nodes = node_ids(topology, group.rank, lambda o: group.all_gather(o, "plan"))
+        self.placement = Placement(nodes, spec.redundancy)
+        self.directory = memory_dir(spec, nodes[group.rank])
+        if "{node}" in os.fspath(spec.directory):
+            with contextlib.suppress(OSError):  # a bad one is said below
+                os.makedirs(self.directory, exist_ok=True)
         self.job = spec.job or job_token(next_storage.url)
+        self.peers: PeerCopies | None = None
         self.next_storage = next_storage
         self.next_dir = local_dir(next_storage)
         self.slots: SlotSet | None = None
@@ -117,7 +132,7 @@ class MemoryLevel(RootLevel):
             )  # fmt: skip
         if self.active:
             with contextlib.suppress(OSError):  # dead jobs' segments, never a live one's
-                for name in remove_stale(self.directory, keep=self.job):
+                for name in remove_stale(self.directory, keep={self.job, peer_token(self.job)}):
                     _log.info("removed a dead job's memory segment %s", name, phase="gc")
             with contextlib.suppress(OSError, ValueError, CheckpointError):
                 self.slots = SlotSet.attach(self.job, rank=group.rank, directory=self.directory)
@@ -125,6 +140,8 @@ class MemoryLevel(RootLevel):
         self._slot_storage = SlotStorage(self.directory, self.job, rank=group.rank, io=io)
         super().__init__(self._slot_storage, group, None, name="memory")
         self._agreed = self._agree()
+        if self._agreed and self.placement.scheme == "partner":  # collective (the groups)
+            self.peers = PeerCopies(self, self.placement)
 
     @property
     def listed(self) -> bool:
@@ -178,6 +195,8 @@ class MemoryLevel(RootLevel):
         dropped = []
         try:
             paths = list(iter_slots(self.directory, self.job, self.group.rank))
+            if self.peers is not None:  # and the partner copies of them this rank keeps
+                paths += iter_slots(self.directory, self.peers.job, self.peers.source)
         except OSError:
             return []
         for path in paths:
@@ -193,10 +212,14 @@ class MemoryLevel(RootLevel):
                     and head.state != EMPTY:  # fmt: skip
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                    dropped.append(f"memory:{step_dir_name(head.step)}")
+                    if head.rank == self.group.rank and head.job == self.job:
+                        dropped.append(f"memory:{step_dir_name(head.step)}")
         if dropped and self.slots is not None:
             self.slots.close(unlink=False)  # made anew (all of them) at the next save
             self.slots = None
+        if self.peers is not None and self.peers.held is not None:
+            self.peers.held.close()  # made anew at the next copy
+            self.peers.held = None
         return dropped
 
     # ------------------------------------------------------------------ save side
@@ -234,6 +257,7 @@ class MemoryLevel(RootLevel):
                 self.job, rank=self.group.rank, shm_dir=self.directory,
                 next_dir=self.next_dir if self.group.size == 1 else None,
                 linger_secs=float(self.spec.linger_secs),
+                also=[(self.peers.job, self.peers.source)] if self.peers is not None else None,
             )  # fmt: skip
         except Exception as e:
             self.spec = _no_keeper(self.spec)
@@ -304,11 +328,45 @@ class MemoryLevel(RootLevel):
         if self.group.size == 1:
             return
         mine = self._slot_storage.parts()
+        if self.peers is not None and self._rebuild(mine):
+            mine = self._slot_storage.parts()
         joined = {
             name: (mine[name][0], manifest.dumps())
             for name, manifest in self.joined_steps(mine, "restore").items()
         }  # fmt: skip
         self._slot_storage.joined = joined
+
+    def _rebuild(self, mine: dict[str, tuple[int, bytes]]) -> bool:
+        """Partner copies (collective): the newest step every rank holds a part of, its own or
+        a copy its holder keeps, when some rank lacks its own (its node was lost): the copies
+        are sent back (``PeerCopies.rebuild``). True if any was."""
+        assert self.peers is not None
+        held = self.peers.held_parts()
+        words = self.group.all_gather(
+            ({n: p for n, (_, p) in mine.items()}, held, self.peers.source), "restore"
+        )
+        holder_of = {w[2]: r for r, w in enumerate(words)}  # rank -> who keeps its copies
+        names = sorted({n for w in words for n in (*w[0], *w[1])}, reverse=True)
+        for name in names:
+            parts, lost = [], []
+            for q, w in enumerate(words):
+                if name in w[0]:
+                    parts.append(w[0][name])
+                elif q in holder_of and name in words[holder_of[q]][1]:
+                    parts.append(words[holder_of[q]][1][name])
+                    lost.append(q)
+                else:
+                    break
+            else:
+                try:
+                    join_parts(parts, path=f"memory {name}")
+                except CheckpointError:
+                    continue
+                if not lost:
+                    return False  # the newest step is whole without copies
+                self.peers.rebuild(name, lost)
+                return True
+        return False
 
     @property
     def slot_storage(self) -> SlotStorage:
@@ -342,6 +400,8 @@ class MemoryLevel(RootLevel):
         """Stop the keeper and remove the job's segments (``unlink``): memory snapshots do
         not outlive a job that ended."""
         try:
+            if self.peers is not None:
+                self.peers.close(unlink=unlink)
             if self.keeper is not None:
                 self.keeper.stop(unlink=unlink, persist=False)
                 self.keeper = None

@@ -106,6 +106,7 @@ class MemorySaver(Saver):
         self.memory = memory
         self._durable_next = True  # the mode of the save being started (training thread)
         self._step_next = 0
+        self._slot_next: Slot | None = None  # the slot it stages into
         self._modes: dict[int, bool] = {}  # step -> durable, for the persist thread
         self._writing: dict[int, _Durable] = {}  # slot index -> a durable save being written
         self._here = ThreadPoolExecutor(1, thread_name_prefix="pitstop-memory")
@@ -127,11 +128,19 @@ class MemorySaver(Saver):
     ) -> SaveHandle:
         """As ``Saver.async_save``; ``durable=False``: a memory snapshot only (NoFreeSlotError
         when no slot is free: skipped)."""
-        self._durable_next, self._step_next = durable, step
+        self._durable_next, self._step_next, self._slot_next = durable, step, None
         try:
             return super().async_save(step, state, lineage=lineage, metrics=metrics)
         finally:
             self._durable_next = True  # reserve() and the plain saver's calls plan as ever
+            if self.memory.peers is not None:  # every rank's copies take the same rounds
+                self.memory.peers.round(step, self._slot_next)
+
+    def skip_snapshot(self, step: int) -> None:
+        """Training thread: the memory snapshot of ``step`` is not taken (this rank's level is
+        off): the partner copies' round of that step passes with nothing."""
+        if self.memory.peers is not None:
+            self.memory.peers.round(step, None)
 
     def _stage(
         self, flat: Flat, plan: SavePlan
@@ -174,6 +183,7 @@ class MemorySaver(Saver):
             self.memory.slots.abandon(slot)
             raise
         self._modes[step] = durable
+        self._slot_next = slot
         return job, plan, slot, None, waited  # type: ignore[return-value]
 
     def _settle_staging(self, timeout_secs: float = 2.0) -> None:

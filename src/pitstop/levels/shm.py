@@ -79,7 +79,7 @@ from pitstop.levels.shm_header import (
     slot_name,
     write_header,
 )
-from pitstop.levels.shm_seal import manifest_of, read_meta, seal
+from pitstop.levels.shm_seal import commit_copy, manifest_of, read_meta, seal
 from pitstop.levels.shm_slot import Slot, open_slot, reserve, write_meta
 from pitstop.options import ALIGN_BYTES
 
@@ -98,6 +98,7 @@ __all__ = [
     "SlotHeader",
     "SlotSet",
     "boot_id",
+    "commit_copy",
     "hold_job_lock",
     "iter_slots",
     "lock_name",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from pitstop.io.locks import pid_alive
 from pitstop.levels.shm_header import (
@@ -87,15 +87,16 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[b
 
 
 def remove_stale(
-    directory: str = SHM_DIR, *, keep: str | None = None, dry_run: bool = False
+    directory: str = SHM_DIR, *, keep: str | Collection[str] | None = None, dry_run: bool = False
 ) -> list[str]:
     """Remove the segments of every job whose processes are all dead: nobody holds its lock
     file (flocks die with their holders, in any boot), or, without a lock file, its slots'
-    owner pid is gone or was written in another boot. ``keep``: a job token never touched.
+    owner pid is gone or was written in another boot. ``keep``: job tokens never touched.
     Returns the names removed (``dry_run``: the names that would be, nothing removed)."""
     removed: list[str] = []
+    kept = {keep} if isinstance(keep, str) else set(keep or ())
     for (job, rank), names in sorted(_jobs(directory).items()):
-        if job == keep:
+        if job in kept:
             continue
         remove = _stale(directory, job, rank, names)
         if remove is not None:

@@ -25,7 +25,7 @@ from pitstop.format.names import data_file_name, objects_file_name
 from pitstop.levels.shm_header import COMMITTED, STAGED, SlotHeader, write_header
 from pitstop.levels.shm_slot import Slot, write_meta
 
-__all__ = ["manifest_of", "read_meta", "seal"]
+__all__ = ["commit_copy", "manifest_of", "read_meta", "seal"]
 
 
 def read_meta(slot: Slot, head: SlotHeader) -> tuple[bytes, bytes, bytes]:
@@ -62,17 +62,38 @@ def seal(slot: Slot, *, pool: Executor | None = None, hold: bool = False) -> Slo
         else:
             data = manifest.dumps()
             Manifest.loads(data, path=slot.path)  # what no reader would accept: never committed
-        at = head.meta_offset + head.record_bytes + head.objects_bytes
-        write_meta(slot, at, data)
-        committed = replace(
-            head, state=COMMITTED, seq=head.seq + 1, manifest_bytes=len(data),
-            meta_crc=zlib.crc32(record + objects + data),
-        )  # fmt: skip
-        write_header(slot.fd, committed)
-        return committed
+        return _commit(slot, head, record + objects, data)
     finally:
         if not hold:
             slot.unlock()
+
+
+def commit_copy(slot: Slot, manifest: bytes) -> SlotHeader | None:
+    """Commit a staged slot that holds a copy of another slot (a partner copy, a restart's
+    rebuild from one) with that slot's manifest (or part) as it was sealed: no hashing here;
+    every checksum is verified when it is read. None if the slot is not staged or another
+    process holds it."""
+    if not slot.try_lock(exclusive=True):
+        return None
+    try:
+        head = slot.header()
+        if head is None or head.state != STAGED:
+            return None
+        record, objects, _ = read_meta(slot, head)
+        return _commit(slot, head, record + objects, manifest)
+    finally:
+        slot.unlock()
+
+
+def _commit(slot: Slot, head: SlotHeader, before: bytes, manifest: bytes) -> SlotHeader:
+    """Write ``manifest`` after the record and objects (``before``), then flip the header."""
+    write_meta(slot, head.meta_offset + len(before), manifest)
+    committed = replace(
+        head, state=COMMITTED, seq=head.seq + 1, manifest_bytes=len(manifest),
+        meta_crc=zlib.crc32(before + manifest),
+    )  # fmt: skip
+    write_header(slot.fd, committed)
+    return committed
 
 
 def _hash_all(

@@ -39,7 +39,7 @@ from pitstop.storage.local import local_path, object_url
 __all__ = [
     "DEFAULT_EVERY", "REDUNDANCY", "SCHEMES", "SERVING", "Local", "Memory", "Partner",
     "Placement", "Redundancy", "Shared", "Xor", "check_levels",
-    "level_names", "manifest_order", "node_ids", "split_memory",
+    "level_names", "manifest_order", "memory_dir", "node_ids", "split_memory",
 ]  # fmt: skip
 
 DEFAULT_EVERY = 10  # Shared(): every 10th local commit unless told otherwise
@@ -245,9 +245,14 @@ class Memory:
     * ``job``: the token that names the segments (default: derived from the next level's
       path and the user id, the same for every restart of the job; letters, digits, ``_``).
     * ``limit_bytes``: a budget for the slots below what ``directory`` holds.
+    * ``redundancy``: ``"single"`` (each node's memory holds its own ranks' snapshots) or
+      ``"partner"`` (each snapshot is also copied, in the background, into the memory of
+      another node, so a restart after one node is lost still restores from memory; one
+      node: single). ``{node}`` in ``directory`` is replaced by the node's id.
 
-    If shared memory cannot hold the slots, or the job runs under torch.distributed (not
-    supported yet), the manager warns and saves to the next level as without this level."""
+    Under torch.distributed every rank keeps its part of each step (docs/memory-level.md).
+    If shared memory cannot hold the slots, the manager warns and saves to the next level
+    as without this level."""
 
     slots: int = 3
     every: int = 1
@@ -256,8 +261,13 @@ class Memory:
     job: str | None = None
     directory: str = "/dev/shm"
     limit_bytes: int | None = None
+    redundancy: str = "single"
 
     def __post_init__(self) -> None:
+        if self.redundancy not in ("single", "partner"):
+            raise ValueError(
+                f"Memory(redundancy=) must be 'single' or 'partner', got {self.redundancy!r}"
+            )
         if type(self.slots) is not int or self.slots < 2:
             raise ValueError(f"Memory(slots=) must be an int >= 2, got {self.slots!r}")
         if type(self.every) is not int or self.every < 1:
@@ -282,6 +292,11 @@ class Memory:
             raise ValueError(
                 f"Memory(limit_bytes=) must be a positive int, got {self.limit_bytes!r}"
             )
+
+
+def memory_dir(spec: Memory, node: str) -> str:
+    """The memory level's directory on ``node`` (``{node}`` replaced)."""
+    return os.fspath(spec.directory).replace("{node}", node)
 
 
 def split_memory(levels: Sequence[Any]) -> tuple[Memory | None, list[Any]]:

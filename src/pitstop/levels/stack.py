@@ -95,7 +95,11 @@ def open_levels(
         targets.append(
             FlushTarget(name, spec, storage_, group, flusher, spec.make_schedule(), keep)
         )
-    memory = MemoryLevel(memory_spec, group, io, first.storage) if memory_spec else None
+    memory = (
+        MemoryLevel(memory_spec, group, io, first.storage, topology=topology)
+        if memory_spec
+        else None
+    )
     return LevelStack(first, targets, group, memory=memory)
 
 
