@@ -26,6 +26,12 @@ step the keeper wrote), ``torch.load`` (of a ``torch.save`` of the same state, p
 warm), against ``memcpy`` (copying the state between two touched buffers in that process).
 
 Also: RSS of the training process and of the keeper, and the shared memory the slots use.
+
+Several ranks (``--only ranks``): two gloo ranks, one emulated node each, the same small
+training loop with no checkpoints, the local level every 10 steps, plus a memory snapshot
+every step, plus partner copies of every snapshot into the other node's memory: the median
+iteration time of each.
+
 Prints a table and a final JSON line.
 """
 
@@ -346,6 +352,91 @@ def loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- main
+# ---------------------------------------------------------------------- several ranks
+def _ranks_state(mib: int) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    width = 1024
+    layers = max(1, mib * (1 << 20) // (width * width * 4 * 3))  # weights + Adam's two
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return {"model": model, "optimizer": opt}
+
+
+def _ranks_loop(
+    rank: int, world: int, variant: str, root: str, shm: str, mib: int, steps: int
+) -> dict[str, Any]:
+    """One rank: ``steps`` iterations (forward, backward, Adam) with ``ckpt.step`` as the
+    variant says; the wall time of each iteration, and (``crash``) a SIGKILL-like end once
+    the newest snapshot is sealed and copied."""
+    import torch
+
+    import pitstop
+    from pitstop.levels.shm import new_job_token
+
+    torch.set_num_threads(1)
+    state = _ranks_state(mib)
+    model, opt = state["model"], state["optimizer"]
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(rank))
+    ckpt = None
+    if variant != "none":
+        levels: list[Any] = [pitstop.Local(os.path.join(root, variant, "{node}"),
+                                           redundancy="single")]  # fmt: skip
+        if variant.startswith("memory"):
+            levels.insert(0, pitstop.Memory(
+                job="b" + new_job_token(), directory=os.path.join(shm, variant, "{node}"),
+                redundancy="partner" if variant == "memory partner" else "single",
+            ))  # fmt: skip
+        ckpt = pitstop.CheckpointManager(
+            levels, policy=pitstop.EveryN(10), topology=[f"n{r}" for r in range(world)]
+        )
+    times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if ckpt is not None:
+            ckpt.step(step, state)
+        times.append(time.perf_counter() - t0)
+    if ckpt is not None:
+        ckpt.close()
+    return {"times": times}
+
+
+def ranks(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """Two ranks (gloo, one emulated node each), the same loop with: no checkpoints; the
+    local level every 10 steps; plus a memory snapshot every step; plus partner copies of
+    every snapshot into the other node's memory. Median iteration time of rank 0 after the
+    first 5 iterations, each variant run ``reps`` times in turn."""
+    from pitstop.testing.distributed import run_ranks
+
+    shm = tempfile.mkdtemp(prefix="pitstop-bench-", dir="/dev/shm")
+    variants = ("none", "local every 10", "memory every step", "memory partner")
+    per: dict[str, list[float]] = {v: [] for v in variants}
+    try:
+        for _ in range(max(1, args.reps // 2)):
+            for v in variants:
+                out = run_ranks(_ranks_loop, 2, v, root, shm, args.ranks_mib, args.ranks_steps,
+                                timeout_secs=300.0)  # fmt: skip
+                per[v] += out[0]["times"][5:]
+                shutil.rmtree(os.path.join(root, v), ignore_errors=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return {"mib": args.ranks_mib, **{v: statistics.median(t) for v, t in per.items()}}
+
+
+def report_ranks(rk: dict[str, Any], summary: dict[str, Any]) -> None:
+    base = rk["none"]
+    print(f"\ntwo ranks (gloo, a node each), {rk['mib']} MiB of model + Adam per rank, "
+          "median iteration time of rank 0:")  # fmt: skip
+    names = ("none", "local every 10", "memory every step", "memory partner")
+    for k in names:
+        print(f"  {k:20s} {rk[k] * 1e3:8.1f} ms  ({(rk[k] / base - 1) * 100:+6.1f} % vs none)")
+    summary["ranks_iter_ms"] = {k: rk[k] * 1e3 for k in names}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -356,7 +447,9 @@ def main() -> None:
     p.add_argument("--job", default="")
     p.add_argument("--dir", default="")
     p.add_argument("--step", type=int, default=1)
-    p.add_argument("--only", default="costs,restores,loop", help="sections to run")
+    p.add_argument("--only", default="costs,restores,loop,ranks", help="sections to run")
+    p.add_argument("--ranks-mib", type=int, default=None)
+    p.add_argument("--ranks-steps", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -370,6 +463,8 @@ def main() -> None:
     args.pairs = args.pairs or (2 if args.quick else 3)
     args.mib = args.mib or (256 if args.quick else 1024)
     args.reps = args.reps or (3 if args.quick else 5)
+    args.ranks_mib = args.ranks_mib or (48 if args.quick else 96)
+    args.ranks_steps = args.ranks_steps or (25 if args.quick else 40)
     if args.role == "writer":
         return writer(args)
     if args.role == "restorer":
@@ -382,6 +477,7 @@ def main() -> None:
         c = costs(args, root) if "costs" in only else None
         r = restores(args, root) if "restores" in only else None
         lp = loop(args, root) if "loop" in only else None
+        rk = ranks(args, root) if "ranks" in only else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary: dict[str, Any] = {"bench": "memory_checkpoints", "state_mib": args.mib}
@@ -391,6 +487,8 @@ def main() -> None:
         report_restores(r, summary)
     if lp is not None:
         report_loop(lp, summary)
+    if rk is not None:
+        report_ranks(rk, summary)
     print(json.dumps(summary))
 
 
