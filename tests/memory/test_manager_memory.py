@@ -374,3 +374,29 @@ def test_gc_removes_the_segments_of_a_killed_job_and_the_restart_reads_disk(
     assert start["digest"] == _ref()[0][20]
     _assert_final(out)
     assert os.listdir(shm_dir) == []
+
+
+def test_ls_shows_the_memory_snapshots_of_the_directory(
+    shm_dir: str, tmp_path: Any, capsys: Any
+) -> None:
+    """``pitstop ls DIR`` also says which steps the memory level of the job writing to DIR
+    holds on this host (found by the default job token); after ``close()`` it holds none."""
+    root = str(tmp_path / "ckpt")
+    state = {"model": torch.nn.Linear(4, 4)}
+    ckpt = pitstop.CheckpointManager(
+        [pitstop.Memory(directory=shm_dir), pitstop.Local(root, redundancy="single")],
+        policy=pitstop.EveryN(3),
+    )
+    try:
+        for step in range(1, 6):
+            ckpt.step(step, state)
+        ckpt.wait()
+        assert _newest_committed(ckpt.hooks.levels.memory, 5) == 5
+        capsys.readouterr()
+        assert main(["ls", root, "--shm-dir", shm_dir]) == 0
+        out = capsys.readouterr().out
+        assert "memory level on this host" in out and "5 (committed)" in out, out
+    finally:
+        ckpt.close()
+    assert main(["ls", root, "--shm-dir", shm_dir]) == 0
+    assert "memory level" not in capsys.readouterr().out

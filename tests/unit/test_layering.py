@@ -42,6 +42,7 @@ ALLOWED: dict[str, set[float]] = {
 # torch-free CLI commands must not)
 TORCH_OK = ("pitstop.format.codec", "pitstop.state", "pitstop.ranks", "pitstop.engine", "pitstop.manager",
             "pitstop.levels.redundancy", "pitstop.levels.stack", "pitstop.levels.flush",
+            "pitstop.levels.memory_peers",
             "pitstop.oneshot", "pitstop.loop", "pitstop.cli.demo", "pitstop.bench",
             "pitstop.testing.crash", "pitstop.testing.distributed",
             "pitstop.cli.convert", "pitstop.cli.compare", "pitstop.probe",

@@ -14,6 +14,7 @@ the command runs to its end and exits as it would have (damage is 1, a clean run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -181,14 +182,48 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if os.path.isfile(os.path.join(args.dir, LEVELS_FILE)):
         from pitstop.cli.levels import ls_levels
 
-        return ls_levels(args)
-    catalog, only = _open_root(args.dir)
-    rows = ls_rows(catalog, only)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print_ls(catalog.storage.url, rows)
-    return 0
+        code = ls_levels(args)
+    else:
+        catalog, only = _open_root(args.dir)
+        rows = ls_rows(catalog, only)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+            return 0
+        print_ls(catalog.storage.url, rows)
+        code = 0
+    if not args.json:
+        _print_memory(args.dir, args.shm_dir)
+    return code
+
+
+def _print_memory(root: str, shm_dir: str | None) -> None:
+    """The memory level's snapshots of the job that writes to ``root`` (or to a node's
+    directory under it) on this host, found by the default job token (a job run with its
+    own ``Memory(job=)`` is not found; ``pitstop gc`` removes a dead job's)."""
+    from pitstop.cli.levels import read_levels
+    from pitstop.levels.shm_clean import job_slots
+    from pitstop.levels.shm_header import SHM_DIR, job_token
+
+    directory = shm_dir or SHM_DIR
+    dirs = [os.path.abspath(root)]
+    if os.path.isfile(os.path.join(root, LEVELS_FILE)):
+        with contextlib.suppress(Exception):  # said by the listing above
+            lv = read_levels(root)
+            dirs += [os.path.abspath(lv.node_dir(n)) for n in lv.order]
+    for d in dict.fromkeys(dirs):
+        heads = job_slots(directory, job_token(d))
+        if not heads:
+            continue
+        steps: dict[tuple[int, str], list[int]] = {}
+        for h in heads:
+            if h.step is not None and h.state in ("committed", "staged"):
+                steps.setdefault((h.step, h.state), []).append(h.rank)
+        shown = ", ".join(
+            f"{s} ({state}{'' if len(ranks) == 1 and ranks == [0] else f', ranks {sorted(ranks)}'})"
+            for (s, state), ranks in sorted(steps.items(), reverse=True)
+        )  # fmt: skip
+        print(f"\nmemory level on this host ({directory}, job {job_token(d)}, writing to {d}): "
+              f"{shown or 'no snapshot'}")  # fmt: skip
 
 
 def ls_rows(catalog: Catalog, only: str | None = None) -> list[dict[str, Any]]:
@@ -529,6 +564,8 @@ def _parser() -> argparse.ArgumentParser:
     p = add("ls", "list the checkpoints under a directory with their status", _LS_LEVELS)
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--shm-dir", default=None,
+                   help="where the memory level's snapshots are (default /dev/shm)")  # fmt: skip
     p.set_defaults(func=cmd_ls)
 
     p = add("inspect", "show the manifest of one checkpoint (default: the newest)")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import socket
@@ -56,6 +55,7 @@ from pitstop.levels.shm import (
     boot_id,
     hold_job_lock,
     iter_slots,
+    job_token,
     lock_name,
     read_header,
     remove_stale,
@@ -68,16 +68,9 @@ from pitstop.ranks.group import Group
 from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage
 
-__all__ = ["MemoryLevel", "job_token"]
+__all__ = ["MemoryLevel", "job_token"]  # job_token: shm_header's, re-exported
 
 _log = get_logger("pitstop.levels")
-
-
-def job_token(next_url: str) -> str:
-    """The default job token: the same for every restart of a job that writes to the same
-    next level (its path) as the same user, and distinct for two jobs that do not."""
-    key = f"{os.getuid() if hasattr(os, 'getuid') else 0}:{next_url}"
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def local_dir(storage: Storage) -> str | None:

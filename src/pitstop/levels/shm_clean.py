@@ -17,9 +17,11 @@ import fcntl
 import os
 from collections.abc import Callable, Collection, Iterator
 
+from pitstop.errors import CheckpointError
 from pitstop.io.locks import pid_alive
 from pitstop.levels.shm_header import (
     SHM_DIR,
+    SlotHeader,
     boot_id,
     lock_name,
     parse_segment_name,
@@ -27,7 +29,7 @@ from pitstop.levels.shm_header import (
     segment_names,
 )
 
-__all__ = ["iter_slots", "remove_job", "remove_stale"]
+__all__ = ["iter_slots", "job_slots", "remove_job", "remove_stale"]
 
 
 def _jobs(directory: str) -> dict[tuple[str, int], list[str]]:
@@ -103,6 +105,30 @@ def remove_stale(
             remove(not dry_run)
             removed += sorted(names)
     return removed
+
+
+def job_slots(directory: str, job: str) -> list[SlotHeader]:
+    """The headers of ``job``'s slots under ``directory`` (any rank; unreadable ones left
+    out), by rank and slot: what ``pitstop ls`` shows of a directory's memory snapshots."""
+    out = []
+    for name in segment_names(directory, job):
+        parsed = parse_segment_name(name)
+        if parsed is None or parsed[2] is None:
+            continue
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK)  # fmt: skip
+        except OSError:
+            continue
+        try:
+            head = read_header(fd)
+        except (OSError, CheckpointError):
+            head = None
+        finally:
+            os.close(fd)
+        if head is not None and head.job == job:
+            out.append(head)
+    return sorted(out, key=lambda h: (h.rank, h.index))
 
 
 def remove_job(directory: str, job: str) -> list[str]:

@@ -13,6 +13,7 @@ the holder of the slot file's flock (exclusive), or by its creator.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -37,6 +38,7 @@ __all__ = [
     "STAGING",
     "SlotHeader",
     "boot_id",
+    "job_token",
     "lock_name",
     "new_job_token",
     "parse_segment_name",
@@ -62,6 +64,14 @@ _NAME = re.compile(r"pitstop-mem-([A-Za-z0-9_]{1,64})-r([0-9]{5,})(?:-s([0-9]+)|
 def new_job_token() -> str:
     """A fresh job token (a launcher passes the same one to every restart of a job)."""
     return os.urandom(8).hex()
+
+
+def job_token(next_url: str) -> str:
+    """The memory level's default job token: the same for every restart of a job that
+    writes to the same next level (its path) as the same user, and distinct for two jobs
+    that do not (``pitstop ls`` finds a directory's memory snapshots by it)."""
+    key = f"{os.getuid() if hasattr(os, 'getuid') else 0}:{next_url}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def boot_id() -> str:
