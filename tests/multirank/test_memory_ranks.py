@@ -84,10 +84,12 @@ def _run(
     crash: bool,
     skip: tuple[int, int] | None = None,
     redundancy: str | None = None,
+    wait_sealed: bool = True,
 ) -> dict[str, Any]:
     """Resume (from whatever is there) and train to ``steps``: memory every step, durable
-    every ``EVERY``; ``crash``: every rank dies once its snapshot of ``steps`` is sealed;
-    ``skip`` (rank, step): that rank finds no free slot for that step's snapshot."""
+    every ``EVERY``; ``crash``: every rank dies once its snapshot of ``steps`` is sealed
+    (``wait_sealed=False``: at once, its snapshot maybe not staged yet); ``skip`` (rank,
+    step): that rank finds no free slot for that step's snapshot."""
     import torch.distributed as dist
 
     expected = _state(rank)
@@ -129,7 +131,7 @@ def _run(
     if crash:
         mine = os.path.join(shm, f"n{rank}") if nodes else shm
         copies = (peer_token(job), (rank - 1) % world)  # the other rank's, on a ring of 2
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + (TIMEOUT if wait_sealed else 0.0)
         while time.monotonic() < deadline and (
             _newest_sealed(mine, job, rank) != steps
             or (redundancy == "partner" and _newest_sealed(mine, *copies) != steps)
@@ -274,3 +276,39 @@ def test_a_lost_node_restores_from_its_partner_copy_in_memory(
     for r, o in enumerate(back):
         assert (o["start"], o["level"], o["restored_ok"]) == (*expected, True), (r, o)
         assert o["final_ok"], (r, o)
+
+
+def test_repeated_kills_of_every_rank_resume_bit_exact_at_most_one_behind(
+    where: tuple[str, str, str],
+) -> None:
+    """A chain of crashes of every rank at random steps, without waiting for the newest
+    snapshot's seal (PITSTOP_MEMORY_RANK_KILLS=N, default 3): each restart resumes from
+    memory, bit-exact, at most one step behind the step training had completed; the last
+    run ends cleanly."""
+    import random
+
+    base, shm, job = where
+    rng = random.Random(27)
+    kills = int(os.environ.get("PITSTOP_MEMORY_RANK_KILLS", "3"))
+    reached = 0
+    for i in range(kills + 1):
+        last = i == kills
+        target = reached + rng.randint(2, 7)
+        if last:
+            out = _resume(base, shm, job, steps=target)
+        else:
+            run_ranks(
+                _run, 2, base, shm, job, target, True, None, None, False,
+                timeout_secs=TIMEOUT * 3, allow_failures=True,
+            )  # fmt: skip
+            out = []
+            for r in range(2):
+                with open(os.path.join(base, f"crash-{r}.json")) as f:
+                    out.append(json.load(f))
+                os.unlink(os.path.join(base, f"crash-{r}.json"))
+        for r, o in enumerate(out):
+            if reached:
+                assert o["level"] == "memory" and o["restored_ok"], (i, r, o)
+                assert reached - 1 <= o["start"] <= reached, (i, r, o)
+            assert o["final_ok"], (i, r, o)
+        reached = target
