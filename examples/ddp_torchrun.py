@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/ddp_torchrun.py --dir ckpts
     pitstop crashtest -- torchrun --nproc_per_node=2 examples/ddp_torchrun.py --dir {dir}
+    torchrun --nproc_per_node=2 examples/ddp_torchrun.py --dir ckpts --memory   # + memory level
 
 Every rank builds the same manager on the same directory; the calls are collective (same
 steps on every rank). The ranks split the writing of the replicated model and optimizer,
@@ -29,6 +30,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="a memory snapshot every step too (pitstop.Memory() before the disk)",
+    )
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -55,7 +61,10 @@ def main() -> None:
         "rng": pitstop.RNGState(), "progress": {"step": 0},
     }  # fmt: skip
     policy = pitstop.policy.EveryN(args.every)
-    with pitstop.CheckpointManager(args.dir, keep_last=2, policy=policy) as ckpt:  # pitstop
+    root = args.dir  # pitstop: or memory first (every step), the disk every `every` steps
+    if args.memory:
+        root = [pitstop.Memory(), pitstop.Local(args.dir, redundancy="single", keep_last=2)]
+    with pitstop.CheckpointManager(root, keep_last=2, policy=policy) as ckpt:  # pitstop
         ckpt.restore(state)  # pitstop: every rank, the same step
         while state["progress"]["step"] < args.steps:
             for xb, yb in loader:

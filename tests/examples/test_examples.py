@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -143,10 +144,20 @@ def test_mnist_broken_is_caught_by_a_resume_in_the_second_epoch(runs: AheadRuns)
 
 
 @pytest.mark.dist
-def test_ddp_torchrun_resumes_identically_on_every_rank(tmp_path: Any, runs: AheadRuns) -> None:
+@pytest.mark.parametrize("memory", [False, True], ids=["disk", "memory"])
+def test_ddp_torchrun_resumes_identically_on_every_rank(
+    tmp_path: Any, runs: AheadRuns, memory: bool
+) -> None:
+    """With ``--memory`` (a memory snapshot every step, the disk every 5): each SIGKILL of
+    the process group resumes at the killed step, from the segments the ranks left."""
     runs.alone()  # its ranks on gloo have the machine to themselves
     cmd = [*TORCHRUN, example("ddp_torchrun.py"), "--dir", "{dir}", "--steps", "24"]
-    code, out = crashtest(tmp_path, cmd, "--seed", "2")
+    code, out = crashtest(tmp_path, cmd + (["--memory"] if memory else []), "--seed", "2")
     assert code == 0, out
     assert "identical: yes" in out
     assert "2 ranks saved the newest step: each rank's own values are compared" in out
+    if memory:  # SIGKILL at step N after N-1 committed: resumed at N-1 or N, never older
+        killed = [int(m) for m in re.findall(r"SIGKILL at step (\d+)", out)]
+        resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", out)]
+        assert killed and len(resumed) == len(killed), out
+        assert all(k - 1 <= r <= k for k, r in zip(killed, resumed, strict=True)), out
