@@ -262,6 +262,7 @@ def main() -> int:
     p.add_argument("--kill-delay", type=float, default=0.0, help="secs from step() to the kill")
     p.add_argument("--settle", action="store_true", help="ckpt.wait() before the kill")
     p.add_argument("--no-keeper", action="store_true", help="Memory(keeper=False)")
+    p.add_argument("--external", action="store_true", help="Memory(keeper='external')")
     p.add_argument("--plain", action="store_true")
     p.add_argument("--digests", default=None)
     p.add_argument("--final", default=None)
@@ -285,8 +286,9 @@ def main() -> int:
         return 0
 
     memory = pitstop.Memory(
-        job=a.job, directory=a.shm, linger_secs=a.linger, keeper=not a.no_keeper
-    )
+        job=a.job, directory=a.shm, linger_secs=a.linger,
+        keeper="external" if a.external else not a.no_keeper,
+    )  # fmt: skip
     ckpt = pitstop.CheckpointManager(
         [memory, pitstop.Local(a.root, redundancy="single")], policy=pitstop.EveryN(a.every)
     )

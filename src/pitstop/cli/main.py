@@ -53,6 +53,7 @@ EXAMPLES = {
     "verify": "pitstop verify ckpts            # every committed step\n  pitstop verify ckpts --step 1200",
     "gc": "pitstop gc ckpts --dry-run\n  pitstop gc ckpts --abandoned --damaged   # also what rollbacks and damage set aside",
     "demo": "pitstop demo --steps 300 --every 10",
+    "keeper": 'pitstop keeper /local/ckpt &   # then: pitstop.Memory(keeper="external")',
     "bench": "pitstop bench --dir /scratch --size 1GB --profile profile.json",
     "export": "pitstop export ckpts --step 1200 --to safetensors model.safetensors --only model",
     "import": "pitstop import model.pt --to ckpts --step 0",
@@ -390,6 +391,25 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keeper(args: argparse.Namespace) -> int:
+    """``pitstop keeper DIR``: see :mod:`pitstop.levels.keeper_watch`."""
+    from pitstop.levels.keeper_watch import run_watch
+    from pitstop.levels.shm_header import JOB_TOKEN, SHM_DIR, job_token
+
+    directory = os.path.abspath(args.dir)
+    job = args.job or job_token(directory)
+    if not JOB_TOKEN.fullmatch(job):
+        raise _UsageError(f"--job takes 1-64 letters, digits or '_', got {job!r}")
+    shm = args.shm_dir or SHM_DIR
+    if not os.path.isdir(shm):
+        raise _UsageError(f"--shm-dir {shm}: no such directory")
+    print(f"pitstop keeper: watching job {job} in {shm} (writing to {directory})", flush=True)
+    code = run_watch(job, shm, directory, linger_secs=args.linger_secs, max_secs=args.max_secs)
+    if code != EXIT_OK:
+        print(f"pitstop keeper: another keeper watches job {job} already", file=sys.stderr)
+    return code
+
+
 def _gc_shm(args: argparse.Namespace) -> list[str]:
     """``gc``'s shared memory: the memory level's segments of dead jobs on this host (a job
     whose processes live is never touched: its lock decides). On by default for a local
@@ -585,6 +605,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--level", choices=["local", "shared", "all"], default=None,
                    help="under levels=: which level (default all)")  # fmt: skip
     p.set_defaults(func=cmd_verify)
+
+    p = add("keeper", "watch a job's memory snapshots on this node (started by a launcher)")
+    p.add_argument("dir", help="the directory the memory level writes to (a node's, with {node})")
+    p.add_argument("--job", default=None, help="the job token (default: derived from DIR)")
+    p.add_argument("--shm-dir", default=None, help="where the snapshots are (default /dev/shm)")
+    p.add_argument("--linger-secs", type=float, default=30.0,
+                   help="how long a dead trainer's snapshots wait for its restart")  # fmt: skip
+    p.add_argument("--max-secs", type=float, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_keeper)
 
     p = add("gc", "remove debris of interrupted saves")
     p.add_argument("dir")

@@ -24,9 +24,12 @@ Call sequence (training thread)::
     keeper.events()                            # what it did: sealed, persisted, skipped, error
     keeper.stop(unlink=True)                   # end of the job
 
-The CLI form, for launchers that start it themselves::
+The process form (what ``start_keeper`` runs)::
 
     python -m pitstop.levels.keeper --job TOKEN --parent PID --fd FD [--next DIR] ...
+
+A launcher that starts the node's keeper itself runs ``pitstop keeper DIR`` instead, with the
+trainers made by ``Memory(keeper="external")`` (:mod:`pitstop.levels.keeper_watch`).
 """
 
 from __future__ import annotations

@@ -45,11 +45,13 @@ from pitstop.format.manifest import Manifest, join_parts
 from pitstop.format.names import step_dir_name
 from pitstop.io.locks import pid_alive
 from pitstop.levels.keeper import KeeperHandle, persist_slot, start_keeper
+from pitstop.levels.keeper_watch import external_keeper
 from pitstop.levels.memory import SlotStorage
 from pitstop.levels.memory_peers import PeerCopies, peer_token
 from pitstop.levels.root import RootLevel
 from pitstop.levels.shm import (
     EMPTY,
+    STAGED,
     Slot,
     SlotSet,
     boot_id,
@@ -108,6 +110,7 @@ class MemoryLevel(RootLevel):
         self.next_dir = local_dir(next_storage)
         self.slots: SlotSet | None = None
         self.keeper: KeeperHandle | None = None
+        self.external = False  # an external keeper (pitstop keeper) seals the snapshots
         self.active = os.path.isdir(self.directory)
         if not self.active:
             _log.warning("pitstop.Memory(directory=%r): no such directory; saves go to the "
@@ -243,6 +246,18 @@ class MemoryLevel(RootLevel):
         return True
 
     def _start_keeper(self) -> None:
+        if self.spec.keeper == "external":
+            if not self.external:
+                self.external = external_keeper(self.directory, self.job)
+                if not self.external:
+                    self.spec = _no_keeper(self.spec)
+                    _log.warning(
+                        "Memory(keeper='external'): no keeper watches job %s in %s (start "
+                        "`pitstop keeper %s` on the node first); sealing in the training "
+                        "process", self.job, self.directory, self.next_storage.url,
+                        phase="stage",
+                    )  # fmt: skip
+            return
         if self.keeper is not None or not self.spec.keeper:
             return
         try:
@@ -278,10 +293,17 @@ class MemoryLevel(RootLevel):
             time.sleep(0.002)
 
     def seal(self, slot: Slot, pool: Executor) -> None:
-        """Persist thread: commit staged ``slot`` (the keeper hashes it; without one, a
-        thread of ``pool`` does)."""
+        """Persist thread: commit staged ``slot`` (the keeper hashes it, or the external
+        keeper as it watches; without one, a thread of ``pool`` does)."""
         if self.keeper is not None and self.keeper.request_seal(slot.index):
             return
+        if self.external:
+            if external_keeper(self.directory, self.job):
+                return
+            self.external = False
+            self.spec = _no_keeper(self.spec)
+            _log.warning("the external keeper of job %s ended: sealing in the training "
+                         "process", self.job, phase="persist")  # fmt: skip
         pool.submit(self._seal_here, slot)
 
     def _seal_here(self, slot: Slot) -> None:
@@ -301,7 +323,10 @@ class MemoryLevel(RootLevel):
     def persist_here(self, slot: Slot, pool: Executor) -> str | None:
         """Seal ``slot`` if needed and write it to the next level from this process (no
         keeper): the step directory's name, or None if the next level holds it already."""
-        seal(slot)
+        deadline = time.monotonic() + 30.0  # an external keeper may be sealing it
+        while seal(slot) is None and (h := slot.header()) is not None and h.state == STAGED \
+                and time.monotonic() < deadline:  # fmt: skip
+            time.sleep(0.005)
         head = persist_slot(slot, self.next_storage, pool=pool)
         if head is None or head.step is None:
             return None

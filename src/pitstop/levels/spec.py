@@ -239,7 +239,9 @@ class Memory:
       while the next one is copied; a third lets a snapshot be written to disk meanwhile
       (with two, memory snapshots are skipped while the keeper writes one).
     * ``keeper``: hash and write in a keeper process beside training (False: in threads of
-      the training process).
+      the training process; ``"external"``: a keeper the launcher started on the node,
+      ``pitstop keeper DIR``, seals the snapshots and writes a dead trainer's newest; the
+      durable saves are written by this process).
     * ``linger_secs``: after the training process dies, the keeper keeps the snapshots that
       long for its restart (which adopts them) before it removes them.
     * ``job``: the token that names the segments (default: derived from the next level's
@@ -256,7 +258,7 @@ class Memory:
 
     slots: int = 3
     every: int = 1
-    keeper: bool = True
+    keeper: bool | str = True
     linger_secs: float = 30.0
     job: str | None = None
     directory: str = "/dev/shm"
@@ -272,8 +274,8 @@ class Memory:
             raise ValueError(f"Memory(slots=) must be an int >= 2, got {self.slots!r}")
         if type(self.every) is not int or self.every < 1:
             raise ValueError(f"Memory(every=) must be an int >= 1, got {self.every!r}")
-        if not isinstance(self.keeper, bool):
-            raise TypeError(f"Memory(keeper=) takes True or False, got {self.keeper!r}")
+        if not isinstance(self.keeper, bool) and self.keeper != "external":
+            raise TypeError(f"Memory(keeper=) takes True, False or 'external', got {self.keeper!r}")
         if isinstance(self.linger_secs, bool) or not isinstance(self.linger_secs, (int, float)) \
                 or not 0 <= self.linger_secs <= 3600:  # fmt: skip
             raise ValueError(

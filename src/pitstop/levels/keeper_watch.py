@@ -1,0 +1,265 @@
+"""The keeper as a launcher starts it: one process per node that watches a job's memory
+slots (every rank of the job on this node) for the job's whole life, across restarts.
+No torch.
+
+    pitstop keeper CKPT_DIR [--job TOKEN] [--shm-dir /dev/shm] [--linger-secs 30]
+
+with the training processes made by ``pitstop.Memory(keeper="external")`` (they then start
+no keeper of their own). What it does, every few milliseconds:
+
+* **Seal**: a staged snapshot newer than its rank's newest committed one (and not already
+  superseded by a newer one) is hashed and committed (:func:`pitstop.levels.shm.seal`), as
+  the per-process keeper does on request.
+* **Watch the trainers**: each rank's lock file names its training process. When it is
+  gone (SIGKILL included), the newest snapshot of a one-process job (its slot is a whole
+  checkpoint) is written to ``CKPT_DIR`` if that holds no newer step (checked as written);
+  a part of several ranks' step never is (only the job's commit round writes those). A
+  restarted trainer adopts the slots (its pid in the lock file); if none does within
+  ``--linger-secs``, the dead rank's segments are removed.
+* **End**: when the job's segments are all gone (a clean ``close()`` removes them) after it
+  has seen some, or on SIGTERM/SIGINT (a dead trainer's newest snapshot written first), it
+  exits 0. It holds ``pitstop-mem-<job>.keeper`` (flock) while it runs: that is how a
+  training process knows an external keeper watches its job.
+
+The job token is the one the trainers use: ``Memory(job=)``, else derived from the next
+level's path as :func:`pitstop.levels.shm.job_token` says (``CKPT_DIR`` for a plain
+directory; a node's directory for ``Local("/path/{node}")``).
+
+Call sequence: ``run_watch(job, shm_dir, next_dir, ...)`` (the CLI's thread);
+``external_keeper(shm_dir, job)`` (a training process: does one run?).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pitstop.io.locks import pid_alive
+from pitstop.levels.keeper import newest_step, persist_slot
+from pitstop.levels.shm import (
+    COMMITTED,
+    PREFIX,
+    STAGED,
+    Slot,
+    SlotHeader,
+    iter_slots,
+    lock_name,
+    open_slot,
+    read_header,
+    seal,
+    segment_names,
+)
+from pitstop.levels.shm_header import parse_segment_name
+from pitstop.log import get_logger
+from pitstop.options import IOOptions
+from pitstop.storage.local import LocalStorage
+
+__all__ = ["external_keeper", "keeper_file", "run_watch"]
+
+_log = get_logger("pitstop.levels")
+
+
+def keeper_file(directory: str, job: str) -> str:
+    """The file an external keeper of ``job`` holds (flock, exclusive) while it runs."""
+    return os.path.join(directory, f"{PREFIX}{job}.keeper")
+
+
+def external_keeper(directory: str, job: str) -> bool:
+    """Whether an external keeper watches ``job`` under ``directory`` now."""
+    try:
+        fd = os.open(keeper_file(directory, job), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held exclusively: it runs
+    finally:
+        os.close(fd)
+    return False
+
+
+def _owner(directory: str, job: str, rank: int) -> int | None:
+    """The pid the rank's lock file names (the training process that owns its slots)."""
+    try:
+        with open(os.path.join(directory, lock_name(job, rank)), "rb") as f:
+            owner = json.loads(f.read(512).strip() or b"{}")
+    except (OSError, ValueError):
+        return None
+    pid = owner.get("pid") if isinstance(owner, dict) else None
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
+class _Watch:
+    def __init__(self, job: str, directory: str, next_dir: str | None, linger_secs: float):
+        self.job, self.directory, self.linger = job, directory, linger_secs
+        self.storage = LocalStorage(next_dir, IOOptions.from_env()) if next_dir else None
+        self.slots: dict[str, Slot] = {}  # path -> mapped slot
+        self.hashers = ThreadPoolExecutor(2, thread_name_prefix="pitstop-keeper-hash")
+        self.pool = ThreadPoolExecutor(4, thread_name_prefix="pitstop-keeper-io")
+        self.dead: dict[int, tuple[int, float]] = {}  # rank -> (dead pid, since)
+        self.seen = False
+        self.stop = False
+
+    def ranks(self) -> list[int]:
+        out = set()
+        for name in segment_names(self.directory, self.job):
+            parsed = parse_segment_name(name)
+            if parsed is not None:
+                out.add(parsed[1])
+        return sorted(out)
+
+    def mapped(self, rank: int) -> list[tuple[Slot, SlotHeader]]:
+        """The rank's slots (mapped once, again if replaced) with their headers."""
+        out = []
+        for path in iter_slots(self.directory, self.job, rank):
+            slot = self.slots.get(path)
+            try:
+                if slot is not None and os.stat(path).st_ino != os.fstat(slot.fd).st_ino:
+                    slot.close()
+                    slot = None
+                if slot is None:
+                    slot = open_slot(path, job=self.job, rank=rank, populate=False)
+                    self.slots[path] = slot
+                head = read_header(slot.fd)
+            except (OSError, ValueError, Exception):  # removed, torn, not ours: not a slot
+                self.slots.pop(path, None)
+                continue
+            if head is not None:
+                out.append((slot, head))
+        return out
+
+    def seal_staged(self, rank: int) -> None:
+        found = self.mapped(rank)
+        top = max((h.gen for _, h in found if h.state == COMMITTED), default=-1)
+        staged = sorted((h.gen, s) for s, h in found if h.state == STAGED and h.gen > top)
+        if staged:  # the newest only: an older staged one is superseded by it
+            with contextlib.suppress(Exception):
+                seal(staged[-1][1], pool=self.hashers)
+
+    def persist_newest(self, rank: int) -> None:
+        """A dead one-process trainer's newest snapshot, to the next level unless it holds
+        that step or a newer one."""
+        if self.storage is None:
+            return
+        self.seal_staged(rank)
+        found = [(h, s) for s, h in self.mapped(rank) if h.state == COMMITTED]
+        if not found:
+            return
+        head, slot = max(found, key=lambda hs: hs[0].gen)
+        if head.step is None or _world(slot, head) != 1:
+            return  # a part of several ranks' step: only their commit round writes it
+        held = newest_step(self.storage)
+        if held is not None and held >= head.step:
+            return
+        try:
+            done = persist_slot(slot, self.storage, pool=self.pool)
+        except Exception as e:
+            _log.warning("keeper: step %s not written to %s: %r", head.step, self.storage.url, e)
+            return
+        if done is not None:
+            _log.info("keeper: the newest memory snapshot (step %s) written to %s", done.step,
+                      self.storage.url)  # fmt: skip
+
+    def remove(self, rank: int) -> None:
+        for path in list(iter_slots(self.directory, self.job, rank)):
+            slot = self.slots.pop(path, None)
+            if slot is not None:
+                slot.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.directory, lock_name(self.job, rank)))
+
+    def tick(self, now: float) -> bool:
+        """One look at the job; False once it is over (its segments gone)."""
+        ranks = self.ranks()
+        if not ranks:
+            return not self.seen
+        self.seen = True
+        for rank in ranks:
+            self.seal_staged(rank)
+            pid = _owner(self.directory, self.job, rank)
+            alive = pid is not None and pid_alive(pid)
+            if alive:
+                self.dead.pop(rank, None)
+                continue
+            if rank not in self.dead:  # it just died: its newest snapshot to the disk
+                self.dead[rank] = (pid or 0, now)
+                self.persist_newest(rank)
+            elif now - self.dead[rank][1] > self.linger:
+                _log.info("keeper: rank %d of job %s was not restarted within %.0f s: its "
+                          "memory snapshots are removed", rank, self.job, self.linger)  # fmt: skip
+                self.remove(rank)
+                self.dead.pop(rank, None)
+        return True
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.close()
+        self.slots.clear()
+        self.hashers.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
+
+
+def _world(slot: Slot, head: SlotHeader) -> int:
+    from pitstop.levels.shm import read_meta
+
+    try:
+        record = json.loads(read_meta(slot, head)[0])
+        return int(record.get("world_size", 1))
+    except Exception:
+        return 0
+
+
+def run_watch(
+    job: str,
+    shm_dir: str,
+    next_dir: str | None,
+    *,
+    linger_secs: float = 30.0,
+    poll_secs: float = 0.005,
+    max_secs: float | None = None,
+) -> int:
+    """Watch ``job``'s slots under ``shm_dir`` until the job is over (see the module
+    docstring); ``max_secs``: give up after that long (tests). Exit code 0; 1 if another
+    external keeper watches the job already."""
+    path = keeper_file(shm_dir, job)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return 1
+    os.pwrite(fd, json.dumps({"pid": os.getpid()}).encode().ljust(64), 0)
+    watch = _Watch(job, shm_dir, next_dir, linger_secs)
+
+    def on_signal(*_: Any) -> None:
+        watch.stop = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    start = time.monotonic()
+    try:
+        while not watch.stop:
+            now = time.monotonic()
+            if not watch.tick(now) or (max_secs is not None and now - start > max_secs):
+                break
+            time.sleep(poll_secs)
+        for rank in watch.ranks() if watch.stop else []:  # stopped: dead trainers' newest
+            pid = _owner(shm_dir, job, rank)
+            if pid is None or not pid_alive(pid):
+                watch.persist_newest(rank)
+    finally:
+        watch.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+    return 0
