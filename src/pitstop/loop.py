@@ -11,8 +11,14 @@ A save the policy asks for that cannot be taken (its step is already committed, 
 another writer holds it) is never skipped silently: ``step`` returns
 ``StepResult.REFUSED``, logs a warning, and ``stats().refused_saves`` counts it.
 Signals from ``save_on_signal`` make the next ``step`` save synchronously and exit. Under
-torch.distributed ``step`` is collective: rank 0's policy decides for every rank (one small
-gather per step on pitstop's own gloo group), and a signal on any rank makes all ranks save.
+torch.distributed ``step`` is collective: rank 0's policy decides for every rank, and a
+signal on any rank makes all ranks save. The ranks vote on it with one small all-reduce on
+pitstop's own gloo group, started a step ahead so that it travels while the next iteration
+runs: at step t the policy is asked about step t+1 (its context one step on), and at step
+t+1 every rank reads the same result without waiting for the slowest. At a step given
+``epoch_end=True`` (on every rank alike) the vote is taken at once. The time ``step`` itself
+takes (bookkeeping, the vote) is measured as overhead (``stats().step_secs``) and the
+policies count it against their budget.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pitstop.profiler import Profiler, ProfileStats
 if TYPE_CHECKING:
     from pitstop.engine.saver import Saver
     from pitstop.manager import CheckpointManager
+    from pitstop.ranks.group import Vote
 
 __all__ = ["LoopDriver", "StepResult"]
 
@@ -77,6 +84,7 @@ class LoopDriver:
         self.exit_code: int | None = 0
         self._signals: dict[int, Any] = {}
         self._quiet = (_QUIET_STEPS, _QUIET_SECS)  # the next stretch to warn about
+        self._vote: Vote | None = None  # several ranks: the vote on the next step's decision
 
     # ------------------------------------------------------------------ per iteration
     def step(
@@ -92,36 +100,72 @@ class LoopDriver:
         self.step_seen = step
         self._measure(now)
         self.collect()
-        ctx = self._context(step, now, loss=loss, epoch=epoch, epoch_end=epoch_end)
-        decide = self.policy.decide(ctx)
-        group = self.saver.group
-        if group.size > 1:  # rank 0's policy decides for all; a signal on any rank stops all
-            words = group.all_gather((bool(decide), self.preempted), "plan")
-            decide = words[0][0]
-            self.preempted = next((w[1] for w in words if w[1] is not None), None)
-        if self.preempted is not None:
+        extra: dict[str, Any] = {"loss": loss, "epoch": epoch, "epoch_end": epoch_end}
+        decide, stop, ctx = self._decide(step, now, extra)
+        if stop:
             self._save_and_exit(step, state)
         if not decide and not self.saver.reserving:
             self.saver.reserve_async(state)  # the arena fills in while training goes on
-        result = StepResult.SKIPPED
+        result, saving = StepResult.SKIPPED, 0.0
         if not decide:
             self._say_unprotected(ctx)
         if decide:
             t0 = time.perf_counter()
-            metrics = {"loss": float(loss)} if loss is not None else None
-            self.profiler.save_started()
-            alloc = 0.0
-            try:
-                handle = self.manager.async_save(step, state, metrics=metrics)
-                self.pending.append(handle)
-                alloc = handle.stats.alloc_secs  # a one-time cost, not the checkpoint's
-                result = StepResult.SAVED
-            except CheckpointExistsError as e:
-                self._refused(step, e)
-                result = StepResult.REFUSED
-            self.profiler.stall(max(time.perf_counter() - t0 - alloc, 0.0))
+            result = self._save(step, state, loss)
+            saving = time.perf_counter() - t0
+        if self.saver.group.size > 1 and not epoch_end:
+            self._vote_ahead(step, now, extra)
         self.persisting = bool(self.pending)
         self.last = time.perf_counter()
+        self.profiler.step_cost(self.last - now - saving)  # step()'s own time is overhead too
+        return result
+
+    def _decide(
+        self, step: int, now: float, extra: dict[str, Any]
+    ) -> tuple[bool, bool, PolicyContext]:
+        """(checkpoint at ``step``, save and exit now, the policy's context), the same on
+        every rank. One process: the policy's word and this process's signal. Several
+        ranks: rank 0's policy decides for all and a signal on any rank stops all, once
+        voted on; the vote was started at the previous step (:meth:`_vote_ahead`) and has
+        long arrived, so no rank waits here for the others. At an epoch's end
+        (``epoch_end`` is given alike on every rank) the vote is taken now: a checkpoint of
+        that state cannot wait a step."""
+        group = self.saver.group
+        ctx = self._context(step, now, **extra)
+        if group.size == 1:
+            return bool(self.policy.decide(ctx)), self.preempted is not None, ctx
+        vote, self._vote = self._vote, None
+        words = vote.result() if vote is not None else [0, 0]
+        if extra["epoch_end"]:
+            mine = bool(self.policy.decide(ctx)) and group.rank == 0
+            words = group.vote([int(mine) | words[0], self.preempted or words[1]], "plan").result()
+        if words[1]:  # a signal reached some rank: every rank saves and exits now
+            self.preempted = words[1]
+        return bool(words[0]), bool(words[1]), ctx
+
+    def _vote_ahead(self, step: int, now: float, extra: dict[str, Any]) -> None:
+        """Several ranks: ask the policy now whether to checkpoint at the next step (its
+        context one step on, this step's save counted) and start the vote on it, which
+        travels while the next iteration runs."""
+        ctx = self._context(step + 1, now, **{**extra, "epoch_end": False})
+        mine = bool(self.policy.decide(ctx)) and self.saver.group.rank == 0
+        self._vote = self.saver.group.vote([int(mine), self.preempted or 0], "plan")
+
+    def _save(self, step: int, state: Mapping[str, Any], loss: float | None) -> StepResult:
+        """The policy's checkpoint of ``step``; its time in the loop is a stall."""
+        t0 = time.perf_counter()
+        metrics = {"loss": float(loss)} if loss is not None else None
+        self.profiler.save_started()
+        alloc = 0.0
+        try:
+            handle = self.manager.async_save(step, state, metrics=metrics)
+            self.pending.append(handle)
+            alloc = handle.stats.alloc_secs  # a one-time cost, not the checkpoint's
+            result = StepResult.SAVED
+        except CheckpointExistsError as e:
+            self._refused(step, e)
+            result = StepResult.REFUSED
+        self.profiler.stall(max(time.perf_counter() - t0 - alloc, 0.0))
         return result
 
     def _measure(self, now: float) -> None:
@@ -149,6 +193,7 @@ class LoopDriver:
             observed_overhead=measured.recent_overhead,
             measured_cost_secs=measured.checkpoint_cost_secs,
             measured_cost_step=measured.checkpoint_cost_step,
+            step_secs=measured.step_secs,
             in_flight=len(self.pending),
             max_in_flight=self.manager.options.max_in_flight,
             checkpoints=self.profiler.checkpoints + len(self.pending),

@@ -69,6 +69,10 @@ class ProfileStats:
     """The same in seconds."""
     policy_reason: str | None = None
     """What the schedule policy says of its interval now (why no checkpoint came sooner)."""
+    step_secs: float | None = None
+    """What ``ckpt.step`` itself costs each iteration, checkpoint or not (its bookkeeping and,
+    under torch.distributed, the ranks' vote on the decision): median of recent steps; in
+    ``overhead`` too."""
 
 
 _BEFORE = 5  # quiet iterations just before a save: the baseline of its paired measurement
@@ -108,6 +112,8 @@ class Profiler:
         self._bytes: int | None = None
         self.training_secs = 0.0
         self.stall_total = 0.0
+        self.step_total = 0.0  # ckpt.step's own time (not a save's), every counted step
+        self._step: deque[float] = deque(maxlen=window)
         self.refused_saves = 0
         self._recent: deque[float] = deque(maxlen=2 * window)  # every iteration, stalls included
         self._pending_stall = 0.0  # stall time since the last committed checkpoint
@@ -132,6 +138,17 @@ class Profiler:
             self._closing[1].append(secs)
             if len(self._closing[1]) >= _AFTER:
                 self._close()
+
+    def step_cost(self, secs: float) -> None:
+        """``ckpt.step`` took ``secs`` of the loop's time besides any save it started: a cost
+        of every iteration, whatever the interval (counted after the warm-up)."""
+        if self.iterations <= self.warmup:
+            return
+        self.step_total += secs
+        self.training_secs += secs
+        self._step.append(secs)
+        if self._recent:
+            self._recent[-1] += secs
 
     def save_started(self) -> None:
         """A save starts: open a paired measurement against the last quiet iterations (one
@@ -223,7 +240,7 @@ class Profiler:
 
     def snapshot(self, interval: float | None = None) -> ProfileStats:
         slowdown = self.slowdown_secs()
-        overhead_secs = self.stall_total + (slowdown or 0.0) * self.checkpoints
+        overhead_secs = self.stall_total + self.step_total + (slowdown or 0.0) * self.checkpoints
         return ProfileStats(
             iterations=self.iterations,
             checkpoints=self.checkpoints,
@@ -240,4 +257,5 @@ class Profiler:
             refused_saves=self.refused_saves,
             checkpoint_cost_secs=self._cost(),
             checkpoint_cost_step=self._costs[-1][0] if self._costs else None,
+            step_secs=_median(self._step),
         )

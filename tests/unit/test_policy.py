@@ -491,3 +491,34 @@ def test_checkfreq_explains_its_interval() -> None:
     p.decide(c)
     why = p.explain(c)
     assert f"every {p.interval} steps" in why and "2%" in why and "0.5" in why, why
+
+
+def test_checkfreq_takes_the_cost_of_deciding_out_of_its_budget() -> None:
+    """What ``ckpt.step`` costs every iteration (under DDP: the ranks' vote) is paid whatever
+    the interval: it comes out of the budget first, and the checkpoints get the rest (at
+    least half of it)."""
+    m = {"iter_secs": 0.1, "stall_secs": 0.3, "slowdown_secs": 0.2, "persist_secs": 1.0}
+    assert CheckFreq(0.02).choose(ctx(**m)) == 250
+    assert CheckFreq(0.02).choose(ctx(**m, step_secs=0.0005)) == 334  # 1.5 % left
+    assert CheckFreq(0.02).choose(ctx(**m, step_secs=0.05)) == 500  # half the budget at least
+
+
+def test_the_profiler_counts_what_deciding_costs(root: str) -> None:
+    """``ckpt.step``'s own time (bookkeeping, no save) is measured as overhead and reaches
+    the policy's context."""
+    from pitstop.profiler import Profiler
+
+    prof = Profiler(warmup=0)
+    for _ in range(10):
+        prof.iteration(0.1, persisting=False)
+        prof.step_cost(0.002)
+    snap = prof.snapshot()
+    assert snap.step_secs == pytest.approx(0.002)
+    assert snap.overhead == pytest.approx(0.002 / 0.102)
+    with pitstop.CheckpointManager(root, policy=EveryN(10**6)) as ckpt:
+        for s in range(1, 20):
+            ckpt.step(s, {"w": torch.zeros(10)})
+        stats = ckpt.stats()
+        assert stats.step_secs is not None and stats.step_secs > 0
+        assert stats.overhead > 0  # no checkpoint, and still not free
+        assert ckpt._loop._context(20, 0.0).step_secs == stats.step_secs

@@ -22,7 +22,9 @@ class CheckFreq(Schedule):
       than the iterations just before it; the median of the last few), or, before such a
       measurement exists and when the newest is older than ``cost_horizon`` iterations (or
       two intervals, if longer), the model: stall + slowdown beside a persist;
-    * k_budget: the smallest k with C / (k * iter) <= max_overhead;
+    * k_budget: the smallest k with C / (k * iter) <= max_overhead - d / iter, where d is
+      what ``ckpt.step`` itself costs every iteration (bookkeeping; under
+      torch.distributed the ranks' vote), paid whatever k is (at least max_overhead / 2);
     * k_persist: the smallest k with k * iter >= persist, so the write pipeline keeps up
       (plus one quiet iteration, the baseline of the next paired measurement);
     * k = max(1, k_budget, k_persist, min_interval); a new paired measurement may shrink
@@ -72,12 +74,19 @@ class CheckFreq(Schedule):
             return max(paired, 0.0), ctx.measured_cost_step
         return _finite(ctx.checkpoint_cost(overlapped=True)), None
 
+    def budget(self, ctx: PolicyContext) -> float:
+        """The overhead left for checkpoints: ``max_overhead`` less what deciding costs every
+        step (``ctx.step_secs``: no interval changes it), and never under half of it (a
+        decision that costs more than the budget cannot stop checkpoints)."""
+        fixed = _finite(ctx.step_secs) / max(_finite(ctx.iter_secs), 1e-9)
+        return max(self.max_overhead - fixed, self.max_overhead / 2)
+
     def choose(self, ctx: PolicyContext, cost: float | None = None) -> int:
         """The interval in iterations for the current measurements (no bound on the move)."""
         it = max(_finite(ctx.iter_secs), 1e-9)
         if cost is None:
             cost = self.cost(ctx)[0]
-        k_budget = _ceil(cost / (self.max_overhead * it))
+        k_budget = _ceil(cost / (self.budget(ctx) * it))
         persist = _finite(ctx.persist_secs)
         k_persist = _ceil(persist / it) + (1 if persist > 0 else 0)
         return max(1, self.min_interval, k_budget, k_persist)
