@@ -193,6 +193,7 @@ class LoopDriver:
             observed_overhead=measured.recent_overhead,
             measured_cost_secs=measured.checkpoint_cost_secs,
             measured_cost_step=measured.checkpoint_cost_step,
+            measured_cost_low_secs=measured.checkpoint_cost_low_secs,
             step_secs=measured.step_secs,
             in_flight=len(self.pending),
             max_in_flight=self.manager.options.max_in_flight,

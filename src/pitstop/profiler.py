@@ -13,13 +13,19 @@ save is in flight, its stalls plus the excess of every iteration over the quiet
 iterations around it (the median of the 5 before and of up to 3 after, averaged).
 Before, during and after are seconds apart, so the machine's own drift (which moves
 any longer window) cancels out; a pair across which the machine changed speed (before
-and after differ by more than 15 %) measures that change, not the checkpoint, and is
-dropped. A budget is about the *mean* cost, and a checkpoint's cost is skewed (most
-persists take little from the training thread, a few take several times more: writeback,
-a neighbour, the allocator), so the estimate is the mean of the last 16 pairs, not their
-median (which, on the issue's loop, was 0.6-0.7 of the mean), each kept signed (a pair's
-noise is symmetric; clipping it at zero would bias the mean), plus its standard error: an
-upper estimate that a few noisy pairs cannot pull below the truth. Not trimmed: the rare
+and after differ by more than 15 %, or, where single iterations scatter more, by more
+than 3 standard errors of the two medians, read from the scatter of the last 20 quiet
+iterations) measures that change, not the checkpoint, and is dropped. (With a fixed 15 %,
+a host whose iterations scatter by +-30 % dropped half its pairs by chance alone, and the
+estimate rested on the ones that happened to look alike.)
+
+A budget is about the *mean* cost, and a checkpoint's cost is skewed (most persists take
+little from the training thread, a few take several times more: writeback, a neighbour,
+the allocator), so the estimate is the mean of the last 16 pairs, not their median
+(which, on the issue's loop, was 0.6-0.7 of the mean), each kept signed (a pair's noise
+is symmetric; clipping it at zero would bias the mean), plus its standard error: an upper
+estimate that a few noisy pairs cannot pull below the truth (and, from 3 pairs on, minus
+it: a lower one, how far CheckFreq may grow its interval at once). Not trimmed: the rare
 expensive checkpoint is part of the cost.
 """
 
@@ -62,6 +68,8 @@ class ProfileStats:
     of the last 16: see the module's docstring)."""
     checkpoint_cost_step: int | None = None
     """The step at which the newest paired measurement ended."""
+    checkpoint_cost_low_secs: float | None = None
+    """A lower estimate of the same mean (minus its standard error; from 3 pairs on)."""
     steps_since_checkpoint: int = 0
     """Steps since the newest checkpoint started (or since training started): what a failure
     now would lose."""
@@ -79,23 +87,43 @@ _BEFORE = 5  # quiet iterations just before a save: the baseline of its paired m
 _AFTER = 3  # and after it (fewer when the next save comes sooner)
 _DRIFT = 0.15  # before and after differ by more: the machine drifted across the pair
 _COSTS = 16  # paired measurements the cost estimate is made of
+_SCATTER = 20  # quiet iterations the machine's own scatter is read from
+_SIGMAS = 3.0  # before and after differ by more than this many standard errors: drift
 
 
 def _median(values: deque[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _cost_estimate(costs: list[float]) -> float | None:
-    """An upper estimate of the mean of ``costs`` (paired measurements, signed): their mean
-    plus its standard error. Not trimmed: the rare expensive checkpoint is the cost. Plain
-    float arithmetic: ``statistics.stdev`` works in exact fractions, ~0.4 ms a call, and
-    this runs in every ``ckpt.step``."""
+def _cost_estimate(costs: list[float]) -> tuple[float | None, float | None]:
+    """An upper and a lower estimate of the mean of ``costs`` (paired measurements,
+    signed): their mean plus and minus its standard error (the lower one None under 3
+    pairs). Not trimmed: the rare expensive checkpoint is the cost. Plain float arithmetic:
+    ``statistics.stdev`` works in exact fractions, ~0.4 ms a call, and this runs in every
+    ``ckpt.step``."""
     n = len(costs)
     if n < 2:
-        return costs[0] if costs else None
+        return (costs[0] if costs else None), None
     mean = math.fsum(costs) / n
-    var = math.fsum((c - mean) ** 2 for c in costs) / (n - 1)
-    return mean + math.sqrt(var / n)
+    se = math.sqrt(math.fsum((c - mean) ** 2 for c in costs) / (n - 1) / n)
+    return mean + se, (mean - se if n >= 3 else None)
+
+
+def _scatter(values: list[float]) -> float:
+    """The relative scatter of single iterations (a robust standard deviation over the
+    median: 1.4826 x the median absolute deviation)."""
+    mid = statistics.median(values)
+    mad = statistics.median(abs(v - mid) for v in values)
+    return 1.4826 * mad / mid if mid > 0 else 0.0
+
+
+def _drift_tolerance(scatter: float, before: int, after: int) -> float:
+    """How far apart (relative) the medians of ``before`` and ``after`` quiet iterations may
+    be before the pair is read as drift: 15 %, or more on a noisy machine, where medians of
+    so few iterations differ by more than that by chance alone (``_SIGMAS`` standard
+    errors; a median's is sqrt(pi / 2) times a mean's)."""
+    se = scatter * math.sqrt(math.pi / 2) * math.sqrt(1 / max(before, 1) + 1 / max(after, 1))
+    return max(_DRIFT, _SIGMAS * se)
 
 
 class Profiler:
@@ -122,7 +150,8 @@ class Profiler:
         self._closing: tuple[list[float], list[float], int] | None = None  # (pair, after, step)
         self._costs: deque[tuple[int, float]] = deque(maxlen=_COSTS)  # (step, paired cost)
         self._pairs = 0  # paired measurements made (the first one is a one-off)
-        self._estimate: tuple[int, float | None] = (0, None)  # (pairs made, cost estimate)
+        # (pairs made, upper and lower cost estimates)
+        self._estimate: tuple[int, float | None, float | None] = (0, None, None)
 
     def iteration(self, secs: float, persisting: bool) -> None:
         self.iterations += 1
@@ -157,8 +186,10 @@ class Profiler:
             self._close()
         if self._pair is not None or len(self._quiet) < 3:
             return
-        before = list(self._quiet)[-_BEFORE:]
-        self._pair = [statistics.median(before), 0.0, 0.0, 0.0, 0.0]
+        quiet = list(self._quiet)
+        before = quiet[-_BEFORE:]
+        scatter = _scatter(quiet[-_SCATTER:])
+        self._pair = [statistics.median(before), 0.0, 0.0, 0.0, 0.0, scatter, len(before)]
 
     def settled(self, step: int) -> None:
         """No save is in flight: the paired measurement, if one is open, closes once a few
@@ -177,7 +208,7 @@ class Profiler:
         before = pair[0]
         if after:
             later = statistics.median(after)
-            if abs(later - before) > _DRIFT * before:
+            if abs(later - before) > _drift_tolerance(pair[5], int(pair[6]), len(after)) * before:
                 return
             before = (before + later) / 2
         excess = pair[1] - pair[2] * before  # signed: noise cancels in the mean
@@ -213,11 +244,12 @@ class Profiler:
         costs = [c for _, c in self._costs]
         return costs[1:] if len(costs) > 1 and self._pairs == len(costs) else costs
 
-    def _cost(self) -> float | None:
-        """The cost estimate, recomputed only when a pair was added (snapshot runs each step)."""
+    def _cost(self) -> tuple[float | None, float | None]:
+        """The upper and lower cost estimates, recomputed only when a pair was added
+        (snapshot runs each step)."""
         if self._estimate[0] != self._pairs:
-            self._estimate = (self._pairs, _cost_estimate(self._paired_costs()))
-        return self._estimate[1]
+            self._estimate = (self._pairs, *_cost_estimate(self._paired_costs()))
+        return self._estimate[1], self._estimate[2]
 
     @property
     def iter_secs(self) -> float | None:
@@ -240,6 +272,7 @@ class Profiler:
 
     def snapshot(self, interval: float | None = None) -> ProfileStats:
         slowdown = self.slowdown_secs()
+        cost, cost_low = self._cost()
         overhead_secs = self.stall_total + self.step_total + (slowdown or 0.0) * self.checkpoints
         return ProfileStats(
             iterations=self.iterations,
@@ -255,7 +288,8 @@ class Profiler:
             recent_overhead=self.recent_overhead(),
             interval=interval,
             refused_saves=self.refused_saves,
-            checkpoint_cost_secs=self._cost(),
+            checkpoint_cost_secs=cost,
+            checkpoint_cost_low_secs=cost_low,
             checkpoint_cost_step=self._costs[-1][0] if self._costs else None,
             step_secs=_median(self._step),
         )

@@ -45,6 +45,7 @@ class Machine:
     persist_secs: list[float] = field(default_factory=lambda: [0.06] * 4 + [0.6])
     slowdown: float = 2.0
     first_wait_secs: float = 0.0  # a one-off slow first save: waiting on I/O, no CPU taken
+    neighbour_at: tuple[int, float] | None = None  # (step, slowdown from then on)
 
 
 @dataclass
@@ -55,6 +56,12 @@ class Run:
     mean_cost_secs: float  # per checkpoint, as the machine drew them
     mean_iter_secs: float
     intervals: list[int]
+    extra_by_step: list[float] = field(default_factory=list)
+    base_by_step: list[float] = field(default_factory=list)
+
+    def overhead_from(self, step: int) -> float:
+        """The overhead of the steps from ``step`` on."""
+        return sum(self.extra_by_step[step - 1 :]) / sum(self.base_by_step[step - 1 :])
 
     @property
     def overhead(self) -> float:
@@ -72,6 +79,8 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
     costs: list[float] = []
     intervals: list[int] = []
     base_total = extra_total = 0.0
+    extras: list[float] = []
+    bases: list[float] = []
     drift, left = 1.0, 0
     persist_left = 0.0  # seconds of persist work still to run (at full speed)
     wait_left = 0.0  # seconds of the persist spent waiting on I/O (no CPU taken)
@@ -85,14 +94,19 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
         left -= 1
         base = machine.iter_secs * drift * rng.uniform(1 - machine.noise, 1 + machine.noise)
         # the persist overlaps the first part of the iteration: that part runs slower
-        overlap = min(persist_left, base * machine.slowdown)  # wall seconds of overlap
-        extra = overlap - overlap / machine.slowdown
+        slowdown = machine.slowdown
+        if machine.neighbour_at is not None and step >= machine.neighbour_at[0]:
+            slowdown = machine.neighbour_at[1]
+        overlap = min(persist_left, base * slowdown)  # wall seconds of overlap
+        extra = overlap - overlap / slowdown
         persist_left -= overlap
         secs = base + extra
         wait_left -= secs
         prof.iteration(secs, persisting=pending is not None)
         clock += secs
         base_total, extra_total = base_total + base, extra_total + extra
+        extras.append(extra)
+        bases.append(base)
         if pending is not None:
             costs[-1] += extra
         since += secs
@@ -114,6 +128,7 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
             observed_overhead=snap.recent_overhead,
             measured_cost_secs=snap.checkpoint_cost_secs,
             measured_cost_step=snap.checkpoint_cost_step,
+            measured_cost_low_secs=getattr(snap, "checkpoint_cost_low_secs", None),
         )  # fmt: skip
         if policy.decide(c) and pending is None:
             interval = getattr(policy, "interval", None)
@@ -122,6 +137,7 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
             prof.save_started()
             prof.stall(machine.stall_secs)
             extra_total += machine.stall_secs
+            extras[-1] += machine.stall_secs
             clock += machine.stall_secs
             persist_left = rng.choice(machine.persist_secs)
             wait_left = 0.0 if saved else machine.first_wait_secs
@@ -132,7 +148,9 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
             pending = SaveStats(step=step, stall_secs=machine.stall_secs)
     # the checkpoint's cost as drawn (after the first, which may be a one-off)
     mean_cost = sum(costs[1:]) / max(1, len(costs) - 1)
-    return Run(saved, base_total, extra_total, mean_cost, base_total / steps, intervals)
+    return Run(
+        saved, base_total, extra_total, mean_cost, base_total / steps, intervals, extras, bases
+    )
 
 
 def expected_cost(machine: Machine) -> float:
@@ -190,3 +208,53 @@ def test_a_slow_first_save_and_dropped_pairs_do_not_stop_checkpointing() -> None
     assert gaps[0] <= 1.0 / r.mean_iter_secs + 2 * allowed, gaps
     assert max(gaps) <= 4 * allowed, (allowed, gaps)
     assert r.overhead <= 0.03, r.overhead
+
+
+def test_a_noisy_machine_keeps_its_paired_measurements() -> None:
+    """Iterations that scatter by +-30 % (a loaded host) with no drift at all: the medians
+    of 5 quiet iterations before and 3 after a save differ by more than 15 % by chance
+    alone, about half the time. Those pairs are not drift and are kept (the tolerance
+    follows the machine's own scatter), so the estimate rests on every checkpoint, not
+    on the half that happened to look alike. Before: ~50 % were dropped."""
+    rng = random.Random(7)
+    prof = Profiler(warmup=0)
+    cost, saves = 0.05, 40
+
+    def it(extra: float = 0.0, persisting: bool = False) -> None:
+        prof.iteration(0.1 * rng.uniform(0.7, 1.3) + extra, persisting=persisting)
+
+    for step in range(saves):
+        for _ in range(12):
+            it()
+        prof.save_started()
+        prof.stall(0.003)
+        it(cost / 2, persisting=True)
+        it(cost / 2, persisting=True)
+        prof.checkpoint(SaveStats(step=step, stall_secs=0.003, total_secs=0.2))
+        prof.settled(step)
+    for _ in range(3):
+        it()
+    assert prof._pairs >= 0.9 * saves, prof._pairs
+    estimate = prof.snapshot().checkpoint_cost_secs
+    assert estimate is not None and abs(estimate - (cost + 0.003)) <= 0.4 * cost, estimate
+
+
+NOISY_NEIGHBOUR = Machine(
+    iter_secs=0.15, noise=0.3, persist_secs=[0.05] * 4 + [0.3], slowdown=1.5,
+    neighbour_at=(600, 6.0),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_a_neighbour_arriving_on_a_noisy_machine_keeps_the_budget(seed: int) -> None:
+    """A neighbour arrives at step 600 and every persist beside it takes 4x more from the
+    training thread (the transformer loop of ``benchmarks/overhead.py``), on a machine whose
+    iterations scatter by +-30 %. The interval must follow within a few checkpoints. Before:
+    most pairs were dropped as drift and the growth bound held the interval at the old
+    cost's (3.2 % from step 600 on with seed 3)."""
+    r = run(CheckFreq(0.02), NOISY_NEIGHBOUR, steps=1500, seed=seed)
+    assert r.overhead_from(600) <= 0.03, r.overhead_from(600)
+    after = [s for s in r.saved if s >= 600]
+    beside = Machine(**{**NOISY_NEIGHBOUR.__dict__, "slowdown": 6.0, "neighbour_at": None})
+    allowed = expected_cost(beside) / (0.02 * r.mean_iter_secs)
+    assert max(b - a for a, b in itertools.pairwise(after)) <= 4 * allowed

@@ -22,7 +22,8 @@ class PolicyContext:
     with the machine's own drift: policies use the paired cost). ``measured_cost_secs``
     is what one checkpoint costs measured in pairs (its stall plus how much longer the
     iterations during its persist took than those just before it; median of the last
-    few), ``measured_cost_step`` the step of the newest such measurement. ``step_secs`` is
+    few), ``measured_cost_step`` the step of the newest such measurement,
+    ``measured_cost_low_secs`` a lower estimate of the same (None until a few pairs agree). ``step_secs`` is
     what deciding costs each iteration, checkpoint or not (``ckpt.step``'s bookkeeping and,
     under torch.distributed, the ranks' vote): a cost no interval changes, which comes out
     of an overhead budget first.
@@ -39,6 +40,7 @@ class PolicyContext:
     observed_overhead: float | None = None
     measured_cost_secs: float | None = None
     measured_cost_step: int | None = None
+    measured_cost_low_secs: float | None = None
     step_secs: float | None = None
     in_flight: int = 0
     max_in_flight: int = 1

@@ -31,7 +31,10 @@ class CheckFreq(Schedule):
       the interval to it at once, but grow it by at most a factor ``max_change`` (from the
       last interval a measurement gave; after the first one, from ``warmup + profile``);
       without one (pairs dropped on a noisy machine, a slow first save) the model's
-      interval grows by at most ``max_change`` per checkpoint taken.
+      interval grows by at most ``max_change`` per checkpoint taken. Once a few pairs
+      agree (the lower estimate of their mean, mean - standard error, is known), the
+      interval may grow at once to what that lower estimate allows: the bound is against
+      one outlier, and a cost several pairs show is none.
 
     Why pairs: on a shared machine iterations drift by tens of percent with no checkpoint
     running (a neighbour's job, thermal limits, the page cache), and an overhead measured
@@ -110,7 +113,13 @@ class CheckFreq(Schedule):
         # the model's interval (no paired measurement yet: dropped pairs, a re-probe) grows in
         # the same bounded steps, one per checkpoint: one slow first save cannot stretch it
         # to hundreds of iterations with no checkpoint and so no new measurement
-        k = min(target, _ceil((self._ref or self.warmup + self.profile) * self.max_change))
+        cap = _ceil((self._ref or self.warmup + self.profile) * self.max_change)
+        low = ctx.measured_cost_low_secs
+        if source is not None and low is not None and math.isfinite(low):
+            # several pairs agree the checkpoint costs at least ``low``: no outlier, the
+            # interval may grow at once to what that supports
+            cap = max(cap, self.choose(ctx, max(low, 0.0)))
+        k = min(target, cap)
         if source is not None:
             self._paired_k = k
         self.interval, self.cost_secs = k, cost
