@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -353,7 +354,7 @@ def test_a_rollback_drops_newer_memory_snapshots(job: str, shm_dir: str, tmp_pat
 
 
 def test_gc_removes_the_segments_of_a_killed_job_and_the_restart_reads_disk(
-    job: str, shm_dir: str, tmp_path: Any
+    job: str, shm_dir: str, tmp_path: Any, capsys: Any
 ) -> None:
     root = os.path.join(str(tmp_path), "ck")
     code, lines, err = w.run(
@@ -362,6 +363,10 @@ def test_gc_removes_the_segments_of_a_killed_job_and_the_restart_reads_disk(
     assert code == -signal.SIGKILL, err
     w.wait_gone(w.first(lines, "keeper"))
     assert os.listdir(shm_dir), "the killed job left no segment: nothing to test"
+    capsys.readouterr()
+    assert main(["gc", root, "--shm-dir", shm_dir, "--dry-run"]) == 0
+    said = capsys.readouterr().out  # the job's newest state is named before it goes
+    assert re.search(f"job {job}: its newest memory snapshot, step 2[45], would be gone", said)
     assert main(["gc", root, "--shm-dir", shm_dir]) == 0
     assert os.listdir(shm_dir) == []
     with pitstop.CheckpointManager(root) as disk:

@@ -312,3 +312,23 @@ def test_repeated_kills_of_every_rank_resume_bit_exact_at_most_one_behind(
                 assert reached - 1 <= o["start"] <= reached, (i, r, o)
             assert o["final_ok"], (i, r, o)
         reached = target
+
+
+def test_a_restart_with_another_world_size_leaves_the_memory_snapshots(
+    where: tuple[str, str, str],
+) -> None:
+    """After a crash of 2 ranks, a restart with 1 (launched without torchrun by mistake)
+    does not take the 2-rank memory snapshots for damage nor remove them: the memory level
+    is off for it, saying why; the right restart (2 ranks) still resumes from memory."""
+    base, shm, job = where
+    _crash(base, shm, job)
+    before = sorted(os.listdir(shm))
+    wrong = run_ranks(
+        _run, 1, base, shm, job, STEPS + 3, False, timeout_secs=TIMEOUT * 3, allow_failures=True
+    )
+    assert "the local level serves only" in str(wrong[0]) or "world size" in str(wrong[0])
+    assert "damaged" not in str(wrong[0]), wrong
+    assert sorted(os.listdir(shm)) == before  # every rank's segments stay
+    out = _resume(base, shm, job)
+    for r, o in enumerate(out):
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS, "memory", True), (r, o)

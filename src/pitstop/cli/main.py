@@ -219,8 +219,9 @@ def _print_memory(root: str, shm_dir: str | None) -> None:
         for h in heads:
             if h.step is not None and h.state in ("committed", "staged"):
                 steps.setdefault((h.step, h.state), []).append(h.rank)
+        several = any(h.rank for h in heads)
         shown = ", ".join(
-            f"{s} ({state}{'' if len(ranks) == 1 and ranks == [0] else f', ranks {sorted(ranks)}'})"
+            f"{s} ({state}{f', ranks {sorted(ranks)}' if several else ''})"
             for (s, state), ranks in sorted(steps.items(), reverse=True)
         )  # fmt: skip
         print(f"\nmemory level on this host ({directory}, job {job_token(d)}, writing to {d}): "
@@ -417,14 +418,26 @@ def _gc_shm(args: argparse.Namespace) -> list[str]:
     shm = args.shm if args.shm is not None else object_url(args.dir) is None
     if not shm:
         return []
-    from pitstop.levels.shm_clean import remove_stale
-    from pitstop.levels.shm_header import SHM_DIR
+    from pitstop.levels.shm_clean import job_slots, remove_stale
+    from pitstop.levels.shm_header import SHM_DIR, parse_segment_name
 
     directory = args.shm_dir or SHM_DIR
+    newest: dict[str, int] = {}  # a dead job's newest snapshot: said before it goes
+    for name in remove_stale(directory, dry_run=True):
+        parsed = parse_segment_name(name)
+        if parsed is not None and parsed[0] not in newest:
+            steps = [h.step for h in job_slots(directory, parsed[0]) if h.step is not None
+                     and h.state in ("staged", "committed")]  # fmt: skip (a restart seals it)
+            newest[parsed[0]] = max(steps, default=-1)
     names = remove_stale(directory, dry_run=args.dry_run)
     what = "would remove" if args.dry_run else "removed"
     for name in names:
         print(f"{what} {os.path.join(directory, name)} (shared memory of a dead job)")
+    for job, step in newest.items():
+        if step >= 0:
+            print(f"  job {job}: its newest memory snapshot, step {step}, "
+                  f"{'would be' if args.dry_run else 'is'} gone with it (a restart of that job "
+                  "would have resumed from it; the disk levels keep their own steps)")  # fmt: skip
     return names
 
 

@@ -63,6 +63,8 @@ from pitstop.levels.shm import (
     remove_stale,
     seal,
 )
+from pitstop.levels.shm_clean import job_slots
+from pitstop.levels.shm_header import slot_name
 from pitstop.levels.spec import Memory, Placement, memory_dir, node_ids
 from pitstop.log import get_logger
 from pitstop.options import IOOptions
@@ -125,6 +127,16 @@ class MemoryLevel(RootLevel):
                 "saves go to the next level only", self.job, self.directory,
                 f"belong to process {other}, which is running" if other > 0
                 else "have a lock file that is not a regular file", phase="plan",
+            )  # fmt: skip
+        world = _saved_world(self.directory, self.job) if self.active and other is None else None
+        if world is not None and world != group.size:
+            self.active = False
+            _log.warning(
+                "the memory level is off: the memory snapshots of job %s in %s were taken by %d "
+                "rank(s), and this run has %d: restart with %d to restore from them (they are "
+                "left as they are; `pitstop gc` removes them once their keeper is gone); saves "
+                "go to the next level only", self.job, self.directory, world, group.size, world,
+                phase="plan",
             )  # fmt: skip
         if self.active:
             with contextlib.suppress(OSError):  # dead jobs' segments, never a live one's
@@ -460,6 +472,28 @@ def _live_owner(directory: str, job: str, rank: int) -> int | None:
     if owner.get("host") != socket.gethostname() or owner.get("boot") != boot_id():
         return None
     return pid if pid_alive(pid) else None
+
+
+def _saved_world(directory: str, job: str) -> int | None:
+    """How many ranks took the job's memory snapshots under ``directory`` (the world size
+    their records name, at least one more than the highest rank with segments); None if
+    there are none."""
+    heads = job_slots(directory, job)
+    if not heads:
+        return None
+    world = max(h.rank for h in heads) + 1
+    for h in heads:
+        if h.state not in ("staged", "committed") or not h.record_bytes:
+            continue
+        path = os.path.join(directory, slot_name(job, h.rank, h.index))
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                record = json.loads(os.pread(fd, h.record_bytes, h.meta_offset))
+            finally:
+                os.close(fd)
+            world = max(world, int(record.get("world_size", 1)))
+    return world
 
 
 def _no_keeper(spec: Memory) -> Memory:
