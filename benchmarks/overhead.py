@@ -34,7 +34,11 @@ Loops case (``--only loops``; ~5 minutes; ``--quick`` under one, a smoke test to
 for its verdicts): ``CheckFreq(0.02)`` on a
 wide MLP (~85 MB with Adam), a small conv net and a small transformer encoder, one
 training thread, each without and with a neighbour process burning a core throughout:
-a warm-up (12 s), then 5 pairs of ~4 s segments with and without ``ckpt.step``. Targets:
+a warm-up (12 s), then 5 pairs of ~4 s segments with and without ``ckpt.step``, longer
+when the policy's interval is long: the segments with checkpoints span at least 4 of its
+current intervals (up to 2 more pairs if it grew meanwhile; a shorter window holds 1-2
+checkpoints by where its edges fall: a 2 % policy reads as 0 % or 4 %; the table's
+``win/k``). Targets:
 the in-run paired overhead (as in the drift case) <= 3 %, and the longest gap between
 checkpoints <= 4 x k_allowed; the A/B ratio of the segments, the policy's own cost
 estimate beside the measured one, and the host's load are printed too.
@@ -504,6 +508,9 @@ def drift_case(args: argparse.Namespace, root: str) -> dict[str, Any]:
 LOOP_SHAPES = ("mlp", "conv", "transformer")
 
 
+LOOP_INTERVALS = 4  # the loops case measures over at least this many intervals
+
+
 def build_shape(shape: str, quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     """A model of one loop shape and a function that returns one step's loss (fixed data)."""
     torch.manual_seed(0)
@@ -636,20 +643,30 @@ def loop_case(
             train()
         return time.perf_counter() - t0
 
+    def short() -> bool:
+        return len(train_s) < LOOP_INTERVALS * (policy.interval or 1)
+
     ratios: list[float] = []
     load0 = os.getloadavg()[0]
     try:
         neighbour.set(neighbour_on)
         with_ckpt(0, record=False, secs=args.loops_warmup)  # probe, first intervals
         seg = max(10, round(args.loops_segment / (without(5) / 5)))  # iterations per segment
-        for r in range(args.loops_pairs):
+        r = 0
+        while r < args.loops_pairs or (short() and r < args.loops_pairs + 2):
+            # the measured stretch spans at least LOOP_INTERVALS of the policy's current
+            # intervals: a window of one or two holds 1-2 checkpoints by where its edges
+            # fall, and reads a 2 % policy as 0 % or 4 %
+            left = LOOP_INTERVALS * (policy.interval or 1) - len(train_s)
+            n_r = max(seg, math.ceil(left / max(args.loops_pairs - r, 1)))
             if r % 2 == 0:
-                tw, nw = with_ckpt(seg)
-                to = without(seg)
+                tw, nw = with_ckpt(n_r)
+                to = without(n_r)
             else:
-                to = without(seg)
-                tw, nw = with_ckpt(seg)
-            ratios.append((tw / nw) / (to / seg) - 1)  # per iteration
+                to = without(n_r)
+                tw, nw = with_ckpt(n_r)
+            ratios.append((tw / nw) / (to / n_r) - 1)  # per iteration
+            r += 1
         stats = ckpt.stats()
         persists = [max(h.stats.total_secs - h.stats.stall_secs, 0.0) for h in ckpt.history]
     finally:
@@ -680,7 +697,7 @@ def loop_case(
     overhead = statistics.median(ratios)
     return {
         "shape": shape, "neighbour": neighbour_on, "state_bytes": nbytes, "iter_secs": it,
-        "segment": seg,
+        "segment": seg, "window_intervals": n / max(policy.interval or 1, 1),
         "ab_overhead": overhead, "pairs": ratios,
         "overhead": (sum(costs) + bookkeeping) / (it * n) if n else float("nan"),
         "checkpoints": sum(saved), "cost_secs": cost, "stall_secs": stall, "persist_secs": persist,
@@ -696,7 +713,7 @@ def loops_case(args: argparse.Namespace, root: str) -> dict[str, Any]:
     print(
         f"\n{'loop':12} {'neighbour':>9} {'MB':>5} {'iter s':>7} {'overhead':>9} {'A/B':>7} "
         f"{'A/B pairs (%)':>30} {'ckpts':>5} {'cost s':>7} {'policy s':>8} {'k_allow':>7} {'interval':>8} "
-        f"{'gap/k':>6} {'load':>9}"
+        f"{'gap/k':>6} {'win/k':>5} {'load':>9}"
     )  # fmt: skip
     out: dict[str, Any] = {}
     for shape in args.loop_shapes:
@@ -709,7 +726,7 @@ def loops_case(args: argparse.Namespace, root: str) -> dict[str, Any]:
                 f"{r['iter_secs']:7.3f} {100 * r['overhead']:8.2f}% {100 * r['ab_overhead']:6.1f}% "
                 f"{' '.join(f'{100 * x:+.1f}' for x in r['pairs']):>30} {r['checkpoints']:5d} {r['cost_secs']:7.4f} "
                 f"{'-' if pc is None else f'{pc:.4f}':>8} {r['k_allowed']:7.1f} "
-                f"{r['interval']!s:>8} {r['gap_ratio']:6.2f} "
+                f"{r['interval']!s:>8} {r['gap_ratio']:6.2f} {r['window_intervals']:5.1f} "
                 f"{r['loadavg'][0]:4.1f}>{r['loadavg'][1]:.1f}",
                 flush=True,
             )  # fmt: skip
