@@ -129,6 +129,8 @@ def _run(
         ckpt.step(step, state)
     out["final_ok"] = _digest(state) == reference[steps]
     if crash:
+        if wait_sealed:
+            ckpt.wait()  # the durable saves in flight committed (what the disk falls back to)
         mine = os.path.join(shm, f"n{rank}") if nodes else shm
         copies = (peer_token(job), (rank - 1) % world)  # the other rank's, on a ring of 2
         deadline = time.monotonic() + (TIMEOUT if wait_sealed else 0.0)
