@@ -205,7 +205,10 @@ def _beside(e: Entry) -> Beside:
 def read_manifest(storage: Storage, directory: str) -> Manifest:
     """Parse the manifest of ``directory`` (a step directory, or one set aside); raises
     CheckpointNotFoundError, ManifestError, FormatVersionError or CheckpointIOError."""
-    data = storage.read_manifest(directory)
+    return _parse_manifest(storage, directory, storage.read_manifest(directory))
+
+
+def _parse_manifest(storage: Storage, directory: str, data: bytes) -> Manifest:
     path = f"{storage.url}/{directory}/{MANIFEST}"
     manifest = Manifest.loads(data, path=path)
     aside = parse_aside_dir(directory)
@@ -216,6 +219,8 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
         )
     return manifest
 
+
+_PARSED_MAX = 256  # parsed manifests a catalog keeps (of names it listed recently)
 
 UNLOCKED_DEBRIS_SECS = 60.0
 """On a storage without locks (an object store), an uncommitted step whose newest object is
@@ -230,6 +235,22 @@ class Catalog:
         self.storage = storage
         self._purger: ThreadPoolExecutor | None = None
         self._purger_lock = threading.Lock()
+        self._parsed: dict[str, tuple[bytes, Manifest]] = {}  # name -> (its bytes, parsed)
+
+    def _read_manifest(self, name: str) -> Manifest:
+        """:func:`read_manifest` of ``name``, read every time; parsed again only when its
+        bytes differ from the last ones read under that name (a restart scans the root
+        two or three times, and retention after every commit: each manifest was parsed
+        as often, a few ms each). Training and persist threads (one dict operation each)."""
+        data = self.storage.read_manifest(name)
+        cached = self._parsed.get(name)
+        if cached is not None and cached[0] == data:
+            return cached[1]
+        manifest = _parse_manifest(self.storage, name, data)
+        if len(self._parsed) >= _PARSED_MAX:
+            self._parsed.clear()
+        self._parsed[name] = (bytes(data), manifest)
+        return manifest
 
     def close(self) -> None:
         """Wait for the deletes of retired checkpoints still running."""
@@ -271,7 +292,7 @@ class Catalog:
         if not self.storage.has_manifest(name):
             return Entry(name, step, "partial")
         try:
-            manifest = read_manifest(self.storage, name)
+            manifest = self._read_manifest(name)
         except CheckpointNotFoundError:
             return None  # removed while we looked
         except FormatVersionError as e:
