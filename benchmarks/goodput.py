@@ -31,16 +31,19 @@ Beside each measurement: the simulator's prediction (``pitstop.sim.simulate``, w
 speed through the run (per second, the quiet iterations over their mean: ``speed_trace``),
 the contender's stall (plus its per-step loop work beyond the yardstick's, per checkpoint),
 persist time, slowdown (the excess of iterations while a save is in flight over the quiet
-ones of the same second, per checkpoint), the restart time, the failures as they happened
-and, for the policies that decide on measured costs, the noise of one checkpoint's
-measured cost (``cost_noise_secs``; the prediction is then the mean over 20 seeds, +- its
-standard deviation). ``--dump FILE`` writes each run's timeline and the model's events.
+ones of the same second, per checkpoint), each failure as it happened with its own restart
+time (``restart_trace``), and, for the policies that decide on measured costs, the noise of
+one checkpoint's measured cost (``cost_noise_secs``). The prediction is the mean over 20
+seeds, +- their standard deviation: in each, every kill moves within +-1.5 iterations of
+its time (``trace_jitter_secs``: the model's clock is that far off the run's by then) and
+the noisy policies draw other measurements. ``--dump FILE`` writes each run's timeline and
+the model's events (of the exact trace).
 
 This machine has 2 cores shared with other jobs: the figures are noisy (each contender is
 one run, minutes apart from the others; a neighbour's burst moves one run, not all).
 A run whose checkpoints fall within a fraction of a second of a kill is chaotic: a
-1 % timing error moves a checkpoint to the other side of it, and the prediction by
-tens of steps (``--dump`` shows it).
+1 % timing error moves a checkpoint to the other side of it, and the run by tens of steps
+(the prediction's spread says how much; ``--dump`` shows it).
 Prints a table and a final JSON line.
 """
 
@@ -124,6 +127,7 @@ def worker(args: argparse.Namespace) -> None:
     words = sys.stdin.readline().split()
     if not words:
         return
+    ordered = time.perf_counter()  # the restore's own time: from here to the "R" line
     with contextlib.suppress(PermissionError):  # taken: back to normal (needs root here)
         os.setpriority(os.PRIO_PROCESS, 0, 0)
     args.worker, args.k, args.root, args.mtbf = words[0], int(words[1]), words[2], float(words[3])
@@ -155,7 +159,7 @@ def worker(args: argparse.Namespace) -> None:
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["optimizer"])
             step = saved["step"]
-    say("R", step)
+    say("R", step, f"{time.perf_counter() - ordered:.6f}")
     if args.digests:  # the reference run: digests at the steps the contenders stopped at
         wanted = sorted({int(s) for s in args.digests.split(",")})
         for target in wanted:
@@ -236,6 +240,7 @@ class Run:
     failures: int = 0
     lost_steps: list[int] = field(default_factory=list)
     restart_secs: list[float] = field(default_factory=list)
+    restore_secs: list[float] = field(default_factory=list)  # of each restart: order to "R"
     checkpoints: int = 0
     train_secs: list[float] = field(default_factory=list)  # per step: quiet iterations
     busy_secs: list[float] = field(default_factory=list)  # iterations with a save in flight
@@ -268,7 +273,8 @@ class Run:
             "predicted_sd": None if self.predicted_sd is None else round(self.predicted_sd, 4),
             "checkpoints": self.checkpoints, "failures": self.failures,
             "lost_steps_per_failure": mean(self.lost_steps),
-            "restart_secs": mean(self.restart_secs), "final_step": self.final_step,
+            "restart_secs": mean(self.restart_secs), "restore_secs": mean(self.restore_secs),
+            "final_step": self.final_step,
             "other_secs_per_step": mean(self.other_secs),
             "bit_exact": self.exact, "sim": self.sim,
         }  # fmt: skip
@@ -392,6 +398,7 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
             else:  # stopped at T (the spare's "W" line predates its birth)
                 ended = max([t for t, _ in inc.lines] + [start + born])
             run.restart_secs.append((first_step or ended) - start - born)
+            run.restore_secs += [float(w[2]) for _, w in inc.lines if w[0] == "R"]
             if restored is not None:
                 run.lost_steps.append(reached_before - restored)
         for w in steps:
@@ -428,6 +435,7 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
 
 SPEED_BIN_SECS = 1.0
 NOISY = ("checkfreq", "youngdaly")  # policies that decide on measured costs
+JITTER_ITERS = 1.5  # how far (iterations) the model's clock may be off the run's at a kill
 
 
 def speed_trace(run: Run, it: float) -> tuple[tuple[float, float], ...]:
@@ -487,15 +495,24 @@ def predict(run: Run, base: Run, args: argparse.Namespace, trace: list[float]) -
     )  # fmt: skip
     run.sim = {f: getattr(job, f) for f in ("iter_secs", "stall_secs", "persist_secs",
                "slowdown_secs", "restart_secs", "cost_noise_secs")}  # fmt: skip
-    # the failures as they happened (a kill waits for the supervisor: a few ms after the trace's)
-    failures = FailureModel(mtbf_secs=args.mtbf, trace=tuple(run.kills or trace))
+    # the failures as they happened (a kill waits for the supervisor: a few ms after the trace's),
+    # each with its own restart time as measured (they vary 2x: with their mean the model
+    # drifted tenths of a second off the run and moved checkpoints across kills)
+    restarts = tuple(max(r - it, 0.0) for r in run.restart_secs)
+    kills = tuple(run.kills or trace)
+    failures = FailureModel(mtbf_secs=args.mtbf, trace=kills, restart_trace=restarts)
     # a run of T seconds, as measured (goodput over a fixed job would dilute the failures)
     result = simulate(job, failures, policy, until_secs=args.seconds, record=True)
     run.sim_events = [(round(t, 3), kind, round(p / it)) for t, kind, p in result.events]
-    if not job.cost_noise_secs:
-        return result.goodput
-    # a policy deciding on noisy measurements: its intervals, and so where its checkpoints
-    # fall against the failures, differ from run to run; the prediction is their mean
+    # the model's clock is a few iterations off the run's by the time of a kill (speeds known
+    # per second, costs as means): each kill within +-JITTER_ITERS iterations of its time; and
+    # a policy deciding on noisy measurements takes other intervals in each seed. Where a
+    # checkpoint falls within that of a kill the runs differ by its interval's worth of work:
+    # the prediction is the mean over seeds, +- their spread
+    failures = FailureModel(
+        mtbf_secs=args.mtbf, trace=kills, restart_trace=restarts,
+        trace_jitter_secs=JITTER_ITERS * it,
+    )  # fmt: skip
     seeds = [simulate(job, failures, policy, seed=s, until_secs=args.seconds) for s in range(20)]
     run.predicted_sd = statistics.stdev(r.goodput for r in seeds)
     return statistics.fmean(r.goodput for r in seeds)
@@ -575,22 +592,25 @@ def main() -> None:
         if r.kind not in best or r.adjusted > best[r.kind].adjusted:
             best[r.kind] = r
     print(f"{'contender':28s} {'goodput':>8s} {'adjusted':>8s} {'predicted':>12s} {'ckpts':>6s} {'fails':>5s} "
-          f"{'lost/fail':>9s} {'restart':>8s} {'exact':>6s}")  # fmt: skip
+          f"{'lost/fail':>9s} {'restart':>8s} {'restore':>8s} {'exact':>6s}")  # fmt: skip
     for r in runs:
         row = r.row()
         star = "*" if best.get(r.kind) is r and r.kind in ("everyn", "dcp", "torchsave") else " "
         lost = row["lost_steps_per_failure"]
         pred = "" if r.predicted is None else f"{r.predicted:.3f}"
         pred += "" if r.predicted_sd is None else f"+-{r.predicted_sd:.3f}"
-        rs = row["restart_secs"]
+        rs, ro = row["restart_secs"], row["restore_secs"]
         print(f"{r.name + star:28s} {r.goodput:8.3f} {r.adjusted:8.3f} "
               f"{pred:>12s} {r.checkpoints:6d} "
               f"{r.failures:5d} {'' if lost is None else f'{lost:.1f}':>9s} "
-              f"{'' if rs is None else f'{rs:.2f}s':>8s} {r.exact!s:>6s}")  # fmt: skip
+              f"{'' if rs is None else f'{rs:.2f}s':>8s} "
+              f"{'' if ro is None else f'{ro:.3f}s':>8s} {r.exact!s:>6s}")  # fmt: skip
     print(
         "* best of the sweep (adjusted). goodput = steps at T / steps of 'none' at T; adjusted: "
         "each run at its own mean quiet-iteration speed; predicted: the simulator, same trace and "
-        "measured costs, to compare with adjusted. One run each, on a shared 2-core host"
+        "measured costs, to compare with adjusted; restart: kill to the first step trained, "
+        "restore: of that, the restore (order received to state loaded). One run each, on a "
+        "shared 2-core host"
     )
     result = {
         "seconds": args.seconds, "mtbf_secs": args.mtbf, "seed": args.seed, "failures": len(trace),

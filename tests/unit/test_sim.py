@@ -310,3 +310,74 @@ def test_policies_decide_on_noisy_measurements_and_the_true_costs_are_charged() 
     with pytest.raises(ValueError, match="cost_noise_secs"):
         JobModel(iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, iterations=1,
                  cost_noise_secs=-1.0)  # fmt: skip
+
+
+def test_each_failure_takes_its_measured_restart_time() -> None:
+    """``FailureModel.restart_trace``: the i-th failure's restart takes the time measured for
+    it. Restarts vary (0.15-0.45 s in benchmarks/goodput.py); with their mean for each, the
+    model ran 0.25 s ahead of a DCP run 11 s after a slow restart, took a checkpoint the real
+    run reached just after a kill, and predicted 0.760 for a measured 0.702."""
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=10.0, iterations=1000
+    )
+    traced = FailureModel(mtbf_secs=1.0, trace=(25.5, 60.5), restart_trace=(2.0, 5.0))
+    r = simulate(job, traced, EveryN(10), until_secs=100.0)
+    # 25.5: back to 20, restarted at 27.5; 60.5 (step 53): back to 50, restarted at 65.5;
+    # 34 more iterations by 99.5
+    assert r.restart_secs == 7.0 and r.work_secs == 84.0
+    # past the end of the trace, the job's restart time
+    r = simulate(job, FailureModel(1.0, trace=(25.5, 60.5), restart_trace=(2.0,)), EveryN(10))
+    assert r.restart_secs == 12.0
+    mean = simulate(
+        job, FailureModel(mtbf_secs=1.0, trace=(25.5, 60.5)), EveryN(10), until_secs=100.0
+    )
+    assert mean.restart_secs == 20.0 and mean.work_secs == 69.0
+    with pytest.raises(ValueError, match="restart_trace"):
+        FailureModel(mtbf_secs=1.0, restart_trace=(-1.0,))
+
+
+_LOWS: list[tuple[float, float]] = []  # (lower, upper) estimates the policy below saw
+
+
+class _RecordingLow(CheckFreq):
+    def decide(self, ctx: object) -> bool:
+        low = getattr(ctx, "measured_cost_low_secs", None)
+        if low is not None:
+            _LOWS.append((low, getattr(ctx, "measured_cost_secs", math.nan)))
+        return super().decide(ctx)  # type: ignore[arg-type]
+
+
+def test_noisy_measurements_give_the_lower_estimate_as_the_profiler_does() -> None:
+    """From 3 paired measurements on, the profiler gives CheckFreq a lower estimate of the cost
+    (mean - standard error: how far it may grow its interval at once); the simulator gave none,
+    so its CheckFreq grew only 2x per measurement after every restart, where the real one jumped."""
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.01, persist_secs=0.0, slowdown_secs=0.03,
+        iterations=3000, cost_noise_secs=0.01,
+    )  # fmt: skip
+    _LOWS.clear()
+    simulate(job, NO_FAILURES, _RecordingLow(0.02), seed=1)
+    assert _LOWS and all(low < high for low, high in _LOWS)
+    assert statistics.median(low for low, _ in _LOWS) == pytest.approx(0.04, abs=0.01)
+
+
+def test_a_trace_known_to_within_some_time_moves_each_failure_per_seed() -> None:
+    """``trace_jitter_secs``: a measured run's failures are exact on its clock, not on the
+    model's (a few iterations apart after seconds): each seed moves each failure within
+    +-the jitter, and the prediction is a spread. Exact times put a checkpoint one step on
+    the wrong side of a kill and moved DCP(40)'s prediction by 6 points."""
+    import random
+
+    exact = FailureModel(mtbf_secs=1.0, trace=(10.0, 20.0))
+    assert exact.times(100.0, random.Random(1)) == [10.0, 20.0]
+    jittered = FailureModel(mtbf_secs=1.0, trace=(10.0, 20.0), trace_jitter_secs=0.5)
+    draws = [jittered.times(100.0, random.Random(s)) for s in range(20)]
+    assert all(abs(a - 10.0) <= 0.5 and abs(b - 20.0) <= 0.5 for a, b in draws)
+    assert len({tuple(d) for d in draws}) == 20  # each seed its own
+    # a failure right at a checkpoint's commit: before or after it, by seed
+    job = JobModel(iter_secs=1.0, stall_secs=0.0, persist_secs=0.5, iterations=100)
+    near = FailureModel(mtbf_secs=1.0, trace=(10.6,), trace_jitter_secs=0.3)
+    lost = {simulate(job, near, EveryN(10), seed=s).lost_secs for s in range(20)}
+    assert min(lost) < 1.0 < 10.0 < max(lost)
+    with pytest.raises(ValueError, match="trace_jitter_secs"):
+        FailureModel(mtbf_secs=1.0, trace_jitter_secs=-1.0)

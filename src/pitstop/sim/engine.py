@@ -72,28 +72,44 @@ _COSTS = 16  # paired measurements the profiler's estimate is made of (pitstop.p
 class _Measured:
     """What the profiler of one process has measured of the checkpoint cost: one sample per
     committed checkpoint (the true cost plus noise of ``job.cost_noise_secs``), its mean of
-    the last 16 plus the standard error (the first sample left out once there are more), as
-    ``pitstop.profiler`` estimates it. Noise makes each process's intervals differ, and so
+    the last 16 plus the standard error (the first sample left out once there are more), and
+    from 3 samples on the same minus it (a lower estimate), as ``pitstop.profiler`` estimates
+    them. Noise makes each process's intervals differ, and so
     where its checkpoints fall against the failures."""
 
     job: JobModel
     rng: random.Random
-    samples: list[float] = field(default_factory=list)
+    samples: list[float] = field(default_factory=list)  # the last 16
+    made: int = 0  # samples made in this process
     step: int | None = None  # progress at the newest sample
 
     def add(self, progress: int) -> None:
         noise = self.job.cost_noise_secs
         true = self.job.stall_secs + self.job.slowdown_secs
         self.samples.append(true + (self.rng.gauss(0.0, noise) if noise > 0 else 0.0))
-        self.samples = self.samples[-(_COSTS + 1) :]
+        self.samples = self.samples[-_COSTS:]
+        self.made += 1
         self.step = progress
 
+    def _used(self) -> list[float]:
+        """The process's first sample (a one-off first save) is left out once there is
+        another, while it is among the last 16 (``profiler._paired_costs``)."""
+        first_kept = self.made == len(self.samples)
+        return self.samples[1:] if len(self.samples) > 1 and first_kept else self.samples
+
     def cost(self) -> float | None:
-        xs = self.samples[1:] if len(self.samples) > 1 else self.samples
-        xs = xs[-_COSTS:]
+        xs = self._used()
         if len(xs) < 2:
             return xs[0] if xs else None
         return statistics.fmean(xs) + statistics.stdev(xs) / len(xs) ** 0.5
+
+    def low(self) -> float | None:
+        """The lower estimate, mean minus its standard error, from 3 samples on: how far
+        CheckFreq may grow its interval at once (``measured_cost_low_secs``)."""
+        xs = self._used()
+        if len(xs) < 3:
+            return None
+        return statistics.fmean(xs) - statistics.stdev(xs) / len(xs) ** 0.5
 
     def slowdown(self) -> float:
         """The model's slowdown: the measured cost beyond the stall (never below 0)."""
@@ -184,7 +200,8 @@ def simulate(
             result.value_lost_secs += loss.weighted_secs(
                 committed * it, progress * it, job.work_secs
             )
-        restart = job.restart_secs + (cls.extra_restart_secs if cls else 0.0)
+        restart = failures.restart_of(result.failures - 1, job.restart_secs)
+        restart += cls.extra_restart_secs if cls else 0.0
         result.restart_secs += restart
         if record:
             result.events.append((at, "failure", progress * it))
@@ -231,6 +248,7 @@ def simulate(
             slowdown_secs=(seen.slowdown() if noisy else job.slowdown_secs) if measured else None,
             measured_cost_secs=seen.cost() if noisy else None,
             measured_cost_step=seen.step if noisy else None,
+            measured_cost_low_secs=seen.low() if noisy else None,
             in_flight=len(queue),
             max_in_flight=job.max_in_flight,
             checkpoints=ckpt_count,
