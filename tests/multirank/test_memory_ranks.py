@@ -61,8 +61,9 @@ def _digest(state: dict[str, Any]) -> dict[str, list[float]]:
     return {k: v.double().flatten().tolist() for k, v in tensors_of(state).items()}
 
 
-def _newest_sealed(shm: str, job: str, rank: int) -> int | None:
-    newest = None
+def _sealed(shm: str, job: str, rank: int) -> dict[int, str]:
+    """The rank's committed snapshots: step -> slot file."""
+    out = {}
     for path in iter_slots(shm, job, rank):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -70,8 +71,12 @@ def _newest_sealed(shm: str, job: str, rank: int) -> int | None:
         finally:
             os.close(fd)
         if head is not None and head.state == COMMITTED and head.step is not None:
-            newest = max(newest or -1, head.step)
-    return newest
+            out[head.step] = path
+    return out
+
+
+def _newest_sealed(shm: str, job: str, rank: int) -> int | None:
+    return max(_sealed(shm, job, rank), default=None)
 
 
 def _run(
@@ -194,15 +199,9 @@ def _resume(
 
 
 def _slot_of(shm: str, job: str, rank: int, step: int) -> str:
-    for path in iter_slots(shm, job, rank):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            head = read_header(fd)
-        finally:
-            os.close(fd)
-        if head is not None and head.state == COMMITTED and head.step == step:
-            return path
-    raise AssertionError(f"rank {rank} holds no sealed snapshot of step {step}")
+    path = _sealed(shm, job, rank).get(step)
+    assert path is not None, f"rank {rank} holds no sealed snapshot of step {step}"
+    return path
 
 
 def test_every_rank_killed_resumes_from_memory_bit_exact(where: tuple[str, str, str]) -> None:
