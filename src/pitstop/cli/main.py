@@ -426,8 +426,11 @@ def _gc_shm(args: argparse.Namespace) -> list[str]:
     for name in remove_stale(directory, dry_run=True):
         parsed = parse_segment_name(name)
         if parsed is not None and parsed[0] not in newest:
-            steps = [h.step for h in job_slots(directory, parsed[0]) if h.step is not None
-                     and h.state in ("staged", "committed")]  # fmt: skip (a restart seals it)
+            steps = [
+                h.step
+                for h in job_slots(directory, parsed[0])
+                if h.step is not None and h.state in ("staged", "committed")
+            ]  # fmt: skip (a restart seals it)
             newest[parsed[0]] = max(steps, default=-1)
     names = remove_stale(directory, dry_run=args.dry_run)
     what = "would remove" if args.dry_run else "removed"
