@@ -241,6 +241,17 @@ class MemoryLevel(RootLevel):
         ) and len(self.slots.slots) >= 2:  # fmt: skip
             self._start_keeper()
             return True
+        if self.slots is None:  # after a rollback dropped newer slots: the others are kept
+            with contextlib.suppress(OSError, ValueError, CheckpointError):  # (the step restored
+                found = SlotSet.attach(self.job, rank=self.group.rank, directory=self.directory)
+                if found is not None and len(found.slots) >= 2 and all(
+                    x.nbytes >= nbytes for x in found.slots
+                ):  # fmt: skip
+                    self.slots = found  # may be the only copy of that step)
+                    self._start_keeper()
+                    return True
+                if found is not None:
+                    found.close(unlink=False)
         old = self.slots  # too small (the state grew) or torn: made anew, then swapped in
         try:
             self.slots = SlotSet.create(  # (it replaces the files of the same names)
