@@ -410,7 +410,7 @@ class CheckpointManager:
     def _adopt(self, result: RestoreResult) -> None:
         """Continue the restored checkpoint's run (its retention is ours now) and timeline."""
         assert result.step is not None
-        self._identity.adopt(result.manifest, result.step, new_timeline=bool(result.set_aside))
+        self._identity.adopt(result.manifest, result.step, new_timeline=result.timeline)
         self._loop.ckpt_step = result.step  # the policy counts from the restored checkpoint
 
     def _load(

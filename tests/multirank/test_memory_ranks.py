@@ -138,9 +138,10 @@ def _run(
             ckpt.wait()  # the durable saves in flight committed (what the disk falls back to)
         mine = os.path.join(shm, f"n{rank}") if nodes else shm
         copies = (peer_token(job), (rank - 1) % world)  # the other rank's, on a ring of 2
+        want = steps - 1 if skip is not None and tuple(skip) == (rank, steps) else steps
         deadline = time.monotonic() + (TIMEOUT if wait_sealed else 0.0)
         while time.monotonic() < deadline and (
-            _newest_sealed(mine, job, rank) != steps
+            _newest_sealed(mine, job, rank) != want
             or (redundancy == "partner" and _newest_sealed(mine, *copies) != steps)
         ):  # fmt: skip
             time.sleep(0.01)
@@ -255,6 +256,48 @@ def test_a_damaged_part_on_one_rank_falls_back_on_every_rank(where: tuple[str, s
     for r, o in enumerate(out):
         assert (o["start"], o["level"], o["restored_ok"]) == (STEPS - 1, "memory", True), (r, o)
         assert any(f"step-{STEPS:010d}" in s[0] for s in o["skipped"]), (r, o)
+        assert o["final_ok"], (r, o)
+
+
+def _crash_at(
+    base: str, shm: str, job: str, steps: int, skip: tuple[int, int] | None
+) -> list[dict[str, Any]]:
+    """Every rank trains to ``steps`` and dies once its snapshot of it is sealed (``skip``:
+    as in :func:`_run`); what each rank reported."""
+    run_ranks(
+        _run, 2, base, shm, job, steps, True, skip, timeout_secs=TIMEOUT * 3, allow_failures=True
+    )
+    out = []
+    for r in range(2):
+        with open(os.path.join(base, f"crash-{r}.json")) as f:
+            out.append(json.load(f))
+        assert out[-1]["final_ok"], (r, out[-1])
+    return out
+
+
+def test_rollbacks_of_one_ranks_newer_snapshot_keep_the_step_and_one_timeline(
+    where: tuple[str, str, str],
+) -> None:
+    """Ranks whose newest snapshots differ by one step (one skipped it) restart at the step
+    both hold: the rank holding the newer one sets it aside (a rollback on that rank only).
+    (1) It keeps the snapshots of the step just restored: before, the next save made its
+    slots anew, and a crash before that rank's next seal left no step both held (the
+    restart began from the disk). (2) Every rank goes on in one new timeline: before, only
+    the rank that set a step aside drew one, so the ranks' parts of every later step
+    disagreed on lineage and no later step could be joined (the restart fell back again)."""
+    base, shm, job = where
+    _crash_at(base, shm, job, STEPS, (1, STEPS))  # rank 1 skips the newest step
+    assert (_newest_sealed(shm, job, 0), _newest_sealed(shm, job, 1)) == (STEPS, STEPS - 1)
+    # restart: both restore STEPS - 1 (rank 0 sets STEPS aside); rank 0 skips its first
+    # snapshot and every rank dies before rank 0 seals another
+    _crash_at(base, shm, job, STEPS, (0, STEPS))
+    runs = _crash_at(base, shm, job, STEPS + 2, None)
+    for r, o in enumerate(runs):  # (1) the step restored first is still in memory on rank 0
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS - 1, "memory", True), (r, o)
+        assert o["sealed"] == STEPS + 2, (r, o)
+    back = _resume(base, shm, job, steps=STEPS + 3)
+    for r, o in enumerate(back):  # (2) the parts of the newest step join: one timeline
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS + 2, "memory", True), (r, o)
         assert o["final_ok"], (r, o)
 
 

@@ -128,15 +128,17 @@ class RunIdentity:
             return self.owns_unlabelled
         return manifest.lineage.run == self.run
 
-    def adopt(self, manifest: Manifest | None, step: int, *, new_timeline: bool) -> None:
+    def adopt(self, manifest: Manifest | None, step: int, *, new_timeline: str | None) -> None:
+        """Continue ``manifest``'s run from ``step``; ``new_timeline``: the id of the timeline a
+        rollback starts (every rank passes the same), None: the manifest's goes on."""
         self.checked_root = True
         lineage = manifest.lineage if manifest is not None else None
         self.owns_unlabelled = lineage is None
         if lineage is not None:
             self.run = lineage.run
-            self.timeline = uuid.uuid4().hex[:16] if new_timeline else lineage.timeline
+            self.timeline = new_timeline or lineage.timeline
         elif new_timeline:
-            self.timeline = uuid.uuid4().hex[:16]
+            self.timeline = new_timeline
         self.parent = step
 
 

@@ -65,6 +65,9 @@ class RestoreResult:
     sources: dict[str, int] = field(default_factory=dict)  # bytes by source (own, partner, ...)
     repaired: list[str] = field(default_factory=list)  # multi-level: what was rebuilt
     overwritten: bool = False  # a failed attempt wrote into the live state
+    # a rollback that set steps aside starts this timeline (the same id on every rank); None:
+    # the restored checkpoint's timeline goes on
+    timeline: str | None = None
 
 
 def _chain(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -257,7 +258,21 @@ class LevelStack:
             if self.memory is not None and self.memory.listed and result.step is not None:
                 # staged ones too, and those a keeper pins (off: another process's, untouched)
                 result.set_aside += self.memory.drop_after(result.step)
+            if result.step is not None:
+                result.timeline = self._new_timeline(bool(result.set_aside))
         return result
+
+    def _new_timeline(self, set_aside: bool) -> str | None:
+        """Collective after a rollback restore: the timeline every rank's next steps carry.
+        New (the coordinator's draw) when any rank set a step aside (memory snapshots differ
+        by rank: one rank may drop a step another never took), else None (the restored one
+        goes on). Drawn per rank, the ranks' memory parts of later steps disagreed on lineage
+        and were never joined."""
+        fresh = uuid.uuid4().hex[:16]
+        if self.group.size == 1:
+            return fresh if set_aside else None
+        votes = self.group.all_gather((set_aside, fresh), "restore")
+        return votes[0][1] if any(v[0] for v in votes) else None
 
     # ------------------------------------------------------------------ misc
     def _write_levels_file(self) -> None:

@@ -392,7 +392,7 @@ class PitstopCheckpointIO(CheckpointIO):
         saved nothing yet, and let later saves of that step point at it if it is the newest."""
         result = self.manager.last_restore
         if not self._owns_run and result is not None and result.step == step:
-            self.manager.hooks.identity.adopt(result.manifest, step, new_timeline=False)
+            self.manager.hooks.identity.adopt(result.manifest, step, new_timeline=None)
             self._owns_run = True
         if step == self.manager.latest_step():
             self._reusable.add(step)
