@@ -3,6 +3,7 @@ training process is SIGKILLed, removes the job's segments, and a dead keeper is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -232,6 +233,62 @@ def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
         assert pitstop.load(root, small_state(9)) == 4  # and it was persisted first
     finally:
         slots.close(unlink=True)
+
+
+@pytest.mark.parametrize("next_level", [True, False])
+def test_sigterm_ends_a_lingering_keeper_at_once(
+    job: str, tmp_path: object, next_level: bool
+) -> None:
+    """A keeper lingering for a restart (600 s here) that gets SIGTERM (the job is torn
+    down) exits at once: it removes the segments when the next level holds the newest
+    snapshot, and leaves them (for pitstop gc) when it is nowhere else. Before, it ignored
+    SIGTERM for the whole linger time."""
+    root = os.path.join(str(tmp_path), "disk")
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {HERE!r})
+        from conftest import small_state
+        from pitstop.levels.keeper import start_keeper
+        from pitstop.levels.memory import plan_state, stage_into
+        from pitstop.levels.shm import SlotSet
+
+        _, plan = plan_state(small_state(0))
+        slots = SlotSet.create({job!r}, data_bytes=plan.file_bytes)
+        keeper = start_keeper({job!r}, next_dir={root if next_level else None!r}, linger_secs=600)
+        slot = stage_into(slots, 4, small_state(4))
+        keeper.request_seal(slot.index)
+        keeper.wait_for("sealed", step=4)
+        print(keeper.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    keeper_pid = int(child.stdout.readline())
+    assert child.wait(60) == -signal.SIGKILL
+    child.stdout.close()
+    try:
+        if next_level:  # it persists step 4, then lingers
+
+            def steps() -> list[int | None]:
+                return [e.step for e in Catalog(LocalStorage(root)).committed()]
+
+            deadline = time.monotonic() + 30
+            while steps() != [4] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert steps() == [4]
+        time.sleep(0.5)  # (lingering now)
+        assert os.path.exists(f"/proc/{keeper_pid}")
+        os.kill(keeper_pid, signal.SIGTERM)
+        _wait_gone(keeper_pid, timeout=30.0)  # fails (after a SIGKILL) if it lingers on
+        left = segment_names(SHM_DIR, job)
+        assert (len(left) == 0) if next_level else (len(left) == 3), left
+    finally:
+        with contextlib.suppress(Exception):
+            attached = SlotSet.attach(job)
+            if attached is not None:
+                attached.close(unlink=True)
 
 
 def test_a_keeper_killed_mid_persist_leaves_no_step_and_training_persists_itself(

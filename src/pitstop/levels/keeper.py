@@ -13,7 +13,9 @@ newer than every committed one is sealed first), persists it if its step is newe
 the next level holds, removes the job's segments and exits: it never outlives its job for
 long. ``linger_secs``: after persisting, keep the segments that long for a restarted
 training process of the same job, which adopts them (it holds the job's lock file and its
-slots name it as owner); the keeper then exits without removing them.
+slots name it as owner); the keeper then exits without removing them. SIGTERM (the job torn
+down) ends the linger at once: the segments go if the next level holds their newest step,
+else they stay for ``pitstop gc``.
 
 Call sequence (training thread)::
 
@@ -328,23 +330,27 @@ class Keeper:
         except Exception as e:
             self.send(event="error", op="persist", slot=index, message=f"{type(e).__name__}: {e}")
 
-    def persist(self, slot: Slot) -> None:
+    def persist(self, slot: Slot) -> bool:
+        """Write the slot's step to the next level unless it holds it (or a newer one);
+        whether it holds it now."""
         head = slot.header()
         step = head.step if head is not None else None
         if self.storage is None or step is None:
             self.send(event="skipped", slot=slot.index, step=step, why="no next level")
-            return
+            return False
         held = newest_step(self.storage)
         if held is not None and held >= step:
             self.send(event="skipped", slot=slot.index, step=step, why=f"next level has {held}")
-            return
+            return True
         t0 = time.perf_counter()
         done = persist_slot(slot, self.storage, pool=self.pool)
         if done is None:
             self.send(event="skipped", slot=slot.index, step=step, why="busy or not committed")
-        else:  # (the step pinned: the slot may have been staged into since the look above)
-            secs = time.perf_counter() - t0
-            self.send(event="persisted", slot=slot.index, step=done.step, secs=secs)
+            return False
+        # (the step pinned: the slot may have been staged into since the look above)
+        secs = time.perf_counter() - t0
+        self.send(event="persisted", slot=slot.index, step=done.step, secs=secs)
+        return True
 
     def finish(self, *, died: bool, unlink: bool = True, persist: bool = False) -> int:
         """The training process died (or asked to stop): persist the newest snapshot if the
@@ -353,15 +359,24 @@ class Keeper:
         for cached in [*self.main_slots.values(), *self.persist_slots.values()]:
             cached.close()
         newest = self._newest(seal_staged=died) if died or persist else None
+        held = True  # the next level holds the newest snapshot's step (or there is none)
         if newest is not None:
             try:
-                self.persist(newest)
+                held = self.persist(newest)
             except Exception as e:
+                held = False
                 _log.warning("keeper: persisting the memory checkpoint failed: %r", e)
             finally:
                 newest.close()
         if died and self.linger > 0 and self._adopted(time.monotonic() + self.linger):
             unlink = False
+        elif self.term and unlink and not held:  # told to go before a restart took them over:
+            unlink = False  # the newest snapshot is nowhere else; pitstop gc removes them
+            _log.warning(
+                "keeper: SIGTERM; the newest memory snapshot of job %s rank %d is not on the "
+                "next level: its segments are left in %s (pitstop gc removes them)",
+                self.job, self.rank, self.shm,
+            )  # fmt: skip
         if unlink:
             with contextlib.suppress(OSError):  # a log with nothing in it goes too
                 if os.path.getsize(keeper_log(self.job, self.rank)) == 0:
@@ -409,7 +424,7 @@ class Keeper:
         """Whether a new training process of the job took the segments over before
         ``deadline`` (its pid in the lock file, alive, not the dead parent)."""
         path = os.path.join(self.shm, lock_name(self.job, self.rank))
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.term:  # SIGTERM: go now
             with contextlib.suppress(OSError, ValueError):
                 with open(path, "rb") as f:
                     owner = json.loads(f.read(512).strip() or b"{}")
