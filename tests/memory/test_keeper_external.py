@@ -67,15 +67,16 @@ def test_a_launchers_keeper_seals_writes_a_killed_trainers_newest_and_ends_with_
         assert code == -signal.SIGKILL, err
         assert "no keeper watches" not in err, err
         deadline = time.monotonic() + 30  # the keeper writes the dead trainer's newest
-        while len(_steps_on_disk(root)) < 2 and time.monotonic() < deadline:
+        while max(_steps_on_disk(root), default=0) < 26 and time.monotonic() < deadline:
             time.sleep(0.05)
-        disk = _steps_on_disk(root)  # the durable save at 20 and the newest snapshot: 27, or
-        assert disk[0] == 20 and disk[1:] in ([26], [27]), disk  # 26 if 27 was not staged
+        disk = _steps_on_disk(root)  # the newest snapshot: 27, or 26 if 27 was not staged;
+        assert disk[-1] in (26, 27) and set(disk[:-1]) <= {20}, disk  # (the durable save at
+        disk = disk[-1:]  # 20 may still have been in flight at the kill on a loaded machine)
         code, lines, err = w.run(root, shm_dir, job, STEPS, "--external", "--final", out)
         assert code == 0, err
         start = lines[0]
-        assert (start["level"], start["restored"]) == ("memory", disk[1]), start
-        assert start["digest"] == digests[disk[1]]
+        assert (start["level"], start["restored"]) == ("memory", disk[0]), start
+        assert start["digest"] == digests[disk[0]]
         got = torch.load(out)
         assert all(torch.equal(got[k], want[k]) for k in want)
         assert keeper.wait(30) == 0, keeper.communicate()  # the job closed: it ended
