@@ -53,11 +53,13 @@ _QUIET_STEPS, _QUIET_SECS = 100, 60.0  # a stretch without a checkpoint worth a 
 
 class StepResult(enum.IntEnum):
     """What ``ckpt.step`` did. Truthy only for SAVED (so ``if ckpt.step(...)`` still reads
-    "a save started"); REFUSED means the policy asked for a save that could not be taken."""
+    "a save started"); REFUSED means the policy asked for a save that could not be taken;
+    SNAPSHOT: no save, but a memory snapshot of the step was staged (a memory level)."""
 
     SKIPPED = 0
     SAVED = 1
     REFUSED = 2
+    SNAPSHOT = 3
 
     def __bool__(self) -> bool:
         return self is StepResult.SAVED

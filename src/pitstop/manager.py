@@ -276,38 +276,42 @@ class CheckpointManager:
         last: bool = False,
     ) -> StepResult:
         """Once per iteration, after ``optimizer.step()``: measure, ask the policy, maybe
-        ``async_save``. Returns SAVED (truthy), SKIPPED or REFUSED (also warned and counted in
-        ``stats().refused_saves``). After a ``save_on_signal`` signal: save, SystemExit.
+        ``async_save``. Returns SAVED (truthy), SKIPPED, SNAPSHOT (a memory level's snapshot, not
+        durable) or REFUSED (also warned and counted in ``stats().refused_saves``). After a ``save_on_signal`` signal: save, SystemExit.
         ``last=True`` at the last step of training: the policy is not asked (SKIPPED), the
         final state is saved by ``save_final`` once the end-of-training work is done."""
         if last:
             self._reached(step, state)
             return StepResult.SKIPPED
         result = self._loop.step(step, state, loss=loss, epoch=epoch, epoch_end=epoch_end)
-        if result is StepResult.SKIPPED and self._memory is not None:
-            self._snapshot(step, state)
+        memory = result is StepResult.SKIPPED and self._memory is not None
+        if memory and self._snapshot(step, state):
+            result = StepResult.SNAPSHOT
         self._reached(step, state)
         return result
 
-    def _snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+    def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """With a memory level: a memory snapshot of ``step`` on its schedule (``every``),
-        between the policy's durable saves. No free slot (the keeper is busy) or no memory
-        level after all: skipped. Its time is not an iteration's (the policy measures
-        iterations)."""
+        between the policy's durable saves; whether one was staged. No free slot (the keeper
+        is busy) or no memory level after all: skipped. Its time is not an iteration's (the
+        policy measures iterations)."""
         assert self._memory is not None and isinstance(self._saver, MemorySaver)
         if step % self._memory.spec.every:
-            return
+            return False
         if not self._memory.active:
             self._saver.skip_snapshot(step)
-            return
+            return False
         t0 = time.perf_counter()
+        staged = True
         try:
             self._saver.async_save(
                 step, state, lineage=self._identity.lineage_for(step), durable=False
             )
         except (NoFreeSlotError, CheckpointExistsError) as e:
+            staged = False
             _log.debug("memory snapshot of step %d skipped: %s", step, e, phase="stage")
         self._loop.exclude(time.perf_counter() - t0)
+        return staged
 
     def reached(self, step: int) -> None:
         """Deprecated: ``ckpt.hooks.reached(step)``."""

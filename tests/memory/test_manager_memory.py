@@ -110,6 +110,33 @@ def test_lifecycle_snapshots_each_step_durable_every_n_close_writes_newest(
     assert step == 25 and digest == digests[25]
 
 
+def test_step_says_which_steps_were_snapshot_into_memory(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """``ckpt.step`` returns SNAPSHOT (falsy: no save started) for a step staged into memory,
+    SAVED for the policy's durable save, SKIPPED off the memory level's schedule. Before,
+    a snapshot step read as SKIPPED, like a step with no checkpoint at all."""
+    from pitstop.loop import StepResult
+
+    root = os.path.join(str(tmp_path), "ck")
+    state = w.build()
+    ckpt = pitstop.CheckpointManager(
+        _levels(job, shm_dir, root, every=2), policy=pitstop.EveryN(10)
+    )
+    results = {}
+    for step in range(1, 13):
+        w.train_step(state, step)
+        time.sleep(0.005)
+        results[step] = ckpt.step(step, state)
+    ckpt.wait()
+    assert results[10] is StepResult.SAVED
+    assert all(results[s] is StepResult.SKIPPED for s in range(1, 13, 2)), results
+    snapshots = {s for s, r in results.items() if r is StepResult.SNAPSHOT}
+    assert snapshots and not any(results[s] for s in snapshots), results
+    assert snapshots == {h.step for h in ckpt.history} - {10}, (results, ckpt.history)
+    ckpt.close()
+
+
 def test_a_killed_keeper_training_goes_on_in_process(
     job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
