@@ -27,6 +27,14 @@ is symmetric; clipping it at zero would bias the mean), plus its standard error:
 estimate that a few noisy pairs cannot pull below the truth (and, from 3 pairs on, minus
 it: a lower one, how far CheckFreq may grow its interval at once). Not trimmed: the rare
 expensive checkpoint is part of the cost.
+
+Each pair is kept in iterations (its seconds over its own quiet iteration) and the
+estimate is read in seconds of the iterations now: when a neighbour comes or goes, the
+persist threads' share of the cores moves with the training thread's, and a checkpoint's
+cost in iterations changes far less than in seconds (the conv loop of
+``benchmarks/overhead.py``: 0.14 and 0.18 iterations alone and beside a neighbour, at 0.057
+and 0.136 s a step). In seconds, the cost of a loaded host set the interval long after the
+load had left (16 pairs at that long interval: hundreds of steps).
 """
 
 from __future__ import annotations
@@ -148,7 +156,8 @@ class Profiler:
         # the open pair: [baseline before, busy seconds, busy iterations, stall, commits]
         self._pair: list[float] | None = None
         self._closing: tuple[list[float], list[float], int] | None = None  # (pair, after, step)
-        self._costs: deque[tuple[int, float]] = deque(maxlen=_COSTS)  # (step, paired cost)
+        # (step, paired cost in iterations: seconds over the pair's own quiet iteration)
+        self._costs: deque[tuple[int, float]] = deque(maxlen=_COSTS)
         self._pairs = 0  # paired measurements made (the first one is a one-off)
         # (pairs made, upper and lower cost estimates)
         self._estimate: tuple[int, float | None, float | None] = (0, None, None)
@@ -211,9 +220,11 @@ class Profiler:
             if abs(later - before) > _drift_tolerance(pair[5], int(pair[6]), len(after)) * before:
                 return
             before = (before + later) / 2
+        if before <= 0:
+            return
         excess = pair[1] - pair[2] * before  # signed: noise cancels in the mean
         self._pairs += 1
-        self._costs.append((step, pair[3] + excess))
+        self._costs.append((step, (pair[3] + excess) / before))
 
     def stall(self, secs: float, *, add_to_last: bool = True) -> None:
         """The loop was blocked ``secs`` by a save: in ``async_save``, or in ``optimizer.step()``
@@ -245,11 +256,17 @@ class Profiler:
         return costs[1:] if len(costs) > 1 and self._pairs == len(costs) else costs
 
     def _cost(self) -> tuple[float | None, float | None]:
-        """The upper and lower cost estimates, recomputed only when a pair was added
-        (snapshot runs each step)."""
+        """The upper and lower cost estimates in seconds of the iterations now, recomputed
+        only when a pair was added (snapshot runs each step). The pairs are kept in
+        iterations, each of its own time: when the host's load changes (a neighbour comes or
+        goes), a checkpoint's cost moves with the iterations' (the persist threads get the
+        same share of the cores as the training thread), and a cost in seconds from before
+        the change would set the interval for another host until 16 new pairs replaced it."""
         if self._estimate[0] != self._pairs:
             self._estimate = (self._pairs, *_cost_estimate(self._paired_costs()))
-        return self._estimate[1], self._estimate[2]
+        it = self.iter_secs or 0.0
+        up, low = self._estimate[1], self._estimate[2]
+        return (None if up is None else up * it), (None if low is None else low * it)
 
     @property
     def iter_secs(self) -> float | None:
