@@ -381,3 +381,42 @@ def test_a_trace_known_to_within_some_time_moves_each_failure_per_seed() -> None
     assert min(lost) < 1.0 < 10.0 < max(lost)
     with pytest.raises(ValueError, match="trace_jitter_secs"):
         FailureModel(mtbf_secs=1.0, trace_jitter_secs=-1.0)
+
+
+def test_a_slower_host_is_slower_at_a_saves_work_too() -> None:
+    """``speed_trace`` scales a checkpoint's stall, slowdown and persist with the iterations:
+    with the stall at its mean everywhere, the model drifted 0.4 s behind a real torch.save
+    every 10 steps over 15 s in ``benchmarks/goodput.py`` (its saves took 0.06 s while the
+    host ran fast, 0.1-0.15 s later), and put checkpoints on the wrong side of kills."""
+    job = JobModel(
+        iter_secs=1.0, stall_secs=1.0, persist_secs=3.0, restart_secs=0.0, iterations=1000,
+        speed_trace=((0.0, 2.0),),
+    )  # fmt: skip
+    r = simulate(job, NO_FAILURES, EveryN(5), until_secs=24.0, record=True)
+    # 5 iterations of 2 s, a stall of 2 s, twice: 24 s; the first persist takes 6 s
+    assert r.work_secs == 10.0 and r.checkpoint_secs == pytest.approx(4.0)
+    assert [(t, kind) for t, kind, _ in r.events][:2] == [(12.0, "checkpoint"), (18.0, "commit")]
+
+
+def test_the_policy_decides_on_what_the_profiler_measures_and_the_run_pays_the_cost() -> None:
+    """``measured_cost_secs``: the profiler leaves out a process's first save and drops pairs
+    across which the host changed speed, so on a busy host it measures a checkpoint far below
+    what the run pays (``benchmarks/goodput.py``: 0.07 s against 0.29 s charged). With the
+    charged cost as the measured one the model's CheckFreq chose 2-4x the real intervals and
+    predicted 15 points below the measurement."""
+
+    def run(measured: float | None) -> tuple[int, float]:
+        job = JobModel(
+            iter_secs=1.0, stall_secs=0.01, persist_secs=0.0, slowdown_secs=0.3,
+            iterations=3000, measured_cost_secs=measured,
+        )  # fmt: skip
+        r = simulate(job, NO_FAILURES, CheckFreq(0.02))
+        assert r.checkpoint_secs == pytest.approx(r.checkpoints * 0.31)  # charged in full
+        return r.checkpoints, r.checkpoint_secs
+
+    charged, _ = run(None)  # an interval of 16: 0.31 / (0.02 x 1 s)
+    measured, _ = run(0.05)  # of 3: 0.05 / 0.02
+    assert 150 < charged < 200 and 900 < measured < 1100
+    with pytest.raises(ValueError, match="measured_cost_secs"):
+        JobModel(iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, iterations=1,
+                 measured_cost_secs=-1.0)  # fmt: skip

@@ -84,9 +84,13 @@ class _Measured:
     step: int | None = None  # progress at the newest sample
 
     def add(self, progress: int) -> None:
-        noise = self.job.cost_noise_secs
-        true = self.job.stall_secs + self.job.slowdown_secs
-        self.samples.append(true + (self.rng.gauss(0.0, noise) if noise > 0 else 0.0))
+        """A paired measurement of a checkpoint committed at ``progress``: the profiler's
+        mean (``job.measured_cost_secs``, else the cost charged) plus noise, at factor 1 (the
+        profiler keeps pairs in iterations and reads them in the iterations now)."""
+        noise, job = self.job.cost_noise_secs, self.job
+        mean = job.measured_cost_secs
+        mean = job.stall_secs + job.slowdown_secs if mean is None else mean
+        self.samples.append(mean + (self.rng.gauss(0.0, noise) if noise > 0 else 0.0))
         self.samples = self.samples[-_COSTS:]
         self.made += 1
         self.step = progress
@@ -114,6 +118,10 @@ class _Measured:
     def slowdown(self) -> float:
         """The model's slowdown: the measured cost beyond the stall (never below 0)."""
         return max((self.cost() or 0.0) - self.job.stall_secs, 0.0)
+
+
+def _scaled(secs: float | None, factor: float) -> float | None:
+    return None if secs is None else secs * factor
 
 
 def _name(policy: CheckpointPolicy) -> str:
@@ -166,7 +174,8 @@ def simulate(
     iters_since_restart = 0
     restarted = False
     drifting, since = job.speed_trace, 0.0  # wall secs of iterations since the checkpoint
-    noisy = job.cost_noise_secs > 0  # else the policies see the true cost, as they always did
+    # else the policies see the true cost, as they always did
+    noisy = job.cost_noise_secs > 0 or job.measured_cost_secs is not None
     noise_rng = random.Random(seed * 104729 + 3)  # the measurement noise (its own stream)
     seen = _Measured(job, noise_rng)  # what this process's profiler measured
 
@@ -246,9 +255,9 @@ def simulate(
             stall_secs=job.stall_secs if measured else None,
             persist_secs=job.persist_secs if measured else None,
             slowdown_secs=(seen.slowdown() if noisy else job.slowdown_secs) if measured else None,
-            measured_cost_secs=seen.cost() if noisy else None,
+            measured_cost_secs=_scaled(seen.cost(), step_secs / it) if noisy else None,
             measured_cost_step=seen.step if noisy else None,
-            measured_cost_low_secs=seen.low() if noisy else None,
+            measured_cost_low_secs=_scaled(seen.low(), step_secs / it) if noisy else None,
             in_flight=len(queue),
             max_in_flight=job.max_in_flight,
             checkpoints=ckpt_count,
@@ -260,8 +269,10 @@ def simulate(
         )
         if not policy.decide(ctx):
             continue
-        # the slowdown of training beside a persist is charged once, with the stall
-        stall = job.stall_secs + job.slowdown_secs
+        # the slowdown of training beside a persist is charged once, with the stall; a host
+        # slower now is slower at the save's work too (torch.save's stall on a loaded host)
+        factor = job.speed_at(t)
+        stall = (job.stall_secs + job.slowdown_secs) * factor
         if len(queue) >= job.max_in_flight:  # every arena busy: wait for the oldest persist
             stall += max(0.0, queue[0][0] - t)
         if fi < len(fail_times) and fail_times[fi] < t + stall:
@@ -270,7 +281,7 @@ def simulate(
         t += stall
         result.checkpoint_secs += stall
         start = max(t, persist_free_at)
-        persist_free_at = start + job.persist_secs
+        persist_free_at = start + job.persist_secs * factor
         queue.append((persist_free_at, progress))
         last_ckpt, since = progress, 0.0
         ckpt_count += 1

@@ -44,9 +44,19 @@ class JobModel:
     the excess of the iterations beside its persist: noisy on a shared machine). The
     policies see what the profiler would: a first estimate from one noisy checkpoint, then
     the mean of the last 16 plus its standard error; 0: the true cost at once."""
+    measured_cost_secs: float | None = None
+    """The mean of what the loop's profiler measures one checkpoint to cost, when it is not
+    the cost charged (``stall_secs + slowdown_secs``, the default): the profiler leaves out
+    each process's first save and drops a pair across which the host changed speed, while
+    the run pays for both. With the cost charged as the one measured, the model's CheckFreq
+    grew its interval to 120-240 steps where the real one, measuring 0.07 s a checkpoint
+    against 0.29 s charged, stayed at 30-60 (``benchmarks/goodput.py``: 15 points below)."""
     speed_trace: tuple[tuple[float, float], ...] | None = None
     """``(wall secs, factor)`` pairs, times increasing: from that time on (until the next)
-    an iteration takes ``iter_secs * factor`` of wall-clock time; before the first, 1."""
+    an iteration takes ``iter_secs * factor`` of wall-clock time; before the first, 1. A
+    checkpoint begun then stalls ``stall_secs * factor``, slows training by ``slowdown_secs *
+    factor`` and persists for ``persist_secs * factor``: a slower host is slower at a save's
+    work too (the costs are those of the host at factor 1)."""
 
     def __post_init__(self) -> None:
         for f in (
@@ -55,6 +65,10 @@ class JobModel:
         ):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"JobModel.{f} must be >= 0, got {getattr(self, f)}")
+        if self.measured_cost_secs is not None and not self.measured_cost_secs >= 0:
+            raise ValueError(
+                f"JobModel.measured_cost_secs must be >= 0, got {self.measured_cost_secs}"
+            )
         if self.iter_secs <= 0 or self.iterations < 1:
             raise ValueError("JobModel needs iter_secs > 0 and iterations >= 1")
         if self.speed_trace is not None:
@@ -62,13 +76,17 @@ class JobModel:
             if times != sorted(times) or any(not f > 0 for _, f in self.speed_trace):
                 raise ValueError("JobModel.speed_trace needs increasing times and factors > 0")
 
-    def iter_secs_at(self, t: float) -> float:
-        """Wall-clock time of an iteration that starts at ``t`` (``iter_secs`` on a steady host)."""
+    def speed_at(self, t: float) -> float:
+        """The host's factor at ``t``: how much longer than at factor 1 its work takes."""
         trace = self.speed_trace
         if not trace:
-            return self.iter_secs
+            return 1.0
         i = bisect.bisect_right(trace, t, key=lambda p: p[0])
-        return self.iter_secs * (trace[i - 1][1] if i else 1.0)
+        return trace[i - 1][1] if i else 1.0
+
+    def iter_secs_at(self, t: float) -> float:
+        """Wall-clock time of an iteration that starts at ``t`` (``iter_secs`` on a steady host)."""
+        return self.iter_secs * self.speed_at(t)
 
     @property
     def work_secs(self) -> float:
