@@ -16,7 +16,10 @@ signal on any rank makes all ranks save. The ranks vote on it with one small all
 pitstop's own gloo group, started a step ahead so that it travels while the next iteration
 runs: at step t the policy is asked about step t+1 (its context one step on), and at step
 t+1 every rank reads the same result without waiting for the slowest. At a step given
-``epoch_end=True`` (on every rank alike) the vote is taken at once. The time ``step`` itself
+``epoch_end=True`` (on every rank alike) the vote is taken at once. Any rank may ask for a
+save in the vote (``ask_save``: its memory snapshots need a plan every rank agrees on, after
+its state's layout changed), and a rank whose memory level went off turns it off on every
+rank (a step is a memory checkpoint only if every rank holds its part). The time ``step`` itself
 takes (bookkeeping, the vote) is measured as overhead (``stats().step_secs``) and the
 policies count it against their budget.
 """
@@ -87,6 +90,8 @@ class LoopDriver:
         self._signals: dict[int, Any] = {}
         self._quiet = (_QUIET_STEPS, _QUIET_SECS)  # the next stretch to warn about
         self._vote: Vote | None = None  # several ranks: the vote on the next step's decision
+        self.asked: str | None = None  # several ranks: why this rank asks for a save (voted)
+        self.memory: Any = None  # the memory level (its ``active``, ``off``), if any
 
     # ------------------------------------------------------------------ per iteration
     def step(
@@ -137,12 +142,16 @@ class LoopDriver:
         if group.size == 1:
             return bool(self.policy.decide(ctx)), self.preempted is not None, ctx
         vote, self._vote = self._vote, None
-        words = vote.result() if vote is not None else [0, 0]
+        words = vote.result() if vote is not None else [0, 0, 0]
         if extra["epoch_end"]:
-            mine = bool(self.policy.decide(ctx)) and group.rank == 0
-            words = group.vote([int(mine) | words[0], self.preempted or words[1]], "plan").result()
+            mine = self._words(bool(self.policy.decide(ctx)) and group.rank == 0)
+            both = [max(a, b) for a, b in zip(mine, words, strict=True)]
+            words = group.vote(both, "plan").result()
         if words[1]:  # a signal reached some rank: every rank saves and exits now
             self.preempted = words[1]
+        if words[2] and self.memory is not None and self.memory.active:
+            self.memory.off(f"it is off on rank {words[2] - 1} (a memory checkpoint needs "
+                            "every rank's part)")  # fmt: skip
         return bool(words[0]), bool(words[1]), ctx
 
     def _vote_ahead(self, step: int, now: float, extra: dict[str, Any]) -> None:
@@ -151,7 +160,15 @@ class LoopDriver:
         travels while the next iteration runs."""
         ctx = self._context(step + 1, now, **{**extra, "epoch_end": False})
         mine = bool(self.policy.decide(ctx)) and self.saver.group.rank == 0
-        self._vote = self.saver.group.vote([int(mine), self.preempted or 0], "plan")
+        self._vote = self.saver.group.vote(self._words(mine), "plan")
+
+    def _words(self, save: bool) -> list[int]:
+        """This rank's vote: [save, the signal it got, its rank + 1 if its memory level is
+        off]; a save it asked for (``asked``) is in it, and asked no more."""
+        asked, self.asked = self.asked, None
+        off = self.memory is not None and self.memory.listed and not self.memory.active
+        return [int(save or asked is not None), self.preempted or 0,
+                self.saver.group.rank + 1 if off else 0]  # fmt: skip
 
     def _save(self, step: int, state: Mapping[str, Any], loss: float | None) -> StepResult:
         """The policy's checkpoint of ``step``; its time in the loop is a stall."""
@@ -162,6 +179,7 @@ class LoopDriver:
         try:
             handle = self.manager.async_save(step, state, metrics=metrics)
             self.pending.append(handle)
+            self.asked = None  # planned anew: what a rank asked a save for is answered
             alloc = handle.stats.alloc_secs  # a one-time cost, not the checkpoint's
             result = StepResult.SAVED
         except CheckpointExistsError as e:

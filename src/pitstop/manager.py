@@ -40,7 +40,7 @@ from pitstop.engine.restore import load_entry
 from pitstop.engine.saver import Saver
 from pitstop.errors import CheckpointExistsError, CheckpointNotFoundError
 from pitstop.levels.flush import FlushRecord
-from pitstop.levels.memory_saver import MemorySaver, NoFreeSlotError
+from pitstop.levels.memory_saver import LayoutChangedError, MemorySaver, NoFreeSlotError
 from pitstop.levels.spec import Local, Memory, Shared, check_levels, split_memory
 from pitstop.levels.stack import LevelStack, open_levels
 from pitstop.log import get_logger
@@ -132,6 +132,7 @@ class CheckpointManager:
             )
         )  # fmt: skip
         self._loop = LoopDriver(self, self._saver, policy if policy is not None else CheckFreq())
+        self._loop.memory = self._memory
         self.hooks = ManagerHooks(self)
         self.last_restore: RestoreResult | None = None
         self._probe = CrashProbe.from_env(self.latest_step)  # None unless crashtest runs us
@@ -194,7 +195,8 @@ class CheckpointManager:
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None
     ) -> SaveHandle:
         """Save ``state`` as ``step``; durable, committed and retention applied when it returns."""
-        handle = self.async_save(step, state, metrics=metrics)
+        with self._saver.waited():  # its writers keep normal priority: nothing to yield to
+            handle = self.async_save(step, state, metrics=metrics)
         handle.wait()
         return handle
 
@@ -236,14 +238,20 @@ class CheckpointManager:
     def close(self, *, flush: bool = True) -> None:
         """Wait for saves in flight, flush the newest checkpoint to the shared level if it is
         not there yet (``flush=False``, or leaving a ``with`` block on an exception: not),
-        and release memory and threads. A second call does nothing."""
+        and release memory and threads. A memory level's newest snapshot goes to the next
+        level first; where it cannot (``flush=False``, a failed write), its segments are left
+        as a crash would leave them (the keeper writes what it can, a restart takes them
+        over). A second call does nothing."""
         if self._closed:
             return
         self._closed = True
         self._loop.restore_signals()
         try:
-            if flush and isinstance(self._saver, MemorySaver):
-                self._saver.write_newest()  # what only memory held goes to the next level
+            if isinstance(self._saver, MemorySaver) and self._memory is not None:
+                if not flush:  # (an exception left the with block): as at a crash
+                    self._memory.leave("close(flush=False) wrote nothing from memory")
+                elif not self._saver.write_newest():  # what only memory held: to the next
+                    self._memory.leave("the newest snapshot was not written to the next level")
             self._saver.close()
             if flush:
                 record = self._levels.flush()
@@ -307,6 +315,13 @@ class CheckpointManager:
             self._saver.async_save(
                 step, state, lineage=self._identity.lineage_for(step), durable=False
             )
+        except LayoutChangedError as e:  # several ranks: a plan every rank agrees on is
+            staged = False  # made by a durable save, which this rank asks for in the vote
+            if self._loop.asked is None:
+                _log.warning("rank %d: memory snapshot of step %d skipped: %s; every rank "
+                             "saves at the next step, then the snapshots go on",
+                             self._group.rank, step, e, phase="plan")  # fmt: skip
+            self._loop.asked = str(e)
         except (NoFreeSlotError, CheckpointExistsError) as e:
             staged = False
             _log.debug("memory snapshot of step %d skipped: %s", step, e, phase="stage")

@@ -137,6 +137,110 @@ def test_step_says_which_steps_were_snapshot_into_memory(
     ckpt.close()
 
 
+def test_a_state_that_grows_keeps_the_newest_snapshot_until_a_larger_one_commits(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """An optimizer that gains state late (a layer trained from step 6 on: Adam's moments of
+    it appear then) needs larger slots. The slots are made larger one by one, the one holding
+    the newest committed snapshot last: while step 6 is staged, step 5 is still committed in
+    memory (a crash then restarts from it). Before, every slot was made anew at once, the
+    only copy of step 5 with them: a crash while step 6 was staged restarted from the disk,
+    or from step 0."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "late": torch.nn.Linear(64, 64)})
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "optimizer": opt}
+
+    def train(step: int) -> None:
+        opt.zero_grad()
+        loss = model["a"](torch.randn(4, 16)).sum()
+        if step >= 6:
+            loss = loss + model["late"](torch.randn(4, 64)).sum()
+        loss.backward()
+        opt.step()
+
+    def committed() -> set[int]:
+        assert memory.slots is not None
+        return {h.step for h in memory.slots.headers() if h is not None and h.state == COMMITTED}
+
+    root = os.path.join(str(tmp_path), "ck")
+    ckpt = pitstop.CheckpointManager(
+        _levels(job, shm_dir, root, keeper=False), policy=pitstop.EveryN(100)
+    )
+    memory = ckpt.hooks.levels.memory
+    try:
+        for step in range(1, 6):
+            train(step)
+            ckpt.step(step, state)
+        assert _newest_committed(memory, 5) == 5
+        small = max(s.nbytes for s in memory.slots.slots)
+        train(6)
+        assert ckpt.step(6, state).name == "SNAPSHOT"  # staged into a larger slot
+        assert 5 in committed() or 6 in committed(), committed()
+        assert max(s.nbytes for s in memory.slots.slots) > small
+        assert _newest_committed(memory, 6) == 6
+        for step in range(7, 10):  # the slot of step 5 is made larger in its turn
+            train(step)
+            ckpt.step(step, state)
+        assert _newest_committed(memory, 9) == 9
+        assert min(s.nbytes for s in memory.slots.slots) > small
+    finally:
+        ckpt.close()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "late": torch.nn.Linear(64, 64)})
+    again = {"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters())}
+    assert pitstop.load(root, again) == 9  # close() wrote the newest snapshot
+    assert all(torch.equal(fresh.state_dict()[k], want[k]) for k in want)
+
+
+def test_an_exception_in_the_with_block_leaves_the_snapshots_for_the_restart(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """Training raises inside ``with CheckpointManager(...)``: close(flush=False) leaves the
+    memory level as a crash would. The keeper writes the newest snapshot to the disk and
+    keeps the segments for a restart; a new manager in the same process (a notebook)
+    restores from memory, bit-exact, and its close removes them. Before, the snapshots
+    newer than the disk were removed with the exception."""
+    root = os.path.join(str(tmp_path), "ck")
+    state, digests = w.build(), {}
+    with (
+        pytest.raises(RuntimeError, match="diverged"),
+        pitstop.CheckpointManager(
+            _levels(job, shm_dir, root, linger_secs=60), policy=pitstop.EveryN(10)
+        ) as ckpt,
+    ):
+        _train(ckpt, state, range(1, 14), digests)
+        newest = _newest_committed(ckpt.hooks.levels.memory, 13)
+        keeper = ckpt.hooks.levels.memory.keeper.pid
+        raise RuntimeError("loss diverged")
+    assert newest in (12, 13)
+    deadline = time.monotonic() + 30  # the keeper writes it to the disk
+    while newest not in _disk_steps(root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert newest in _disk_steps(root)
+    assert os.listdir(shm_dir)  # left for the restart
+    again = w.build(seed=5)
+    with pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(10)) as ck:
+        assert ck.restore(again) == newest
+        assert ck.last_restore.level == "memory"
+        assert w.digest(again) == digests[newest]
+        w.wait_gone(
+            keeper, timeout=20
+        )  # the lingering keeper saw this process take the segments over
+        assert ck.hooks.levels.memory.slots is not None
+        assert all(os.path.exists(s.path) for s in ck.hooks.levels.memory.slots.slots)
+        _train(ck, again, range(newest + 1, newest + 3), digests)
+    deadline = time.monotonic() + 10
+    while os.listdir(shm_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.listdir(shm_dir) == []
+
+
+def _disk_steps(root: str) -> list[int]:
+    with pitstop.CheckpointManager(root) as ckpt:
+        return ckpt.steps()
+
+
 def test_a_killed_keeper_training_goes_on_in_process(
     job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

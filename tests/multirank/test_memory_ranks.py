@@ -301,6 +301,97 @@ def test_rollbacks_of_one_ranks_newer_snapshot_keep_the_step_and_one_timeline(
         assert o["final_ok"], (r, o)
 
 
+def _changing(rank: int, world: int, base: str, shm: str, job: str) -> dict[str, Any]:
+    """Memory every step, no durable save asked for by the policy; rank 1's state gains a
+    value at step 4 (its layout changes: its snapshots cannot use the agreed plan)."""
+    state = _state(rank)
+    ckpt = pitstop.CheckpointManager(
+        [pitstop.Memory(job=job, directory=shm, linger_secs=0),
+         pitstop.Local(os.path.join(base, "local"), redundancy="single")],
+        policy=pitstop.EveryN(1000),
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
+    )  # fmt: skip
+    results = {}
+    for step in range(1, 11):
+        _advance(state, rank, step)
+        if rank == 1 and step >= 4:
+            state["local"]["extra"] = torch.full((1000,), float(step))
+        results[step] = ckpt.step(step, state).name
+        time.sleep(0.02)
+    ckpt.close()
+    return {"results": results, "disk": ckpt.steps()}
+
+
+def test_a_layout_change_on_one_rank_makes_every_rank_save_then_snapshots_go_on(
+    where: tuple[str, str, str],
+) -> None:
+    """Rank 1's state changes its layout at step 4: its memory snapshots cannot use the plan
+    every rank agreed on. It asks for a save in the ranks' vote; every rank saves two steps
+    later (the vote travels a step ahead), and the snapshots of both go on with the new
+    plan. Before, rank 1 skipped every later snapshot without a word, rank 0's overwrote
+    the last step both held, and close() wrote nothing: the restart began at step 0."""
+    base, shm, job = where
+    out = run_ranks(_changing, 2, base, shm, job, timeout_secs=TIMEOUT * 3)
+    saved = [[s for s, r in o["results"].items() if r == "SAVED"] for o in out]
+    assert saved == [[6], [6]], out
+    assert out[1]["results"][4] == "SKIPPED" and out[1]["results"][5] == "SKIPPED", out
+    assert all(out[1]["results"][s] == "SNAPSHOT" for s in range(7, 11)), out
+    assert out[0]["disk"] == [6, 10], out  # the policy's save, then close() wrote step 10
+
+
+def _limited(rank: int, world: int, base: str, shm: str, job: str) -> dict[str, Any]:
+    """Rank 1's memory level has too small a budget (its level goes off at the first save)."""
+    state = _state(rank)
+    ckpt = pitstop.CheckpointManager(
+        [pitstop.Memory(job=job, directory=shm, linger_secs=0,
+                        limit_bytes=4096 if rank == 1 else None),
+         pitstop.Local(os.path.join(base, "local"), redundancy="single")],
+        policy=pitstop.EveryN(4),
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
+    )  # fmt: skip
+    results = {}
+    for step in range(1, 9):
+        _advance(state, rank, step)
+        results[step] = ckpt.step(step, state).name
+    active = ckpt.hooks.levels.memory.active
+    ckpt.close()
+    return {"results": results, "active": active, "disk": ckpt.steps()}
+
+
+def test_a_memory_level_off_on_one_rank_goes_off_on_every_rank(
+    where: tuple[str, str, str],
+) -> None:
+    """Rank 1's shared memory cannot hold its slots: its level goes off, and with the next
+    vote every rank's does (a step in memory needs every rank's part). Before, rank 0 went
+    on paying for snapshots no restart could use. The durable saves go on, together."""
+    base, shm, job = where
+    out = run_ranks(_limited, 2, base, shm, job, timeout_secs=TIMEOUT * 3)
+    assert [o["active"] for o in out] == [False, False], out
+    assert all(out[0]["results"][s] == "SKIPPED" for s in (5, 6, 7)), out
+    assert out[0]["disk"] == out[1]["disk"] == [4, 8], out
+
+
+def test_a_rank_killed_while_close_writes_the_newest_step_leaves_it_in_memory(
+    where: tuple[str, str, str],
+) -> None:
+    """Rank 0 is SIGKILLed while ``close()`` writes the newest step (9) from memory to the
+    disk (its third commit: steps 4 and 8 were the policy's). Rank 1's close fails when the
+    round times out: it leaves its segments as a crash would, and the restart resumes from
+    memory at step 9, bit-exact. Before, rank 1 removed its part of step 9: the restart came
+    from the disk's step 8."""
+    base, shm, job = where
+    out = run_ranks(
+        _run, 2, base, shm, job, 9, False, timeout_secs=TIMEOUT * 3, allow_failures=True,
+        env={0: {"PITSTOP_KILL_AT": "commit.before_rename:3"}},
+    )  # fmt: skip
+    assert not isinstance(out[1], dict) or out[1]["latest_disk"] == 8, out
+    assert 9 in _sealed(shm, job, 1), "rank 1 removed its part of step 9"
+    back = _resume(base, shm, job, steps=11)
+    for r, o in enumerate(back):
+        assert (o["start"], o["level"], o["restored_ok"]) == (9, "memory", True), (r, o)
+        assert o["final_ok"] and o["latest_disk"] == 11, (r, o)
+
+
 @pytest.mark.parametrize("redundancy", ["partner", "single"])
 def test_a_lost_node_restores_from_its_partner_copy_in_memory(
     where: tuple[str, str, str], redundancy: str

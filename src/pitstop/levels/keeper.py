@@ -208,6 +208,7 @@ class Keeper:
         with contextlib.suppress(AttributeError, OSError):  # Linux >= 5.3
             self.pidfd = os.pidfd_open(self.parent)
         self.term = False
+        self._named: int | None = None  # the lock file's mtime when the parent let go
         self.buf = b""
         self.watch_ppid = os.getppid() == self.parent  # started by the training process
 
@@ -355,6 +356,10 @@ class Keeper:
     def finish(self, *, died: bool, unlink: bool = True, persist: bool = False) -> int:
         """The training process died (or asked to stop): persist the newest snapshot if the
         next level lacks it, then remove the job's segments (unless adopted) and exit."""
+        with contextlib.suppress(OSError):  # the lock file as the parent left it
+            self._named = os.stat(
+                os.path.join(self.shm, lock_name(self.job, self.rank))
+            ).st_mtime_ns
         self.persister.shutdown(wait=True)  # a persist under way ends first
         for cached in [*self.main_slots.values(), *self.persist_slots.values()]:
             cached.close()
@@ -422,14 +427,19 @@ class Keeper:
 
     def _adopted(self, deadline: float) -> bool:
         """Whether a new training process of the job took the segments over before
-        ``deadline`` (its pid in the lock file, alive, not the dead parent)."""
+        ``deadline`` (its pid in the lock file, alive, not the dead parent; or the parent
+        itself, having named itself again since the keeper was let go)."""
         path = os.path.join(self.shm, lock_name(self.job, self.rank))
+        named = self._named
         while time.monotonic() < deadline and not self.term:  # SIGTERM: go now
             with contextlib.suppress(OSError, ValueError):
                 with open(path, "rb") as f:
                     owner = json.loads(f.read(512).strip() or b"{}")
+                    again = os.fstat(f.fileno()).st_mtime_ns != named
                 pid = int(owner.get("pid", 0))
-                if pid and pid != self.parent and pid != os.getpid():
+                # a new process, or the parent itself after a close() that left them (its
+                # next manager names it in the lock file again)
+                if pid and pid != os.getpid() and (pid != self.parent or again):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, 0)
                         return True
@@ -484,6 +494,11 @@ class KeeperHandle:
         except OSError:
             return False
         return True
+
+    def detach(self) -> None:
+        """Let the keeper go on alone, as if this process had died: it seals and writes the
+        newest snapshot where it can, lingers for a restart, then removes the segments."""
+        self.sock.close()
 
     def request_seal(self, slot: int) -> bool:
         """Hash and commit staged ``slot``; False if the keeper is gone."""

@@ -12,8 +12,8 @@ Call sequence (training thread unless said; one process)::
                                                          #   incarnation left (adopted)
     memory.lists(group); memory.held(words)   # the restart's survey
     memory.serve(walk, load, s, window, ...)  # recover over the window, in place
-    memory.ready(nbytes)        # at a save: slots of the state's size (made, or remade
-                                #   larger), the keeper started; False: no memory level
+    memory.ready(nbytes, busy)  # at a save: slots of the state's size (made, or made
+                                #   larger one by one), the keeper started; False: off
     slot = memory.begin(step, avoid=..., wait=...)   # a slot to stage into
     memory.seal(slot); memory.persist(slot)   # persist thread: ask the keeper (or do it here
                                               #   when it is gone: ``in_process``)
@@ -35,7 +35,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
@@ -118,6 +118,7 @@ class MemoryLevel(RootLevel):
             _log.warning("pitstop.Memory(directory=%r): no such directory; saves go to the "
                          "next level only", self.directory, phase="plan")  # fmt: skip
         self._claim = -1  # the job's lock file, held and naming this process from the start
+        self._leave: str | None = None  # why close() leaves the segments (as a crash would)
         other = _live_owner(self.directory, self.job, group.rank) if self.active else None
         if other is not None:
             self.active = False
@@ -231,28 +232,30 @@ class MemoryLevel(RootLevel):
         return dropped
 
     # ------------------------------------------------------------------ save side
-    def ready(self, nbytes: int) -> bool:
-        """Slots of at least ``nbytes`` exist and the keeper runs (when asked for); False if
-        the memory level cannot be used (said once: saves go to the next level)."""
+    def ready(self, nbytes: int, busy: Collection[int] = ()) -> bool:
+        """A slot of at least ``nbytes`` exists (or will, once the snapshots that are the
+        only copies of their steps are superseded) and the keeper runs (when asked for);
+        False if the memory level cannot be used (said once: saves go to the next level).
+        ``busy``: slot indices being written to the next level (not made anew)."""
         if not self.active:
             return False
-        if self.slots is not None and self.slots.slots and all(
-            s.nbytes >= nbytes for s in self.slots.slots
-        ) and len(self.slots.slots) >= 2:  # fmt: skip
-            self._start_keeper()
-            return True
         if self.slots is None:  # after a rollback dropped newer slots: the others are kept
             with contextlib.suppress(OSError, ValueError, CheckpointError):  # (the step restored
                 found = SlotSet.attach(self.job, rank=self.group.rank, directory=self.directory)
-                if found is not None and len(found.slots) >= 2 and all(
-                    x.nbytes >= nbytes for x in found.slots
-                ):  # fmt: skip
+                if found is not None and len(found.slots) >= 2:
                     self.slots = found  # may be the only copy of that step)
-                    self._start_keeper()
-                    return True
-                if found is not None:
+                elif found is not None:
                     found.close(unlink=False)
-        old = self.slots  # too small (the state grew) or torn: made anew, then swapped in
+        if self.slots is not None and len(self.slots.slots) >= 2:
+            if any(s.nbytes < nbytes for s in self.slots.slots):  # the state grew: the slots
+                try:  # are made larger one by one, never the only copy of a step at once
+                    self.slots.grow(nbytes, busy=busy, limit_bytes=self.spec.limit_bytes)
+                except (ShmSpaceError, OSError, ValueError, CheckpointError) as e:
+                    self.off(str(e))
+                    return False
+            self._start_keeper()
+            return True
+        old = self.slots  # torn (fewer than 2 slots left): made anew, then swapped in
         try:
             self.slots = SlotSet.create(  # (it replaces the files of the same names)
                 self.job, data_bytes=nbytes, count=self.spec.slots, rank=self.group.rank,
@@ -302,15 +305,20 @@ class MemoryLevel(RootLevel):
         self.spec = _no_keeper(self.spec)
 
     def begin(
-        self, step: int, *, avoid: Callable[[], set[int]], wait_secs: float = 0.0
+        self,
+        step: int,
+        *,
+        avoid: Callable[[], set[int]],
+        wait_secs: float = 0.0,
+        nbytes: int = 0,
     ) -> Slot | None:
-        """A slot to stage ``step`` into (see ``SlotSet.begin``; ``avoid()``: the slots the
-        keeper is writing); with ``wait_secs``, wait that long for one to be freed (the
-        keeper sealing or writing), else None at once."""
+        """A slot of at least ``nbytes`` to stage ``step`` into (see ``SlotSet.begin``;
+        ``avoid()``: the slots the keeper is writing); with ``wait_secs``, wait that long for
+        one to be freed (the keeper sealing or writing), else None at once."""
         assert self.slots is not None
         deadline = time.monotonic() + wait_secs
         while True:
-            slot = self.slots.begin(step, avoid=avoid())
+            slot = self.slots.begin(step, avoid=avoid(), nbytes=nbytes)
             if slot is not None or time.monotonic() >= deadline:
                 return slot
             time.sleep(0.002)
@@ -437,14 +445,34 @@ class MemoryLevel(RootLevel):
         """Nothing to count: every save is a memory snapshot."""
 
     # ------------------------------------------------------------------ end
+    def leave(self, why: str) -> None:
+        """``close()`` leaves the segments as a crash of the training process would: their
+        newest step is nowhere else (``why``). The keeper writes it to the next level where
+        it can (one process), keeps the segments ``linger_secs`` for a restart, then removes
+        them; without a keeper they stay for the restart or ``pitstop gc``."""
+        self._leave = why
+
     def close(self, *, unlink: bool = True) -> None:
         """Stop the keeper and remove the job's segments (``unlink``): memory snapshots do
-        not outlive a job that ended."""
+        not outlive a job that ended, unless :meth:`leave` was called."""
+        if self._leave is not None and (self.slots is not None or self.keeper is not None):
+            unlink = False
+            _log.warning(
+                "the memory level's segments (job %s, rank %d) are left in %s for a restart: "
+                "%s; %s", self.job, self.group.rank, self.directory, self._leave,
+                f"its keeper removes them after linger_secs={self.spec.linger_secs:g} unless "
+                "a restart takes them over" if self.keeper is not None
+                else "`pitstop gc` removes them once no process of the job runs",
+                phase="persist",
+            )  # fmt: skip
         try:
             if self.peers is not None:
                 self.peers.close(unlink=unlink)
             if self.keeper is not None:
-                self.keeper.stop(unlink=unlink, persist=False)
+                if unlink:
+                    self.keeper.stop(unlink=True, persist=False)
+                else:  # as at a crash: it writes what it can, lingers, then removes them
+                    self.keeper.detach()
                 self.keeper = None
         finally:
             if self.slots is not None:

@@ -74,6 +74,12 @@ class NoFreeSlotError(CheckpointError):
     others): this snapshot is skipped; the next one is taken as usual."""
 
 
+class LayoutChangedError(NoFreeSlotError):
+    """Several ranks: this rank's state changed its layout since the last plan every rank
+    agreed on, so a memory snapshot (planned alone) cannot be taken: the manager asks every
+    rank for a durable save (which plans anew), then the snapshots go on."""
+
+
 @dataclass
 class _Durable:
     handle: SaveHandle
@@ -151,21 +157,22 @@ class MemorySaver(Saver):
         t0 = time.perf_counter()
         if self._reserver is not None:
             self._reserver.join()
-        if not self.memory.ready(plan.file_bytes):
-            if not durable:
-                raise NoFreeSlotError("the memory level is off", step=step, phase="stage")
-            return super()._stage(flat, plan)
-        self._listen()
 
         def avoid() -> set[int]:  # the slots being written now (asked again while waiting)
             with self._cond:
                 return set(self._writing) | self._busy
 
+        if not self.memory.ready(plan.file_bytes, busy=avoid()):
+            if not durable:
+                raise NoFreeSlotError("the memory level is off", step=step, phase="stage")
+            return super()._stage(flat, plan)
+        self._listen()
         wait = _DURABLE_WAIT_SECS if durable else 0.0
-        slot = self.memory.begin(step, avoid=avoid, wait_secs=wait)
+        need = plan.file_bytes
+        slot = self.memory.begin(step, avoid=avoid, wait_secs=wait, nbytes=need)
         if slot is None:  # once the snapshots in flight are staged the older is superseded,
             self._settle_staging()  # and a slot the keeper is sealing is let go
-            slot = self.memory.begin(step, avoid=avoid, wait_secs=_SNAPSHOT_WAIT_SECS)
+            slot = self.memory.begin(step, avoid=avoid, wait_secs=_SNAPSHOT_WAIT_SECS, nbytes=need)
         if slot is None:
             raise NoFreeSlotError(
                 "no memory slot is free (the keeper is still sealing or writing the others)"
@@ -340,7 +347,7 @@ class MemorySaver(Saver):
         digest = self._digest(local_items(flat, overlap=self.options.overlap))
         plan = self._plans.newest
         if plan is None or plan.signature[self.group.rank] != digest:
-            raise NoFreeSlotError(
+            raise LayoutChangedError(
                 "the state's layout changed since the last save (a memory snapshot uses the "
                 "plan every rank agreed on; the next save makes a new one)", step=step,
                 phase="plan",
@@ -509,23 +516,24 @@ class MemorySaver(Saver):
         return super().reserve(state)
 
     # ------------------------------------------------------------------ end
-    def write_newest(self, timeout_secs: float = 300.0) -> None:
+    def write_newest(self, timeout_secs: float = 300.0) -> bool:
         """Training thread, at a clean end: the newest memory snapshot is written to the next
-        level unless that level holds it (the memory level's snapshots go with the job)."""
+        level unless that level holds it (the memory level's snapshots go with the job).
+        False if it could not be: it is nowhere else, its segments must stay."""
         self.wait_all()
         slots = self.memory.slots
         if self.group.size > 1 and self.memory.listed:
             return self._write_newest_together(slots)
         if slots is None or not self.memory.active:
-            return
+            return True
         self._seal_newest(slots)
         newest = slots.newest()
         if newest is None or newest[1].step is None:
-            return
+            return True
         slot, step = newest[0], newest[1].step
         directory = step_dir_name(step)
         if self.storage.has_manifest(directory):
-            return
+            return True
         handle = SaveHandle(step)
         now = time.perf_counter()
         with self._cond:
@@ -540,6 +548,8 @@ class MemorySaver(Saver):
         except Exception as e:
             _log.warning("the newest memory snapshot (step %d) was not written to %s: %r",
                          step, self.storage.url, e, phase="persist")  # fmt: skip
+            return False
+        return True
 
     @staticmethod
     def _seal_newest(slots: Any) -> None:
@@ -553,26 +563,30 @@ class MemorySaver(Saver):
             if seal(s[0]) is None:  # the keeper is sealing it: wait for it
                 time.sleep(0.01)
 
-    def _write_newest_together(self, slots: Any) -> None:
+    def _write_newest_together(self, slots: Any) -> bool:
         """Several ranks (collective): the newest step every rank holds in memory is written
         to the next level by a commit round from the slots (each rank writes its part,
         checked against the joined manifest as it goes), unless a node of that level holds
-        it already. A failure is said, never raised: the committed steps stay."""
+        it already. A failure is said, never raised; False then (the segments stay)."""
         mine: dict[str, tuple[int, bytes]] = {}
         if slots is not None and self.memory.active:
             self._seal_newest(slots)
             mine = self.memory.slot_storage.parts()
         newest = self.memory.joined_steps(mine, "commit", newest_only=True)
-        if not newest:
-            return
-        ((directory, manifest),) = newest.items()
         try:
             there = newest_step(self.storage)  # this node's copy of the level
         except CheckpointError:
             there = None
+        if not newest:
+            if mine and there is not None:
+                _log.warning("no memory snapshot newer than step %d (the next level's newest) "
+                             "is held by every rank: nothing is written from memory at the "
+                             "end", there, phase="persist")  # fmt: skip
+            return True
+        ((directory, manifest),) = newest.items()
         held = self.group.all_gather(there is not None and there >= manifest.step, "commit")
         if any(held):  # a node holds it, or a newer step
-            return
+            return True
         self._seq += 1
         rank = self.group.rank
 
@@ -601,7 +615,7 @@ class MemorySaver(Saver):
             self._abort(directory)
             _log.warning("the newest memory snapshot (step %d) was not written to %s: %r",
                          manifest.step, self.storage.url, e, phase="persist")  # fmt: skip
-            return
+            return False
         _log.info("checkpoint step=%d written from memory to %s at the end", manifest.step,
                   self.storage.url, phase="commit")  # fmt: skip
         if self._on_commit is not None:
@@ -609,6 +623,7 @@ class MemorySaver(Saver):
                 self._on_commit(manifest.step)
             except Exception as e:
                 _log.warning("retention after step %d failed: %r", manifest.step, e, phase="gc")
+        return True
 
     def close(self) -> None:
         """As ``Saver.close``, then the keeper's report thread and the in-process pool."""

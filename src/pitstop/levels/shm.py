@@ -175,23 +175,8 @@ class SlotSet:
         slots: list[Slot] = []
         try:
             for i in range(count):
-                path = os.path.join(directory, slot_name(job, rank, i))
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    whole = DATA_OFFSET + size + META_RESERVE  # the metadata's room too: a
-                    # shared memory that fills later fails no save at its staged() write
-                    budget = None if limit_bytes is None else limit_bytes - i * whole
-                    reserve(fd, 0, whole, path, budget)
-                    o = _owner(job)
-                    head = SlotHeader(job, rank, i, o["host"], o["pid"], o["boot"], data_bytes=size)
-                    write_header(fd, head)
-                    slots.append(Slot(path, fd, i, size))
-                except BaseException:
-                    os.close(fd)
-                    os.unlink(path)
-                    raise
+                budget = None if limit_bytes is None else limit_bytes - i * _whole(size)
+                slots.append(_new_slot(directory, job, rank, i, size, budget))
         except BaseException:
             for s in slots:
                 s.close()
@@ -202,6 +187,37 @@ class SlotSet:
                 os.unlink(os.path.join(directory, lock_name(job, rank)))
             raise
         return cls(directory, job, rank, slots, lock_fd)
+
+    def grow(
+        self, data_bytes: int, *, busy: Collection[int] = (), limit_bytes: int | None = None
+    ) -> int:
+        """Make the slots smaller than ``data_bytes`` anew at that size (empty), except those
+        that hold the only copy of a step a restart needs (the newest committed snapshot,
+        and a staged one newer than it, awaiting its seal), those in ``busy`` (the caller's:
+        being written to the next level) or pinned by a reader: they are made larger in a
+        later call, once a newer snapshot superseded them. Returns how many slots are large
+        enough now. ShmSpaceError (``limit_bytes``: the whole set's budget) if shared memory
+        cannot hold a larger one: the slots kept are intact, the one being made is gone."""
+        size = max(ALIGN_BYTES, -(-data_bytes // ALIGN_BYTES) * ALIGN_BYTES)
+        heads = self.headers()
+        newest = self.newest()
+        top = newest[1].gen if newest is not None else -1
+        keep = set(busy) | self._begun | ({newest[0].index} if newest is not None else set())
+        keep |= {s.index for s, h in zip(self.slots, heads, strict=True)
+                 if _state(h) == STAGED and _gen(h) > top}  # fmt: skip
+        for i, slot in enumerate(self.slots):
+            if slot.nbytes >= size or slot.index in keep or not slot.try_lock(exclusive=True):
+                continue
+            others = sum(_whole(x.nbytes) for x in self.slots if x is not slot)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)  # (a keeper that mapped it maps the new file next time)
+            slot.close()
+            self.slots = [x for x in self.slots if x is not slot]
+            budget = None if limit_bytes is None else limit_bytes - others
+            self.slots.insert(
+                i, _new_slot(self.directory, self.job, self.rank, slot.index, size, budget)
+            )
+        return sum(x.nbytes >= size for x in self.slots)
 
     @classmethod
     def attach(cls, job: str, *, rank: int = 0, directory: str = SHM_DIR) -> SlotSet | None:
@@ -253,15 +269,15 @@ class SlotSet:
         found = [(s, h) for s, h in found if h.state == state]
         return max(found, key=lambda sh: sh[1].gen) if found else None
 
-    def begin(self, step: int, *, avoid: Collection[int] = ()) -> Slot | None:
+    def begin(self, step: int, *, avoid: Collection[int] = (), nbytes: int = 0) -> Slot | None:
         """A slot to stage ``step`` into, held exclusively, its header ``staging``: never the
         newest committed one, never one a reader pins, never the newest staged snapshot
         when it is newer than every committed one (it awaits its seal: overwritten, a crash
         in the copy would fall back two steps; an older staged one is superseded by it and
         may be taken, so a keeper slow to seal does not make the level skip snapshots),
         never one whose index is in ``avoid`` (the caller's: a slot it asked the keeper to
-        write to the next level). None when no slot is free: the caller skips this memory
-        checkpoint."""
+        write to the next level), never one smaller than ``nbytes``. None when no slot is
+        free: the caller skips this memory checkpoint."""
         heads = self.headers()
         newest = self.newest()
         top = newest[1].gen if newest is not None else -1
@@ -276,6 +292,7 @@ class SlotSet:
                 and not (_state(heads[i]) == STAGED and _gen(heads[i]) == top_staged)
                 and self.slots[i].index not in avoid
                 and self.slots[i].index not in self._begun
+                and self.slots[i].nbytes >= nbytes
             ),
             key=lambda i: (_state(heads[i]) == COMMITTED, _gen(heads[i])),
         )  # empty, torn, older staged first; then the oldest committed
@@ -342,6 +359,33 @@ class SlotSet:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _whole(data_bytes: int) -> int:
+    """A slot file's bytes: its header, data and the metadata's room (reserved too: a shared
+    memory that fills later fails no save at its staged() write)."""
+    return DATA_OFFSET + data_bytes + META_RESERVE
+
+
+def _new_slot(
+    directory: str, job: str, rank: int, index: int, size: int, budget: int | None
+) -> Slot:
+    """An empty slot file of ``size`` data bytes (one of that name is replaced), its space
+    reserved (ShmSpaceError beyond ``budget`` or what shared memory has: nothing is left)."""
+    path = os.path.join(directory, slot_name(job, rank, index))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        reserve(fd, 0, _whole(size), path, budget)
+        o = _owner(job)
+        write_header(fd, SlotHeader(job, rank, index, o["host"], o["pid"], o["boot"],
+                                    data_bytes=size))  # fmt: skip
+        return Slot(path, fd, index, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
 
 
 def _gen(h: SlotHeader | None) -> int:
