@@ -301,6 +301,27 @@ def test_rollbacks_of_one_ranks_newer_snapshot_keep_the_step_and_one_timeline(
         assert o["final_ok"], (r, o)
 
 
+def test_a_lost_node_without_redundancy_says_what_to_do(where: tuple[str, str, str]) -> None:
+    """Node n1 is lost with its memory and its disk (no partner copies, Local single): no
+    level holds rank 1's files. The restart fails (a fresh start would be silent data loss)
+    and says what would have survived it and how to start over."""
+    base, shm, job = where
+    _crash(base, shm, job, "single")
+    for name in os.listdir(os.path.join(shm, "n1")):
+        os.unlink(os.path.join(shm, "n1", name))
+    shutil.rmtree(os.path.join(base, "local", "n1"))
+    out = run_ranks(
+        _run, 2, base, shm, job, STEPS + 3, False, None, "single", timeout_secs=TIMEOUT * 3,
+        allow_failures=True,
+    )  # fmt: skip
+    for r, o in enumerate(out):
+        assert "CorruptCheckpointError" in str(o) and "cannot be rebuilt" in str(o), (r, o)
+        assert "new checkpoint directory" in str(o) and "redundancy='partner'" in str(o), (r, o)
+    for node in ("n0", "n1"):  # (the fixture wants no segment left)
+        for name in os.listdir(os.path.join(shm, node)):
+            os.unlink(os.path.join(shm, node, name))
+
+
 def _changing(rank: int, world: int, base: str, shm: str, job: str) -> dict[str, Any]:
     """Memory every step, no durable save asked for by the policy; rank 1's state gains a
     value at step 4 (its layout changes: its snapshots cannot use the agreed plan)."""

@@ -58,8 +58,16 @@ class Walk:
             )  # fmt: skip
         if self.skipped:
             which = f" of step {step}" if step is not None else ""
+            hint = ""
+            if any("cannot be rebuilt" in why for _, why in self.skipped):
+                hint = (
+                    ". The files those ranks lost exist on no level: a lost node is survived "
+                    "by redundancy='partner' or 'xor', Memory(redundancy='partner') or a "
+                    "Shared level; to start over, restart on a new checkpoint directory "
+                    "(this one is kept as it is)"
+                )
             raise CorruptCheckpointError(
-                f"no checkpoint{which} passed verification on any level ({reasons})",
+                f"no checkpoint{which} passed verification on any level ({reasons}){hint}",
                 step=step, path=where, phase="restore",
             )  # fmt: skip
         if step is not None:
