@@ -301,6 +301,53 @@ def test_rollbacks_of_one_ranks_newer_snapshot_keep_the_step_and_one_timeline(
         assert o["final_ok"], (r, o)
 
 
+def _edit_part(path: str, edit: Any) -> None:
+    """Rewrite the part of the manifest a sealed slot holds (``edit(body)``), sealed again and
+    its header's checksum fixed: a part that is well-formed but disagrees with the others."""
+    import dataclasses
+    import zlib
+
+    from pitstop.format.manifest import seal as seal_manifest
+    from pitstop.levels.shm import write_header
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        head = read_header(fd)
+        assert head is not None
+        before = head.record_bytes + head.objects_bytes
+        raw = os.pread(fd, before + head.manifest_bytes, head.meta_offset)
+        body = json.loads(raw[before:])
+        edit(body)
+        algorithm = body.get("integrity", {}).get("algorithm", "xxh3_64")
+        new = (json.dumps(seal_manifest(body, algorithm), separators=(",", ":")) + "\n").encode()
+        os.pwrite(fd, new, head.meta_offset + before)
+        write_header(fd, dataclasses.replace(
+            head, seq=head.seq + 1, manifest_bytes=len(new), meta_crc=zlib.crc32(raw[:before] + new)
+        ))  # fmt: skip
+    finally:
+        os.close(fd)
+
+
+def test_a_part_that_disagrees_is_refused_and_said_in_last_restore(
+    where: tuple[str, str, str],
+) -> None:
+    """Rank 1's part of the newest step claims another timeline (well-formed, sealed again):
+    the parts do not join, every rank restores the step before from memory, bit-exact, and
+    ``last_restore.skipped`` names the refused step on every rank (before: only a warning
+    on rank 0 said it)."""
+    base, shm, job = where
+    _crash(base, shm, job)
+    _edit_part(
+        _slot_of(shm, job, 1, STEPS),
+        lambda b: b.__setitem__("lineage", {**b["lineage"], "timeline": "f" * 16}),
+    )
+    out = _resume(base, shm, job)
+    for r, o in enumerate(out):
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS - 1, "memory", True), (r, o)
+        refused = [s for s in o["skipped"] if f"step-{STEPS:010d}" in s[0]]
+        assert refused and "lineage" in refused[0][1], (r, o)
+
+
 def test_a_lost_node_without_redundancy_says_what_to_do(where: tuple[str, str, str]) -> None:
     """Node n1 is lost with its memory and its disk (no partner copies, Local single): no
     level holds rank 1's files. The restart fails (a fresh start would be silent data loss)

@@ -40,6 +40,8 @@ from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
 
+from pitstop.engine.catalog import Entry
+from pitstop.engine.recovery import RestoreResult
 from pitstop.errors import CheckpointError, ShmSpaceError
 from pitstop.format.manifest import Manifest, join_parts
 from pitstop.format.names import step_dir_name
@@ -66,6 +68,7 @@ from pitstop.levels.shm import (
 from pitstop.levels.shm_clean import job_slots
 from pitstop.levels.shm_header import slot_name
 from pitstop.levels.spec import Memory, Placement, memory_dir, node_ids
+from pitstop.levels.walk import Walk
 from pitstop.log import get_logger
 from pitstop.options import IOOptions
 from pitstop.ranks.group import Group
@@ -119,6 +122,7 @@ class MemoryLevel(RootLevel):
                          "next level only", self.directory, phase="plan")  # fmt: skip
         self._claim = -1  # the job's lock file, held and naming this process from the start
         self._leave: str | None = None  # why close() leaves the segments (as a crash would)
+        self._refused: list[tuple[str, str]] = []  # the restart's steps whose parts disagree
         other = _live_owner(self.directory, self.job, group.rank) if self.active else None
         if other is not None:
             self.active = False
@@ -379,11 +383,31 @@ class MemoryLevel(RootLevel):
         mine = self._slot_storage.parts()
         if self.peers is not None and self._rebuild(mine):
             mine = self._slot_storage.parts()
+        refused: list[tuple[str, str]] = []
         joined = {
             name: (mine[name][0], manifest.dumps())
-            for name, manifest in self.joined_steps(mine, "restore").items()
+            for name, manifest in self.joined_steps(mine, "restore", refused=refused).items()
         }  # fmt: skip
         self._slot_storage.joined = joined
+        newest = max(joined, default="")  # (zero-padded names: their order is the steps')
+        self._refused = [(name, why) for name, why in refused if name > newest]
+
+    def serve(
+        self,
+        walk: Walk,
+        load: Callable[[Storage, Entry], Any],
+        s: int,
+        window: tuple[int | None, int] | None,
+        view: Any,
+        rollback: bool,
+    ) -> RestoreResult | None:
+        """As a plain level's; the steps newer than every joined one whose parts were refused
+        are in ``skipped`` (the same on every rank), as a step refused at load time is."""
+        refused, self._refused = self._refused, []
+        walk.skipped += [
+            (walk.label(self.name, n), f"not a checkpoint: {why}") for n, why in refused
+        ]
+        return super().serve(walk, load, s, window, view, rollback)
 
     def _rebuild(self, mine: dict[str, tuple[int, bytes]]) -> bool:
         """Partner copies (collective): the newest step every rank holds a part of, its own or
@@ -422,12 +446,17 @@ class MemoryLevel(RootLevel):
         return self._slot_storage
 
     def joined_steps(
-        self, mine: dict[str, tuple[int, bytes]], phase: str, *, newest_only: bool = False
+        self,
+        mine: dict[str, tuple[int, bytes]],
+        phase: str,
+        *,
+        newest_only: bool = False,
+        refused: list[tuple[str, str]] | None = None,
     ) -> dict[str, Manifest]:
         """Collective (several ranks): every rank's parts (``SlotStorage.parts``) gathered;
         the manifests of the steps every rank holds a part of that join (newest first;
-        ``newest_only``: the newest that joins). A step whose parts disagree is said and
-        passed over."""
+        ``newest_only``: the newest that joins). A step whose parts disagree is said,
+        passed over and added to ``refused`` (name, why)."""
         words = self.group.all_gather({name: part for name, (_, part) in mine.items()}, phase)
         out: dict[str, Manifest] = {}
         for name in sorted(set.intersection(*(set(w) for w in words)), reverse=True):
@@ -436,6 +465,8 @@ class MemoryLevel(RootLevel):
             except CheckpointError as e:
                 if self.group.coordinator:
                     _log.warning("memory %s is not a checkpoint: %s", name, e, phase=phase)
+                if refused is not None:
+                    refused.append((name, str(e)))
                 continue
             if newest_only:
                 break
