@@ -11,7 +11,8 @@ Call sequence (training thread)::
 Threads: ``pitstop-stage`` finishes deferred CPU copies; ``pitstop-persist``
 writes, commits and runs ``on_commit`` (retention) for one save at a time, in
 step order, before the save's handle reports it done (so when ``save()`` or
-``wait()`` returns, retention for that commit has run); ``pitstop-io`` threads write the extents of a file in parallel.
+``wait()`` returns, retention for that commit has run); ``pitstop-io`` threads write the extents of a file in parallel (``pitstop-io-sync``, at
+normal priority, those of a save the caller waits for: see ``waited``).
 Memory: at most ``max_in_flight`` arenas of the state's size exist (default 1); a save
 that finds them all busy waits for the oldest persist to finish. Under
 ``host_memory_bytes`` smaller than the state, one arena of that size is a ring through
@@ -26,11 +27,12 @@ import collections
 import contextlib
 import hashlib
 import os
+import socket
 import threading
 import time
 import typing
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +54,7 @@ from pitstop.engine.stage import (
 )
 from pitstop.errors import CheckpointError, CheckpointExistsError, DistributedCheckpointError
 from pitstop.format.checksum import default_algorithm
-from pitstop.format.manifest import Lineage, Manifest
+from pitstop.format.manifest import FileEntry, Lineage, Manifest, TensorEntry
 from pitstop.format.names import step_dir_name
 from pitstop.io.arena import Arena
 from pitstop.io.parallel import Extent
@@ -84,6 +86,32 @@ class _Meta:
     lineage: Lineage | None
     metrics: dict[str, float]
     seq: int = 0
+    writers: ThreadPoolExecutor | None = None  # None: io_pool
+
+
+class _Ahead:
+    """A one-process save's manifest, built and checked by the last hash's thread while the
+    last extents are still being written (see ``persist``'s ``on_hashed``), and used if the
+    commit's results are those very entries (they always are, unless the write then fails)."""
+
+    def __init__(self, build: Callable[[list[PersistResult], list[str]], bytes]) -> None:
+        self._build = build
+        self._key: tuple[Any, ...] | None = None
+        self._data: bytes | None = None
+
+    def build(self, files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...]) -> None:
+        hosts = [socket.gethostname()]  # as result_to_json reports it
+        data = self._build([PersistResult(files, tensors, 0, 0.0, False)], hosts)
+        self._key, self._data = (files, tensors, hosts), data
+
+    def get(self, results: list[PersistResult], hosts: list[str]) -> bytes | None:
+        """The manifest built ahead, if it is the one for ``results`` (persist thread, after
+        the persist returned: the hash thread that built it has ended)."""
+        if self._key is None or len(results) != 1:
+            return None
+        if self._key != (results[0].files, results[0].tensors, hosts):
+            return None
+        return self._data
 
 
 def _no_manifest(results: list[PersistResult], hosts: list[str]) -> bytes:
@@ -134,6 +162,8 @@ class Saver:
             initializer=_lower_priority,
             initargs=nice,
         )
+        self._urgent_pool: ThreadPoolExecutor | None = None  # writers of waited-for saves
+        self._urgent = False  # set by ``waited()``: the next save's caller waits for it
         self._closed = False
         self.hook_wait_secs = 0.0  # total time optimizer.step() waited for deferred copies
         self.history: collections.deque[SaveHandle] = collections.deque(maxlen=256)
@@ -187,7 +217,7 @@ class Saver:
         self.history.append(handle)
         if self._in_round():
             self._seq += 1
-        meta = _Meta(lineage, dict(metrics or {}), self._seq)
+        meta = _Meta(lineage, dict(metrics or {}), self._seq, self._writers())
         self._persist_pool.submit(
             self._persist, handle, job, flat, plan, arena, directory, t0, meta, ring
         )
@@ -198,6 +228,29 @@ class Saver:
             raise
         handle.stats.stall_secs = time.perf_counter() - t0
         return handle
+
+    @contextlib.contextmanager
+    def waited(self) -> Iterator[None]:
+        """Training thread: the saves started inside are waited for at once (a synchronous
+        ``save``): nothing of the training runs meanwhile for ``background_nice`` to yield
+        to, so their writer and hashing threads keep normal priority (niced ones lost
+        5-10 % of the disk's speed here whenever the cores were busy: a woken writer waits
+        for a core before it issues its next request)."""
+        self._urgent = True
+        try:
+            yield
+        finally:
+            self._urgent = False
+
+    def _writers(self) -> ThreadPoolExecutor:
+        """The writer pool of the save being started (training thread)."""
+        if not self._urgent or self.options.background_nice <= 0:
+            return self.io_pool
+        if self._urgent_pool is None:  # started once, when first needed
+            self._urgent_pool = ThreadPoolExecutor(
+                self.options.io.threads, thread_name_prefix="pitstop-io-sync"
+            )
+        return self._urgent_pool
 
     def _check_new(self, step: int, directory: str) -> None:
         if self.storage.has_manifest(directory) and not (
@@ -341,7 +394,8 @@ class Saver:
 
     def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveHandle:
         """Durable and committed when it returns: ``async_save(...).wait()``."""
-        handle = self.async_save(step, state, **kwargs)
+        with self.waited():
+            handle = self.async_save(step, state, **kwargs)
         handle.wait()
         return handle
 
@@ -388,6 +442,8 @@ class Saver:
             self._persist_pool.shutdown(wait=True)
             self._stage_pool.shutdown(wait=True)
             self.io_pool.shutdown(wait=True)
+            if self._urgent_pool is not None:
+                self._urgent_pool.shutdown(wait=True)
             with self._cond:
                 for arena in self._arenas:
                     unpin_arena(arena, self._buffers[id(arena)])
@@ -511,10 +567,12 @@ class Saver:
                     arena.view if ring is None else typing.cast(memoryview, ring),
                     objects,
                     algorithm=self.algorithm,
-                    pool=self.io_pool,
+                    pool=meta.writers or self.io_pool,
                     before_extent=before_extent,
                     after_extent=ring.release if ring is not None else None,
                     rank=self.group.rank,
+                    hash_after=job.wait_copied if ring is None else None,
+                    on_hashed=ahead.build if self.group.size == 1 else None,
                 )
                 job.wait_copied()
                 handle.stats.stage_secs = (job.copied_at or time.perf_counter()) - t0
@@ -524,6 +582,12 @@ class Saver:
                 return result
 
             def manifest(results: list[PersistResult], hosts: list[str]) -> bytes:
+                built = ahead.get(results, hosts)
+                if built is not None:
+                    return built
+                return build(results, hosts)
+
+            def build(results: list[PersistResult], hosts: list[str]) -> bytes:
                 data = manifest_for(
                     handle.step,
                     results,
@@ -543,6 +607,7 @@ class Saver:
                     ) from e  # fmt: skip
                 return data
 
+            ahead = _Ahead(build)
             result = commit_together(  # one process: on the null group, in-process
                 self.group, self.storage, directory, meta.seq, write, manifest, self.nodes
             )
