@@ -96,6 +96,7 @@ Broadcast = Callable[[torch.Tensor, int], None]
 PIECE_BYTES = 32 << 20  # the replicated stream is broadcast in pieces of at most this
 _OWN_PIECES = 2  # pieces a rank may have read ahead of their broadcast
 _PLACE_MIN_BYTES = 64 << 10  # a fresh tensor this large is read into directly (Landing.place)
+_WARM_BUFFERS = 2  # read buffers first-touched while the restore is prepared (ReadBuffers.warm)
 
 
 class Piece(NamedTuple):
@@ -483,7 +484,11 @@ def load_entry(
         )
     agreement = _Agreement(group)
     landing: Landing | None = None
+    largest = max((f.nbytes for f in manifest.files if f.name.endswith(".bin")), default=0)
+    buffers = read_buffers(storage, largest)  # a small checkpoint takes little
     try:
+        if state is not None:  # most bytes land in live tensors, through these buffers
+            buffers.warm(_WARM_BUFFERS)
         problems: list[str] = []
         layout = ReadLayout(manifest, group.rank if view_rank is None else view_rank, group.size)
         check_sizes(storage, entry.name, manifest, problems, names=layout.reads())
@@ -506,19 +511,20 @@ def load_entry(
                 f"cannot allocate the tensors to restore into: {e}", phase="restore"
             ) from e
         agreement(None)  # every rank can read, and its state fits: the exchange may start
-        largest = max((f.nbytes for f in manifest.files if f.name.endswith(".bin")), default=0)
-        with read_buffers(storage, largest) as buffers:  # a small checkpoint takes little
-            try:
-                read_all(
-                    storage, entry.name, manifest, layout, landing, buffers,
-                    broadcast=group.broadcast_tensor if group.size > 1 else None,
-                )  # fmt: skip
-            except BaseException as e:
-                agreement(e)
-                raise
+        try:
+            read_all(
+                storage, entry.name, manifest, layout, landing, buffers,
+                broadcast=group.broadcast_tensor if group.size > 1 else None,
+            )  # fmt: skip
+        except BaseException as e:
+            agreement(e)
+            raise
+        finally:
+            buffers.close()
         agreement(None)  # every rank verified its part: the state is loaded
         return _apply(plan, state, tree, landing, allow_pickle, manifest.step, path)
     except BaseException as e:
+        buffers.close()  # (again: closing twice is fine)
         if not agreement.ended:  # failed between agreements: the others learn it at the next
             agreement(e)
         if landing is not None and landing.touched and isinstance(e, CheckpointError):

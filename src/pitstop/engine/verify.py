@@ -157,7 +157,33 @@ class ReadBuffers:
         started.wait()
         self._free: list[Arena] = []
         self._all: list[Arena] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._warming = 0  # buffers being allocated by warm(): counted against ``count``
+
+    def warm(self, n: int) -> None:
+        """Allocate (and so first-touch) ``n`` buffers of full size now, in the background,
+        while the caller goes on preparing the read (the restore's objects file, its check
+        pass): a restarted process then issues its first reads at once instead of after
+        faulting in 16 MiB per reader thread (20-40 ms here, 6 threads on 2 cores)."""
+        with self._lock:
+            n = max(0, min(n, self.count - len(self._all) - self._warming))
+            self._warming += n
+        for _ in range(n):
+            self.pool.submit(self._warm_one)
+
+    def _warm_one(self) -> None:
+        arena: Arena | None = None
+        try:
+            arena = Arena(self.nbytes)
+        except (OSError, MemoryError):
+            pass  # a read allocates its own then, and says why if it cannot
+        finally:
+            with self._lock:
+                self._warming -= 1
+                if arena is not None:
+                    self._all.append(arena)
+                    self._free.append(arena)
+                self._lock.notify_all()
 
     @contextmanager
     def buffer(self, need: int | None = None) -> Iterator[memoryview]:
@@ -168,6 +194,9 @@ class ReadBuffers:
         size = self.nbytes if need is None else min(self.nbytes, _aligned(max(need, 1)))
         small: Arena | None = None
         with self._lock:
+            # while warm() allocates, the first readers wait for its buffers rather than
+            # first-touch more at once (which delays every first read; at most count buffers)
+            self._lock.wait_for(lambda: not self._warming or bool(self._free))
             fits = [a for a in self._free if a.nbytes >= size]
             arena = min(fits, key=lambda a: a.nbytes) if fits else None
             if arena is not None:
@@ -191,6 +220,7 @@ class ReadBuffers:
         finally:
             with self._lock:
                 self._free.append(arena)
+                self._lock.notify_all()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
