@@ -1,7 +1,9 @@
 """Goodput under real failures: a training loop SIGKILLed at seeded exponential times.
 
     python benchmarks/goodput.py            # ~12-15 minutes (12 runs of 40 s + warm-ups)
-    python benchmarks/goodput.py --quick    # under 3 minutes (a smoke test: few failures)
+    python benchmarks/goodput.py --quick    # under 3 minutes (a smoke test: 10 s runs, 3
+                                            # failures, no YoungDaly, one k; every spare warms up
+                                            # before the first run, DCP imported only by DCP's)
 
 A small CPU training loop (an MLP + Adam, ~40 MB of state, one torch thread) runs in a
 worker process for a fixed wall-clock time ``T`` while this supervisor SIGKILLs it at
@@ -31,9 +33,11 @@ Beside each measurement: the simulator's prediction (``pitstop.sim.simulate``, w
 speed through the run (per second, the quiet iterations over their mean: ``speed_trace``),
 the contender's stall (plus its per-step loop work beyond the yardstick's, per checkpoint),
 persist time, slowdown (the excess of iterations while a save is in flight over the quiet
-ones of the same second, per checkpoint), each failure as it happened with its own restart
-time (``restart_trace``), and, for the policies that decide on measured costs, the noise of
-one checkpoint's measured cost (``cost_noise_secs``). The prediction is the mean over 20
+ones of the same second, per checkpoint), each divided by the host's factor when it
+happened (the model scales them back), each failure as it happened with its own restart
+time (``restart_trace``), and, for the policies that decide on measured costs, what the
+worker's own profiler measured one checkpoint to cost and its spread (``P`` lines:
+``measured_cost_secs``, ``cost_noise_secs``). The prediction is the mean over 20
 seeds, +- their standard deviation: in each, every kill moves within +-1.5 iterations of
 its time (``trace_jitter_secs``: the model's clock is that far off the run's by then) and
 the noisy policies draw other measurements. ``--dump FILE`` writes each run's timeline and
@@ -116,8 +120,9 @@ def worker(args: argparse.Namespace) -> None:
     state: dict[str, Any] = {"model": model, "optimizer": opt}
     step = 0
     ckpt: Any = None
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    if not args.no_dcp:  # a spare for DCP's run (all of them, but at --quick) imports it now
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import pitstop
     from pitstop.policy import CheckFreq, EveryN, YoungDaly
@@ -142,6 +147,9 @@ def worker(args: argparse.Namespace) -> None:
         ckpt = pitstop.CheckpointManager(root, keep_last=2, policy=policy)
         step = ckpt.restore(state) or 0
     elif kind == "dcp":
+        import torch.distributed.checkpoint as dcp  # imported before "W" in a DCP spare
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         done = sorted(
             (int(d[1:]) for d in os.listdir(root) if os.path.exists(f"{root}/{d}/.metadata")),
             reverse=True,
@@ -209,6 +217,13 @@ def worker(args: argparse.Namespace) -> None:
         if ckpt is not None:  # each commit said as it happens: a kill loses what is unsaid
             if saved:
                 inflight.append(ckpt.history[-1])
+                if kind != "everyn":  # the policy's interval, what its profiler measured
+                    chosen = getattr(ckpt.policy, "interval", None)
+                    chosen = getattr(ckpt.policy, "interval_secs", chosen) or 0
+                    st = ckpt.stats()
+                    up, low = st.checkpoint_cost_secs, st.checkpoint_cost_low_secs
+                    say("P", step, chosen, st.checkpoints, st.iter_secs or 0.0,
+                        -1 if up is None else up, -1 if low is None else low)  # fmt: skip
             for h in [h for h in inflight if h.done()]:
                 inflight.remove(h)
                 if h.committed:
@@ -294,6 +309,7 @@ class Incarnation:
 
     def __init__(self, argv: list[str]) -> None:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        self.dcp = True  # it imports DCP before it is warm
         self.lines: list[tuple[float, list[str]]] = []
         self.warm = threading.Event()
         self.ready = threading.Event()
@@ -335,16 +351,31 @@ class Incarnation:
 class Pool:
     """Warm spares (a new Python process imports torch and pitstop for seconds, many on a
     busy host): a failed worker is replaced by a spare at once, and a new spare starts
-    warming up beside the training (its CPU is part of what a restart costs here)."""
+    warming up beside the training (its CPU is part of what a restart costs here). With
+    ``refill=False`` (``--quick``) every spare the benchmark needs warms up before the first
+    run and none beside the training: no run waits for replacements to warm up after it."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, refill: bool = True, dcp: list[bool] | None = None) -> None:
         self.argv = [sys.executable, os.path.abspath(__file__), "--worker", "spare"]
-        self.spares = [Incarnation(self.argv) for _ in range(size)]  # before any run: nice 0
+        self.refill = refill
+        # before any run: nice 0; a spare for a run known to be no DCP's skips its import
+        self.spares = [self._new(d) for d in (dcp if dcp is not None else [True] * size)]
 
-    def take(self) -> Incarnation:
-        spare = self.spares.pop(0)
-        self.spares.append(Incarnation([*self.argv, "--nice", "19"]))  # beside a run
+    def _new(self, dcp: bool, *extra: str) -> Incarnation:
+        spare = Incarnation([*self.argv, *extra, *([] if dcp else ["--no-dcp"])])
+        spare.dcp = dcp
         return spare
+
+    def take(self, dcp: bool = True) -> Incarnation:
+        """A spare for a DCP run (``dcp``) or another: one that imported DCP serves any."""
+        fits = [s for s in self.spares if s.dcp == dcp] or [s for s in self.spares if s.dcp]
+        if not fits:  # more taken than foreseen: one more, warming now
+            fits = [self._new(dcp)]
+            self.spares += fits
+        self.spares.remove(fits[0])
+        if self.refill:
+            self.spares.append(self._new(True, "--nice", "19"))  # beside a run
+        return fits[0]
 
     def close(self) -> None:
         for spare in self.spares:
@@ -356,7 +387,7 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
     os.makedirs(root)
     run.seconds = args.seconds
     order = f"{run.kind} {run.k} {root} {args.mtbf}"
-    first = pool.take()
+    first = pool.take(run.kind == "dcp")
     for spare in pool.spares:  # no spare warms up in the first seconds of a run
         with contextlib.suppress(OSError):  # no run beside it now: full speed (needs root)
             os.setpriority(os.PRIO_PROCESS, spare.proc.pid, 0)
@@ -372,7 +403,7 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
         born = time.perf_counter() - start  # the failure: restart and loss count from here
         incarnations[-1][1].kill()
         run.kills.append(born)
-        incarnations.append((born, pool.take()))
+        incarnations.append((born, pool.take(run.kind == "dcp")))
         incarnations[-1][1].go(order)
     delay = start + args.seconds - time.perf_counter()
     if delay > 0:
@@ -415,6 +446,11 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
             "reached": int(steps[-1][1]) if steps else None,
             "last_step": next((t for t, w in reversed(stamped) if w[0] == "S"), None),
             "commits": [(round(t, 3), int(w[1])) for t, w in stamped if w[0] == "C"],
+            "persists": [(round(t, 3), float(w[2])) for t, w in stamped if w[0] == "C"],
+            "chosen": [  # (step, interval, commits, iter secs, cost estimate, its lower one)
+                (int(w[1]), float(w[2]), int(w[3]), float(w[4]), float(w[5]), float(w[6]))
+                for _, w in inc.lines if w[0] == "P"
+            ],
             "saves": [(round(t, 3), int(w[1])) for t, w in stamped if w[0] == "S" and w[5] == "1"],
             "iters": [  # (start, training secs, a save in flight, its save's secs or 0): the
                 # line comes at the iteration's end
@@ -456,6 +492,27 @@ def speed_trace(run: Run, it: float) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
+def profiled_cost(run: Run, it: float) -> tuple[float, float] | None:
+    """What the worker's own profiler measured one checkpoint to cost (the mean of its
+    paired measurements, over the incarnations, each read at the newest save with a lower
+    estimate known: (upper + lower) / 2, from ~commits - 1 pairs, its first save left out),
+    in seconds of an iteration of ``it``; and their standard deviation (the standard error
+    times sqrt(pairs)). None when no incarnation measured two pairs."""
+    means: list[tuple[float, float, int]] = []  # (mean, sd, pairs) per incarnation
+    for inc in run.timeline:
+        known = [c for c in inc.get("chosen", []) if c[5] >= 0 and c[3] > 0]
+        if known:
+            _, _, commits, secs, up, low = known[-1]
+            pairs = max(min(commits - 1, 16), 2)
+            sd = (up - low) / 2 * math.sqrt(pairs)
+            means.append(((up + low) / 2 * it / secs, sd * it / secs, pairs))
+    if not means:
+        return None
+    n = sum(p for _, _, p in means)
+    mean = sum(m * p for m, _, p in means) / n
+    return mean, math.sqrt(sum(sd * sd * p for _, sd, p in means) / n)
+
+
 def predict(run: Run, base: Run, args: argparse.Namespace, trace: list[float]) -> float:
     """The simulator's goodput for ``run`` with what this benchmark measured."""
     from pitstop.policy import CheckFreq, EveryN, YoungDaly
@@ -465,36 +522,49 @@ def predict(run: Run, base: Run, args: argparse.Namespace, trace: list[float]) -
     it = run.own_iter_secs  # compared with the adjusted goodput: this run's own speed
     speed = speed_trace(run, it)
     factor = lambda t: speed[min(int(t / SPEED_BIN_SECS), len(speed) - 1)][1]  # noqa: E731
+    # the costs as the host's speed at factor 1 would take them (the model scales a save's
+    # stall, slowdown and persist by the factor of its time, as it does the iterations):
     # slowdown: the iterations beside a save in flight over the quiet ones of the same second
     slowdown = sum(
-        secs - it * factor(t) for inc in run.timeline for t, secs, busy, _ in inc["iters"] if busy
-    ) / max(run.checkpoints, 1)
+        secs / factor(t) - it
+        for inc in run.timeline for t, secs, busy, _ in inc["iters"] if busy
+    ) / max(run.checkpoints, 1)  # fmt: skip
     # each checkpoint's cost as a profiler sees it: its save plus the excess of the busy
     # iterations after it; their spread is the noise the policy's estimate carries
     costs: list[float] = []
+    saves: list[float] = []
     for inc in run.timeline:
         for t, secs, busy, save in inc["iters"]:
             if save:
-                costs.append(save)
+                saves.append(save / factor(t + secs))
+                costs.append(saves[-1])
             elif busy and costs:
-                costs[-1] += secs - it * factor(t)
+                costs[-1] += secs / factor(t) - it
     noise = statistics.stdev(costs) if len(costs) > 1 else 0.0
+    # what the run's own profiler measured instead, where it did (its policy decided on it):
+    # it leaves out each process's first save and drops pairs across which the host changed
+    # speed, and on this host it measures a checkpoint at a fraction of what the run pays
+    profiled = profiled_cost(run, it) if run.kind in NOISY else None
+    if profiled is not None:
+        noise = profiled[1]
+    persists = [p / factor(t - p) for inc in run.timeline for t, p in inc.get("persists", [])]
     # the loop's own per-step work beyond the yardstick's (ckpt.step's bookkeeping, DCP's
     # removal of old directories): a cost of checkpointing, charged per checkpoint
     extra = sum(run.other_secs) - len(run.other_secs) * mean(base.other_secs)
-    stall = mean(run.save_secs) + max(extra, 0.0) / max(run.checkpoints, 1)
+    stall = mean(saves) + max(extra, 0.0) / max(run.checkpoints, 1)
     policy = {
         "checkfreq": lambda: CheckFreq(0.02),
         "youngdaly": lambda: YoungDaly(mtbf_secs=args.mtbf),
     }.get(run.kind, lambda: EveryN(run.k))()
     job = JobModel(
-        iter_secs=it, stall_secs=stall, persist_secs=mean(run.persist_secs),
+        iter_secs=it, stall_secs=stall, persist_secs=mean(persists or run.persist_secs),
         slowdown_secs=max(slowdown, 0.0), iterations=10 * max(1, round(args.seconds / it)),
         restart_secs=max(mean(run.restart_secs, 3.0) - it, 0.0), max_in_flight=1,
         speed_trace=speed, cost_noise_secs=noise if run.kind in NOISY else 0.0,
+        measured_cost_secs=None if profiled is None else profiled[0],
     )  # fmt: skip
     run.sim = {f: getattr(job, f) for f in ("iter_secs", "stall_secs", "persist_secs",
-               "slowdown_secs", "restart_secs", "cost_noise_secs")}  # fmt: skip
+               "slowdown_secs", "restart_secs", "cost_noise_secs", "measured_cost_secs")}  # fmt: skip
     # the failures as they happened (a kill waits for the supervisor: a few ms after the trace's),
     # each with its own restart time as measured (they vary 2x: with their mean the model
     # drifted tenths of a second off the run and moved checkpoints across kills)
@@ -534,6 +604,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--digests", default="", help=argparse.SUPPRESS)
     p.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--no-dcp", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -549,8 +620,9 @@ def main() -> None:
     log(
         f"T={args.seconds:.0f}s per run, MTBF {args.mtbf:.0f}s, trace {[round(t, 1) for t in trace]}"
     )
-    runs = [Run("none", "none"), Run("pitstop CheckFreq(0.02)", "checkfreq"),
-            Run(f"pitstop YoungDaly({args.mtbf:.0f}s)", "youngdaly")]  # fmt: skip
+    runs = [Run("none", "none"), Run("pitstop CheckFreq(0.02)", "checkfreq")]
+    if not args.quick:  # the quick table: pitstop's two policies against the two peers
+        runs.append(Run(f"pitstop YoungDaly({args.mtbf:.0f}s)", "youngdaly"))
     for kind, label in (
         ("everyn", "pitstop EveryN"),
         ("dcp", "DCP async_save"),
@@ -560,7 +632,11 @@ def main() -> None:
     runs = [r for r in runs if r.kind == "none" or not args.only or args.only in r.name]
     # a warm spare for each failure of a run: on this host a spare warming up at low priority
     # beside the training and other jobs may take longer than a quick succession of failures
-    pool = Pool(max(3, len(trace) + 1))
+    if args.quick:  # every spare warm before the first run (~0.3 GB each): ~2 minutes in all
+        plan = [r.kind == "dcp" for r in runs[1:] for _ in range(len(trace) + 1)]
+        pool = Pool(len(plan) + 2, refill=False, dcp=[False, *plan, False])  # yardstick, ..., ref
+    else:
+        pool = Pool(max(3, len(trace) + 1))
     try:
         for r in runs:
             run_one(r, args, trace, os.path.join(base_dir, "ckpt"), pool)
@@ -573,7 +649,7 @@ def main() -> None:
             # the same, each run at its own speed: steps reached x own iteration time / T,
             # over the yardstick's (the host's speed moves 2x between runs minutes apart)
             r.adjusted = (r.final_step * r.own_iter_secs) / (base.final_step * base.own_iter_secs)
-        ref = pool.take()  # bit-exact: one uninterrupted run to every step a contender reached
+        ref = pool.take(False)  # bit-exact: one uninterrupted run to every step a contender reached
         ref.go(f"none 0 {base_dir} {args.mtbf} " + ",".join(str(r.final_step) for r in runs))
         ref.finished.wait(timeout=600)
         ref.proc.wait(timeout=600)
@@ -619,6 +695,7 @@ def main() -> None:
         "best": {k: v.name for k, v in best.items()},
         "all_exact": all(r.exact for r in runs),
     }  # fmt: skip
+    log("done")
     print(json_line(result))
     if args.dump:
         with open(args.dump, "w") as f:
