@@ -17,7 +17,7 @@ pitstop's own gloo group, started a step ahead so that it travels while the next
 runs: at step t the policy is asked about step t+1 (its context one step on), and at step
 t+1 every rank reads the same result without waiting for the slowest. At a step given
 ``epoch_end=True`` (on every rank alike) the vote is taken at once. Any rank may ask for a
-save in the vote (``ask_save``: its memory snapshots need a plan every rank agrees on, after
+save in the vote (``asked``: its memory snapshots need a plan every rank agrees on, after
 its state's layout changed), and a rank whose memory level went off turns it off on every
 rank (a step is a memory checkpoint only if every rank holds its part). The time ``step`` itself
 takes (bookkeeping, the vote) is measured as overhead (``stats().step_secs``) and the

@@ -284,8 +284,9 @@ class CheckpointManager:
         last: bool = False,
     ) -> StepResult:
         """Once per iteration, after ``optimizer.step()``: measure, ask the policy, maybe
-        ``async_save``. Returns SAVED (truthy), SKIPPED, SNAPSHOT (a memory level's snapshot, not
-        durable) or REFUSED (also warned and counted in ``stats().refused_saves``). After a ``save_on_signal`` signal: save, SystemExit.
+        ``async_save``. Returns SAVED (truthy), SKIPPED, SNAPSHOT (a memory level's snapshot,
+        not durable) or REFUSED (also warned and counted in ``stats().refused_saves``). After
+        a ``save_on_signal`` signal: save, SystemExit.
         ``last=True`` at the last step of training: the policy is not asked (SKIPPED), the
         final state is saved by ``save_final`` once the end-of-training work is done."""
         if last:

@@ -185,15 +185,12 @@ def test_the_keeper_imports_no_torch(job: str) -> None:
         slots.close()
 
 
-def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
-    job: str, tmp_path: object
-) -> None:
-    from pitstop.levels.memory import SlotStorage, restore_from_memory
-
-    root = os.path.join(str(tmp_path), "disk")
+def _killed_with_a_lingering_keeper(job: str, next_dir: str | None, linger_secs: float) -> int:
+    """A training process that stages step 4, has its keeper seal it and is SIGKILLed; its
+    keeper (next level ``next_dir``) lives on, lingering ``linger_secs``: its pid."""
     script = textwrap.dedent(
         f"""
-        import json, os, signal, sys
+        import os, signal, sys
         sys.path.insert(0, {HERE!r})
         from conftest import small_state
         from pitstop.levels.keeper import start_keeper
@@ -202,7 +199,7 @@ def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
 
         _, plan = plan_state(small_state(0))
         slots = SlotSet.create({job!r}, data_bytes=plan.file_bytes)
-        keeper = start_keeper({job!r}, next_dir={root!r}, linger_secs=20)
+        keeper = start_keeper({job!r}, next_dir={next_dir!r}, linger_secs={linger_secs!r})
         slot = stage_into(slots, 4, small_state(4))
         keeper.request_seal(slot.index)
         keeper.wait_for("sealed", step=4)
@@ -216,6 +213,16 @@ def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
     keeper_pid = int(child.stdout.readline())
     assert child.wait(60) == -signal.SIGKILL
     child.stdout.close()
+    return keeper_pid
+
+
+def test_a_restarted_trainer_adopts_the_slots_of_a_lingering_keeper(
+    job: str, tmp_path: object
+) -> None:
+    from pitstop.levels.memory import SlotStorage, restore_from_memory
+
+    root = os.path.join(str(tmp_path), "disk")
+    keeper_pid = _killed_with_a_lingering_keeper(job, root, linger_secs=20)
     from pitstop.levels.shm_clean import _stale
 
     # the lingering keeper holds the job's lock: not stale
@@ -244,30 +251,7 @@ def test_sigterm_ends_a_lingering_keeper_at_once(
     snapshot, and leaves them (for pitstop gc) when it is nowhere else. Before, it ignored
     SIGTERM for the whole linger time."""
     root = os.path.join(str(tmp_path), "disk")
-    script = textwrap.dedent(
-        f"""
-        import os, signal, sys
-        sys.path.insert(0, {HERE!r})
-        from conftest import small_state
-        from pitstop.levels.keeper import start_keeper
-        from pitstop.levels.memory import plan_state, stage_into
-        from pitstop.levels.shm import SlotSet
-
-        _, plan = plan_state(small_state(0))
-        slots = SlotSet.create({job!r}, data_bytes=plan.file_bytes)
-        keeper = start_keeper({job!r}, next_dir={root if next_level else None!r}, linger_secs=600)
-        slot = stage_into(slots, 4, small_state(4))
-        keeper.request_seal(slot.index)
-        keeper.wait_for("sealed", step=4)
-        print(keeper.pid, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-        """
-    )
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    keeper_pid = int(child.stdout.readline())
-    assert child.wait(60) == -signal.SIGKILL
-    child.stdout.close()
+    keeper_pid = _killed_with_a_lingering_keeper(job, root if next_level else None, 600)
     try:
         if next_level:  # it persists step 4, then lingers
 

@@ -369,16 +369,22 @@ def test_a_lost_node_without_redundancy_says_what_to_do(where: tuple[str, str, s
             os.unlink(os.path.join(shm, node, name))
 
 
+def _one_node(base: str, shm: str, job: str, every: int, **memory: Any) -> Any:
+    """The ranks' manager on one node: memory every step (no linger), the local disk every
+    ``every`` steps; ``memory``: more of ``pitstop.Memory``'s arguments."""
+    return pitstop.CheckpointManager(
+        [pitstop.Memory(job=job, directory=shm, linger_secs=0, **memory),
+         pitstop.Local(os.path.join(base, "local"), redundancy="single")],
+        policy=pitstop.EveryN(every),
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
+    )  # fmt: skip
+
+
 def _changing(rank: int, world: int, base: str, shm: str, job: str) -> dict[str, Any]:
     """Memory every step, no durable save asked for by the policy; rank 1's state gains a
     value at step 4 (its layout changes: its snapshots cannot use the agreed plan)."""
     state = _state(rank)
-    ckpt = pitstop.CheckpointManager(
-        [pitstop.Memory(job=job, directory=shm, linger_secs=0),
-         pitstop.Local(os.path.join(base, "local"), redundancy="single")],
-        policy=pitstop.EveryN(1000),
-        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
-    )  # fmt: skip
+    ckpt = _one_node(base, shm, job, 1000)
     results = {}
     for step in range(1, 11):
         _advance(state, rank, step)
@@ -410,13 +416,7 @@ def test_a_layout_change_on_one_rank_makes_every_rank_save_then_snapshots_go_on(
 def _limited(rank: int, world: int, base: str, shm: str, job: str) -> dict[str, Any]:
     """Rank 1's memory level has too small a budget (its level goes off at the first save)."""
     state = _state(rank)
-    ckpt = pitstop.CheckpointManager(
-        [pitstop.Memory(job=job, directory=shm, linger_secs=0,
-                        limit_bytes=4096 if rank == 1 else None),
-         pitstop.Local(os.path.join(base, "local"), redundancy="single")],
-        policy=pitstop.EveryN(4),
-        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
-    )  # fmt: skip
+    ckpt = _one_node(base, shm, job, 4, limit_bytes=4096 if rank == 1 else None)
     results = {}
     for step in range(1, 9):
         _advance(state, rank, step)
