@@ -193,6 +193,35 @@ def test_a_state_that_grows_keeps_the_newest_snapshot_until_a_larger_one_commits
     assert all(torch.equal(fresh.state_dict()[k], want[k]) for k in want)
 
 
+def test_a_durable_save_goes_through_when_no_slot_could_be_made_larger_yet(
+    job: str, shm_dir: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state grew and every slot holds a step that is the only copy (or is being
+    written), so none could be made larger yet: the policy's durable save still goes to
+    disk, through the plain arena; the memory snapshot of such a step is skipped."""
+    from pitstop.levels.shm import SlotSet
+    from pitstop.loop import StepResult
+
+    root = os.path.join(str(tmp_path), "ck")
+    state = w.build()
+    ckpt = pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(6))
+    try:
+        for step in range(1, 5):
+            w.train_step(state, step)
+            ckpt.step(step, state)
+        ckpt.wait()
+        monkeypatch.setattr(SlotSet, "grow", lambda self, *a, **k: 0)  # none may grow
+        state["progress"]["extra"] = torch.arange(100_000, dtype=torch.float32)  # it grew
+        w.train_step(state, 5)
+        assert ckpt.step(5, state) is StepResult.SKIPPED  # no slot large enough
+        w.train_step(state, 6)
+        assert ckpt.step(6, state) is StepResult.SAVED
+        ckpt.wait()
+        assert 6 in ckpt.steps()
+    finally:
+        ckpt.close()
+
+
 def test_an_exception_in_the_with_block_leaves_the_snapshots_for_the_restart(
     job: str, shm_dir: str, tmp_path: Any
 ) -> None:

@@ -166,6 +166,10 @@ class MemorySaver(Saver):
             if not durable:
                 raise NoFreeSlotError("the memory level is off", step=step, phase="stage")
             return super()._stage(flat, plan)
+        assert self.memory.slots is not None
+        if durable and all(s.nbytes < plan.file_bytes for s in self.memory.slots.slots):
+            return super()._stage(flat, plan)  # the slots are still being made larger (the
+            # only copies of their steps are kept until superseded): the plain arena's turn
         self._listen()
         wait = _DURABLE_WAIT_SECS if durable else 0.0
         need = plan.file_bytes
