@@ -397,3 +397,37 @@ def test_attach_seals_a_staged_snapshot_left_unsealed(job: str) -> None:
         again.close()
     finally:
         slots.close(unlink=True)
+
+
+def test_attach_waits_for_a_keeper_still_sealing_the_newest_snapshot(job: str) -> None:
+    """A restart that attaches while the dead trainer's keeper is still hashing its last
+    staged snapshot waits for that seal instead of serving the older committed one (CI
+    flake: a restart resumed two steps behind under load)."""
+    import threading
+    import time
+
+    slots = _slots(job)
+    try:
+        a = stage_into(slots, 1, small_state(1))
+        assert a is not None and seal(a)
+        b = stage_into(slots, 2, small_state(2))
+        assert b is not None
+        keeper = open_slot(b.path, job=job, rank=0)  # the keeper's own open of the slot
+        assert keeper.try_lock(exclusive=True)  # hashing it
+
+        def finish() -> None:
+            time.sleep(0.3)
+            assert seal(keeper, hold=True) is not None
+            keeper.unlock()
+
+        t = threading.Thread(target=finish)
+        t.start()
+        again = SlotSet.attach(job)  # the restart
+        newest = again.newest() if again is not None else None  # what its restore serves
+        t.join()
+        keeper.close()
+        assert again is not None
+        again.close()
+        assert newest is not None and newest[1].step == 2, newest
+    finally:
+        slots.close(unlink=True)

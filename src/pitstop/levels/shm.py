@@ -54,6 +54,7 @@ import fcntl
 import json
 import os
 import socket
+import time
 import zlib
 from collections.abc import Collection
 from dataclasses import replace
@@ -245,19 +246,28 @@ class SlotSet:
         found.seal_pending()
         return found
 
-    def seal_pending(self) -> list[SlotHeader]:
+    def seal_pending(self, wait_secs: float = 30.0) -> list[SlotHeader]:
         """Seal every staged snapshot newer than the newest committed one (left by a trainer
         that died before its keeper sealed it, or that had no keeper): it is the newest
-        consistent state, and until it is sealed ``begin`` must not overwrite it."""
+        consistent state, and until it is sealed ``begin`` must not overwrite it. One that
+        another process holds (the dead trainer's keeper, still hashing it) is waited for,
+        up to ``wait_secs``: read before, the restart would resume from an older step."""
         newest = self.newest()
         top = newest[1].gen if newest is not None else -1
         done = []
+        deadline = time.monotonic() + wait_secs
         for slot, head in zip(self.slots, self.headers(), strict=True):
-            if head is not None and head.state == STAGED and head.gen > top:
-                with contextlib.suppress(CorruptCheckpointError):  # damaged: never committed
-                    sealed = seal(slot)
-                    if sealed is not None:
-                        done.append(sealed)
+            if head is None or head.state != STAGED or head.gen <= top:
+                continue
+            with contextlib.suppress(CorruptCheckpointError):  # damaged: never committed
+                while (sealed := seal(slot)) is None and time.monotonic() < deadline:
+                    now = slot.header()
+                    if now is None or now.state != STAGED:  # sealed by its holder
+                        sealed = now if now is not None and now.state == COMMITTED else None
+                        break
+                    time.sleep(0.01)
+                if sealed is not None:
+                    done.append(sealed)
         return done
 
     def headers(self) -> list[SlotHeader | None]:
