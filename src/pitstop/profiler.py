@@ -28,13 +28,29 @@ estimate that a few noisy pairs cannot pull below the truth (and, from 3 pairs o
 it: a lower one, how far CheckFreq may grow its interval at once). Not trimmed: the rare
 expensive checkpoint is part of the cost.
 
+A save's work goes on after it commits, where the loop does not see it (writeback, the
+allocator giving pages back, under torch.distributed a peer rank's part of the write): the
+quiet iterations just after a save (as many as it was in flight for, at least 3) are its
+*tail*. They are never a baseline: only quiet iterations past every tail are (``_clean``).
+Each pair keeps its tail's cost apart, and the tails count in the estimate once they show
+(the mean of the pairs' tails above its standard error): where saves have none, they would
+add only their noise. Before, they were both: the tail's cost was missed and, at a
+short interval where every quiet iteration was some save's tail, every baseline was slowed,
+each pair read its save as cheap or negative, and the interval stayed at its minimum (a
+synthetic DDP-like machine: gaps of 3 steps where 107 were allowed, 72 % overhead). The
+transformer loop of ``benchmarks/overhead.py`` on this host: the 6 quiet iterations after a
+save ran 3-7 % slower than later ones, as much again as the save's own busy iteration.
+
 Each pair is kept in iterations (its seconds over its own quiet iteration) and the
 estimate is read in seconds of the iterations now: when a neighbour comes or goes, the
 persist threads' share of the cores moves with the training thread's, and a checkpoint's
 cost in iterations changes far less than in seconds (the conv loop of
 ``benchmarks/overhead.py``: 0.14 and 0.18 iterations alone and beside a neighbour, at 0.057
 and 0.136 s a step). In seconds, the cost of a loaded host set the interval long after the
-load had left (16 pairs at that long interval: hundreds of steps).
+load had left (16 pairs at that long interval: hundreds of steps). In iterations too, a
+little: the persist's share moves too (on the synthetic conv machine, 2.1x fewer iterations
+once the load left), so once 4 pairs of the host as it is now exist (their quiet iteration
+within 1.5x of now's), the pairs of the other host are left out.
 """
 
 from __future__ import annotations
@@ -97,6 +113,8 @@ _DRIFT = 0.15  # before and after differ by more: the machine drifted across the
 _COSTS = 16  # paired measurements the cost estimate is made of
 _SCATTER = 20  # quiet iterations the machine's own scatter is read from
 _SIGMAS = 3.0  # before and after differ by more than this many standard errors: drift
+_REGIME = 1.5  # a pair whose quiet iteration was this much slower or faster than now's: the
+_REGIME_PAIRS = 4  # host was another (a load came or left); left out once this many are not
 
 
 def _median(values: deque[float]) -> float | None:
@@ -153,14 +171,19 @@ class Profiler:
         self.refused_saves = 0
         self._recent: deque[float] = deque(maxlen=2 * window)  # every iteration, stalls included
         self._pending_stall = 0.0  # stall time since the last committed checkpoint
-        # the open pair: [baseline before, busy seconds, busy iterations, stall, commits]
+        self._clean: deque[float] = deque(maxlen=window)  # quiet iterations past a save's tail
+        self._flight = 0  # iterations beside the save in flight (since save_started)
+        self._tail = 0  # quiet iterations after it still counted as its tail
+        # the open pair: [baseline before, busy seconds, busy iterations, stall, commits,
+        # scatter, iterations before, tail seconds, tail iterations]
         self._pair: list[float] | None = None
         self._closing: tuple[list[float], list[float], int] | None = None  # (pair, after, step)
         # (step, paired cost in iterations: seconds over the pair's own quiet iteration)
-        self._costs: deque[tuple[int, float]] = deque(maxlen=_COSTS)
+        # (and the quiet iteration it was measured against, in seconds; its tail's cost apart)
+        self._costs: deque[tuple[int, float, float, float]] = deque(maxlen=_COSTS)
         self._pairs = 0  # paired measurements made (the first one is a one-off)
         # (pairs made, upper and lower cost estimates)
-        self._estimate: tuple[int, float | None, float | None] = (0, None, None)
+        self._estimate: tuple[object, float | None, float | None] = (None, None, None)
 
     def iteration(self, secs: float, persisting: bool) -> None:
         self.iterations += 1
@@ -169,13 +192,22 @@ class Profiler:
         self.training_secs += secs
         (self._busy if persisting else self._quiet).append(secs)
         self._recent.append(secs)
-        if self._pair is not None and persisting:
-            self._pair[1] += secs
-            self._pair[2] += 1
-        elif self._closing is not None and not persisting:
-            self._closing[1].append(secs)
-            if len(self._closing[1]) >= _AFTER:
-                self._close()
+        if persisting:
+            self._flight += 1
+            if self._pair is not None:
+                self._pair[1] += secs
+                self._pair[2] += 1
+        elif self._tail > 0:  # just after a save: its tail (its work the loop does not see:
+            self._tail -= 1  # writeback, a peer rank's part), never a baseline
+            if self._closing is not None:
+                self._closing[0][7] += secs
+                self._closing[0][8] += 1
+        else:
+            self._clean.append(secs)
+            if self._closing is not None:
+                self._closing[1].append(secs)
+                if len(self._closing[1]) >= _AFTER:
+                    self._close()
 
     def step_cost(self, secs: float) -> None:
         """``ckpt.step`` took ``secs`` of the loop's time besides any save it started: a cost
@@ -193,17 +225,20 @@ class Profiler:
         is open already while earlier saves are in flight: it takes this one too)."""
         if self._closing is not None:
             self._close()
-        if self._pair is not None or len(self._quiet) < 3:
+        self._tail = 0  # the previous save's tail ends here: this one's iterations are busy
+        if self._pair is not None or len(self._clean) < 3:
             return
-        quiet = list(self._quiet)
+        quiet = list(self._clean)
         before = quiet[-_BEFORE:]
         scatter = _scatter(quiet[-_SCATTER:])
-        self._pair = [statistics.median(before), 0.0, 0.0, 0.0, 0.0, scatter, len(before)]
+        self._pair = [statistics.median(before), 0.0, 0.0, 0.0, 0.0, scatter, len(before), 0, 0]
 
     def settled(self, step: int) -> None:
         """No save is in flight: the paired measurement, if one is open, closes once a few
         quiet iterations after it are known too."""
         pair, self._pair = self._pair, None
+        if self._flight > 0:  # as many quiet iterations as it ran beside are its tail
+            self._tail, self._flight = max(_AFTER, self._flight), 0
         if pair is not None and pair[4] > 0:  # something committed: it is a checkpoint's cost
             self._closing = (pair, [], step)
 
@@ -223,8 +258,9 @@ class Profiler:
         if before <= 0:
             return
         excess = pair[1] - pair[2] * before  # signed: noise cancels in the mean
+        tail = pair[7] - pair[8] * before
         self._pairs += 1
-        self._costs.append((step, (pair[3] + excess) / before))
+        self._costs.append((step, (pair[3] + excess) / before, before, tail / before))
 
     def stall(self, secs: float, *, add_to_last: bool = True) -> None:
         """The loop was blocked ``secs`` by a save: in ``async_save``, or in ``optimizer.step()``
@@ -251,9 +287,22 @@ class Profiler:
 
     def _paired_costs(self) -> list[float]:
         """The paired costs the estimate is made of: the first save of a run (files created,
-        pages touched for the first time) is a one-off, left out once another is measured."""
-        costs = [c for _, c in self._costs]
-        return costs[1:] if len(costs) > 1 and self._pairs == len(costs) else costs
+        pages touched for the first time) is a one-off, left out once another is measured;
+        the pairs of another host (a load came or left since: their quiet iteration more than
+        ``_REGIME`` times slower or faster than now's) are left out once ``_REGIME_PAIRS``
+        of this one are measured; the tails count once they show (their mean above its
+        standard error: where a save has none, they would add only their noise)."""
+        costs = [(c, b, t) for _, c, b, t in self._costs]
+        costs = costs[1:] if len(costs) > 1 and self._pairs == len(costs) else costs
+        now = _median(self._clean) or self.iter_secs
+        if now:  # the pairs of the host as it is now, once there are a few of them
+            same = [x for x in costs if 1 / _REGIME < x[1] / now < _REGIME]
+            costs = same if len(same) >= _REGIME_PAIRS else costs
+        tails = [t for _, _, t in costs]
+        _, low = _cost_estimate(tails)
+        if low is not None and low > 0:
+            return [c + t for c, _, t in costs]
+        return [c for c, _, _ in costs]
 
     def _cost(self) -> tuple[float | None, float | None]:
         """The upper and lower cost estimates in seconds of the iterations now, recomputed
@@ -262,8 +311,10 @@ class Profiler:
         goes), a checkpoint's cost moves with the iterations' (the persist threads get the
         same share of the cores as the training thread), and a cost in seconds from before
         the change would set the interval for another host until 16 new pairs replaced it."""
-        if self._estimate[0] != self._pairs:
-            self._estimate = (self._pairs, *_cost_estimate(self._paired_costs()))
+        costs = self._paired_costs()
+        key = (self._pairs, len(costs))
+        if self._estimate[0] != key:
+            self._estimate = (key, *_cost_estimate(costs))
         it = self.iter_secs or 0.0
         up, low = self._estimate[1], self._estimate[2]
         return (None if up is None else up * it), (None if low is None else low * it)

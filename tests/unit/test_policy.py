@@ -422,7 +422,7 @@ def test_a_pair_across_which_the_machine_changed_speed_is_dropped() -> None:
             prof.iteration(during, persisting=True)
         prof.checkpoint(SaveStats(step=10, stall_secs=0.01, total_secs=1.0))
         prof.settled(13)
-        for _ in range(3):
+        for _ in range(6):  # its tail (as long as it ran, at least 3), then 3 after it
             prof.iteration(after, persisting=False)
         return prof.snapshot().checkpoint_cost_secs
 
@@ -446,8 +446,8 @@ def test_the_cost_estimate_is_the_mean_of_the_pairs_plus_its_standard_error() ->
         prof.iteration(0.1 + extra, persisting=True)
         prof.checkpoint(SaveStats(step=k, stall_secs=0.01, total_secs=0.2))
         prof.settled(k)
-    for _ in range(3):
-        prof.iteration(0.1, persisting=False)  # the last pair closes
+    for _ in range(6):
+        prof.iteration(0.1, persisting=False)  # the last pair closes (its tail, then 3 after)
     costs = [0.01 + e for e in excess[1:]]  # the first save of a run is a one-off: left out
     expected = statistics.fmean(costs) + statistics.stdev(costs) / len(costs) ** 0.5
     assert prof.snapshot().checkpoint_cost_secs == pytest.approx(expected)

@@ -48,6 +48,8 @@ class Machine:
     neighbour_at: tuple[int, float] | None = None  # (step, slowdown from then on)
     neighbour_iter: float = 1.0  # and the factor on ``iter_secs`` from then on
     hiccup: tuple[float, float] = (0.0, 0.0)  # (probability, extra iterations): another job's burst
+    tail_secs: float = 0.0  # after a save commits, its work goes on this long (writeback, a
+    # peer rank's part): iterations still run slower, but the loop sees no save in flight
 
 
 @dataclass
@@ -85,6 +87,7 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
     bases: list[float] = []
     drift, left = 1.0, 0
     persist_left = 0.0  # seconds of persist work still to run (at full speed)
+    tail_left = 0.0  # seconds of a committed save's tail still to run
     wait_left = 0.0  # seconds of the persist spent waiting on I/O (no CPU taken)
     pending: SaveStats | None = None
     persist_started = 0.0
@@ -105,6 +108,11 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
         overlap = min(persist_left, base * slowdown)  # wall seconds of overlap
         extra = overlap - overlap / slowdown
         persist_left -= overlap
+        if pending is None and tail_left > 0:  # the tail, unseen by the loop
+            overlap = min(tail_left, base * slowdown)
+            extra += overlap - overlap / slowdown
+            tail_left -= overlap
+            costs[-1] += overlap - overlap / slowdown
         secs = base + extra
         wait_left -= secs
         prof.iteration(secs, persisting=pending is not None)
@@ -121,6 +129,7 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
             pending.total_secs = pending.stall_secs + clock - persist_started
             prof.checkpoint(pending)
             pending = None
+            tail_left = machine.tail_secs
         if pending is None:
             prof.settled(step)
         snap = prof.snapshot()
@@ -161,7 +170,7 @@ def run(policy: CheckpointPolicy, machine: Machine, *, steps: int, seed: int) ->
 def expected_cost(machine: Machine) -> float:
     """The mean cost of one checkpoint on ``machine``: the stall plus, for a persist that runs
     P seconds while training runs at 1/s of its speed, P x (1 - 1/s) seconds of training lost."""
-    mean_persist = sum(machine.persist_secs) / len(machine.persist_secs)
+    mean_persist = sum(machine.persist_secs) / len(machine.persist_secs) + machine.tail_secs
     return machine.stall_secs + mean_persist * (1 - 1 / machine.slowdown)
 
 
@@ -240,8 +249,12 @@ def test_a_noisy_machine_keeps_its_paired_measurements() -> None:
     for _ in range(3):
         it()
     assert prof._pairs >= 0.9 * saves, prof._pairs
-    estimate = prof.snapshot().checkpoint_cost_secs
-    assert estimate is not None and abs(estimate - (cost + 0.003)) <= 0.4 * cost, estimate
+    snap = prof.snapshot()
+    up, low = snap.checkpoint_cost_secs, snap.checkpoint_cost_low_secs
+    assert up is not None and low is not None
+    # the mean of the pairs (each counts its tail too: 3 more noisy iterations, so the upper
+    # estimate, mean + standard error, sits further above it than the pairs' noise alone)
+    assert abs((up + low) / 2 - (cost + 0.003)) <= 0.4 * cost, (low, up)
 
 
 NOISY_NEIGHBOUR = Machine(
@@ -292,3 +305,47 @@ def test_the_interval_follows_a_load_that_leaves(seed: int) -> None:
     gaps = [b - a for a, b in itertools.pairwise([s for s in r.saved if s >= 600])]
     assert max(gaps) <= 4 * allowed, (allowed, gaps)
     assert r.overhead_from(600) <= 0.03, r.overhead_from(600)
+
+
+# a save's work goes on after it commits, unseen by the loop (writeback, the allocator giving
+# pages back, under DDP a peer rank's part): the quiet iterations right after it run slower
+TAILS = {
+    # DDP-like: short noisy iterations, a short write, a tail three times as long
+    "ddp": Machine(
+        iter_secs=0.015, noise=0.4, stall_secs=0.002, persist_secs=[0.01], tail_secs=0.05
+    ),
+    # the transformer loop: the write takes two iterations, its tail four more
+    "transformer": Machine(
+        iter_secs=0.05, noise=0.3, persist_secs=[0.1] * 3 + [0.4], slowdown=3.0, tail_secs=0.2
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TAILS))
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_saves_tail_after_it_commits_is_part_of_its_cost(shape: str, seed: int) -> None:
+    """The quiet iterations just after a save are its tail, never a baseline. Before, they
+    were both: the tail's cost was missed and, at a short interval, every baseline was a
+    tail, so each pair read the save as cheap (or negative) and the interval fell to its
+    minimum and stayed there: before, the 'ddp' machine cost 15-72 % (gaps of 3 steps where
+    107 were allowed, seed 3), the 'transformer' one 3.3-8.6 %."""
+    machine = TAILS[shape]
+    r = run(CheckFreq(0.02), machine, steps=4000, seed=seed)
+    allowed = expected_cost(machine) / (0.02 * r.mean_iter_secs)
+    gaps = [b - a for a, b in itertools.pairwise(r.saved)]
+    assert r.overhead <= 0.03, (r.overhead, allowed, gaps)
+    assert max(gaps[2:]) <= 4 * allowed, (allowed, gaps)
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_pairs_of_a_host_that_was_another_are_left_out(seed: int) -> None:
+    """Once a few pairs of the host as it is now are measured, the pairs taken under the
+    load that left (their quiet iteration 3x slower) no longer set the estimate: before,
+    they stayed among the 16 for hundreds of steps, and from step 900 on (300 after the
+    load left) the mean interval was 1.3-2.2x what the budget allows; now 0.9-1.5x."""
+    r = run(CheckFreq(0.02), LOAD_LEAVING, steps=1500, seed=seed)
+    after_load = Machine(**{**LOAD_LEAVING.__dict__, "slowdown": 1.08, "neighbour_at": None})
+    iter_after = sum(r.base_by_step[600:]) / len(r.base_by_step[600:])
+    allowed = expected_cost(after_load) / (0.02 * iter_after)
+    late = [s for s in r.saved if s >= 900]
+    assert (late[-1] - late[0]) / (len(late) - 1) <= 1.6 * allowed, (allowed, late)
