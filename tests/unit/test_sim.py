@@ -184,6 +184,36 @@ def test_a_persist_that_finished_before_the_failure_counts() -> None:
     assert r.lost_secs == pytest.approx(3.5)
 
 
+def test_the_persist_begins_when_the_stall_ends_not_after_the_slowdown() -> None:
+    """The slowdown is training slowed while the persist runs: charged with the stall, but
+    the persist begins when the stall ends, and commits a persist's time later. Begun after
+    the slowdown, the model committed a DCP async_save every 40 steps 0.05 s late in
+    ``benchmarks/goodput.py`` and lost checkpoints that the real run had before its kills."""
+    job = JobModel(
+        iter_secs=1.0, stall_secs=0.1, persist_secs=1.0, slowdown_secs=0.5, restart_secs=0.0,
+        iterations=20,
+    )  # fmt: skip
+    # step 5 ends at 5; stalled until 5.1, the persist commits at 6.1; the slowdown takes
+    # the loop to 5.6; killed at 6.3 (in step 6): back to 5, 0.7 s lost
+    r = simulate(job, FailureModel(mtbf_secs=1.0, trace=(6.3,)), EveryN(5), record=True)
+    assert r.lost_secs == pytest.approx(0.7) and r.checkpoints == 4  # 5, 10, 15, 20
+    assert [(round(t, 6), kind, p) for t, kind, p in r.events[:2]] == [
+        (5.1, "checkpoint", 5.0), (6.3, "failure", 5.0),
+    ]  # fmt: skip
+    assert r.wall_secs == pytest.approx(job.work_secs + r.lost_secs + r.checkpoint_secs)
+    # killed while slowed (5.1-5.6): the checkpoint counts if its persist ended by then
+    quick = JobModel(
+        iter_secs=1.0, stall_secs=0.1, persist_secs=0.1, slowdown_secs=0.5, restart_secs=0.0,
+        iterations=20,
+    )  # fmt: skip
+    r = simulate(quick, FailureModel(mtbf_secs=1.0, trace=(5.3,)), EveryN(5))
+    assert r.failures == 1 and r.lost_secs == 0.0  # committed at 5.2
+    assert r.checkpoint_secs == pytest.approx(0.3 + 3 * 0.6)  # 5-5.3, then 10, 15 and 20
+    assert r.wall_secs == pytest.approx(job.work_secs + r.checkpoint_secs)
+    r = simulate(job, FailureModel(mtbf_secs=1.0, trace=(5.3,)), EveryN(5))
+    assert r.lost_secs == pytest.approx(5.0)  # its persist (to 6.1) was not done: back to 0
+
+
 def test_a_failure_during_a_restart_charges_only_the_time_spent() -> None:
     job = JobModel(
         iter_secs=1.0, stall_secs=0.0, persist_secs=0.0, restart_secs=60.0, iterations=300

@@ -4,8 +4,9 @@ Times are seconds. A *job* needs ``work_secs`` of compute (``iterations`` x
 ``iter_secs``). A checkpoint stalls the loop ``stall_secs``, then persists in the
 background for ``persist_secs`` and counts once committed; the slowdown of training
 beside the persist (``slowdown_secs`` in all) is charged with the stall, so that a
-run without failures takes exactly work + (stall + slowdown) x checkpoints. A failure loses the work since the last
-committed checkpoint and costs ``restart_secs``. A host whose speed drifts (a shared
+run without failures takes exactly work + (stall + slowdown) x checkpoints; the persist
+begins when the stall ends (the slowdown does not delay its commit). A failure loses the
+work since the last committed checkpoint and costs ``restart_secs``. A host whose speed drifts (a shared
 machine, a neighbour's job) is a ``speed_trace``: from each listed wall-clock time on,
 an iteration takes ``iter_secs`` x that factor (the work it does is still ``iter_secs``).
 
