@@ -32,9 +32,10 @@ Beside each measurement: the simulator's prediction (``pitstop.sim.simulate``, w
 ``pitstop simulate`` runs) with what this run measured: its iteration time and the host's
 speed through the run (per second, the quiet iterations over their mean: ``speed_trace``),
 the contender's stall (plus its per-step loop work beyond the yardstick's, per checkpoint),
-persist time, slowdown (the excess of iterations while a save is in flight over the quiet
-ones of the same second, per checkpoint), each divided by the host's factor when it
-happened (the model scales them back), each failure as it happened with its own restart
+persist time (DCP's by a callback on its future, not when the loop next looks), slowdown
+(the excess of iterations while a save is in flight over the quiet ones of the same second,
+per checkpoint), each divided by the host's factor when it happened (the model scales
+them back), each failure as it happened with its own restart
 time (``restart_trace``), and, for the policies that decide on measured costs, what the
 worker's own profiler measured one checkpoint to cost and its spread (``P`` lines:
 ``measured_cost_secs``, ``cost_noise_secs``). The prediction is the mean over 20
@@ -177,7 +178,7 @@ def worker(args: argparse.Namespace) -> None:
             say("D", step, digest())
         return
 
-    pending: Any = None  # DCP: (future, step, started)
+    pending: Any = None  # DCP: (future, step, started, [done at])
     pending_dirs: list[int] = []
     inflight: list[Any] = []  # pitstop: saves started and not yet seen done
     t2 = 0.0
@@ -200,8 +201,13 @@ def worker(args: argparse.Namespace) -> None:
                 pending[0].result()
             msd, osd = get_state_dict(model, opt)  # the keys dcp.load finds on restore
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/s{step}")
-
-            pending = (getattr(fut, "upload_completion", fut), step, time.perf_counter())
+            fut = getattr(fut, "upload_completion", fut)
+            # when it is done, as it happens (the loop only looks after each step: up to an
+            # iteration later, and a kill in between finds the checkpoint there)
+            done_at: list[float] = []
+            begun = time.perf_counter()
+            fut.add_done_callback(lambda _, at=done_at: at.append(time.perf_counter()))
+            pending = (fut, step, begun, done_at)
             saved = 1
         elif kind == "torchsave" and step % k == 0:
             path = f"{root}/ckpt.pt"
@@ -230,7 +236,9 @@ def worker(args: argparse.Namespace) -> None:
                     say("C", h.step, f"{h.stats.total_secs - h.stats.stall_secs:.6f}")
         if pending is not None and pending[0].done():
             pending[0].result()
-            say("C", pending[1], f"{time.perf_counter() - pending[2]:.6f}")
+            done = pending[3][0] if pending[3] else time.perf_counter()
+            # the persist's time, and how long before this line it ended
+            say("C", pending[1], f"{done - pending[2]:.6f}", f"{time.perf_counter() - done:.6f}")
             pending_dirs.append(pending[1])
             pending = None
             for old in pending_dirs[:-2]:
@@ -445,8 +453,13 @@ def run_one(run: Run, args: argparse.Namespace, trace: list[float], root: str, p
             "first_step": next((t for t, w in stamped if w[0] == "S"), None),
             "reached": int(steps[-1][1]) if steps else None,
             "last_step": next((t for t, w in reversed(stamped) if w[0] == "S"), None),
-            "commits": [(round(t, 3), int(w[1])) for t, w in stamped if w[0] == "C"],
-            "persists": [(round(t, 3), float(w[2])) for t, w in stamped if w[0] == "C"],
+            "commits": [  # (when it was seen, its step)
+                (round(t, 3), int(w[1])) for t, w in stamped if w[0] == "C"
+            ],
+            "persists": [  # (when it ended, its time)
+                (round(t - (float(w[3]) if len(w) > 3 else 0.0), 3), float(w[2]))
+                for t, w in stamped if w[0] == "C"
+            ],
             "chosen": [  # (step, interval, commits, iter secs, cost estimate, its lower one)
                 (int(w[1]), float(w[2]), int(w[3]), float(w[4]), float(w[5]), float(w[6]))
                 for _, w in inc.lines if w[0] == "P"
