@@ -28,8 +28,10 @@ class CheckFreq(Schedule):
     * k_persist: the smallest k with k * iter >= persist, so the write pipeline keeps up
       (plus one quiet iteration, the baseline of the next paired measurement);
     * k = max(1, k_budget, k_persist, min_interval); a new paired measurement may shrink
-      the interval to it at once, but grow it by at most a factor ``max_change`` (from the
-      last interval a measurement gave; after the first one, from ``warmup + profile``);
+      the interval to it at once (by at most ``max_change`` while under 3 pairs are known:
+      one noisy pair can read a checkpoint as free), but grow it by at most a factor
+      ``max_change`` (from the last interval a measurement gave; after the first one, from
+      ``warmup + profile``);
       without one (pairs dropped on a noisy machine, a slow first save) the model's
       interval grows by at most ``max_change`` per checkpoint taken. Once a few pairs
       agree (the lower estimate of their mean, mean - standard error, is known), the
@@ -120,6 +122,10 @@ class CheckFreq(Schedule):
             # interval may grow at once to what that supports
             cap = max(cap, self.choose(ctx, max(low, 0.0)))
         k = min(target, cap)
+        if source is not None and (low is None or not math.isfinite(low)) and self._ref:
+            # under 3 pairs one noisy pair can read a checkpoint as nearly free: the interval
+            # shrinks by at most max_change too (at once only once a few pairs agree)
+            k = max(k, math.floor(self._ref / self.max_change))
         if source is not None:
             self._paired_k = k
         self.interval, self.cost_secs = k, cost
