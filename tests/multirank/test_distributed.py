@@ -4,6 +4,8 @@ bytes, sharded DTensor state, restore on another world size, failures on one ran
 from __future__ import annotations
 
 import os
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -71,10 +73,91 @@ def _restore_world(rank: int, world: int, root: str) -> dict[str, Any]:
     return _restore(rank, world, root)[1]
 
 
-def test_split_and_root_restore_the_same_bytes_on_any_world_size(tmp_path: Any) -> None:
-    split, root_mode = str(tmp_path / "split"), str(tmp_path / "root")
-    saved = run_ranks(_save, 2, split, "split", timeout_secs=TIMEOUT)
-    run_ranks(_save, 2, root_mode, "root", timeout_secs=TIMEOUT)
+def _jobs(rank: int, world: int, jobs: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Any:
+    """Several saves and restores in one set of rank processes, in order: each job's
+    ``("ok", result)`` or ``("error", traceback)``."""
+    out: list[tuple[str, Any]] = []
+    for fn, args in jobs:
+        try:
+            out.append(("ok", fn(rank, world, *args)))
+        except Exception:
+            out.append(("error", traceback.format_exc()))
+    return out
+
+
+def _dtensor_save(rank: int, world: int, root: str) -> None:
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
+        ckpt.save(1, {"sharded": _dtensor_state(world, seed=3)["sharded"]})
+
+
+def _dtensor_restore(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    fresh = _dtensor_state(world, seed=4)["sharded"]
+    with pitstop.CheckpointManager(
+        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
+    ) as ckpt:
+        assert ckpt.restore({"sharded": fresh}) == 1
+    return {k: v.full_tensor().flatten().tolist() for k, v in fresh.items()}
+
+
+T_SPLIT = "test_split_and_root_restore_the_same_bytes_on_any_world_size"
+T_FOUR = "test_four_ranks_save_and_two_restore"
+T_DTENSOR = "test_dtensor_state_round_trips_and_reshards"
+T_DTENSOR4 = "test_dtensor_state_of_four_ranks_restores_on_two"
+# the rank runs of the tests below, by key: (test, phase, world, job, its directory, its
+# arguments after that). The jobs of one phase run in one set of rank processes (spawning
+# ranks is what these tests wait for), the phases one after the other: a directory is
+# restored in a later phase than its save, in processes that did not write it.
+RUNS: dict[str, tuple[str, int, int, Callable[..., Any], str, tuple[Any, ...]]] = {
+    "split saved": (T_SPLIT, 0, 2, _save, "split", ("split",)),
+    "root saved": (T_SPLIT, 0, 2, _save, "root", ("root",)),
+    "split on 4": (T_SPLIT, 1, 4, _restore_world, "split", ()),
+    "four saved": (T_FOUR, 1, 4, _save, "four", ("split",)),
+    "four on 2": (T_FOUR, 3, 2, _restore_world, "four", ()),
+    "dtensor saved": (T_DTENSOR, 0, 2, _dtensor_save, "dtensor", ()),
+    "dtensor on 4": (T_DTENSOR, 1, 4, _dtensor_restore, "dtensor", ()),
+    "dtensor on 3": (T_DTENSOR, 2, 3, _dtensor_restore, "dtensor", ()),
+    "dtensor on 2": (T_DTENSOR, 3, 2, _dtensor_restore, "dtensor", ()),
+    "dtensor4 saved": (T_DTENSOR4, 1, 4, _dtensor_save, "dtensor4", ()),
+    "dtensor4 on 2": (T_DTENSOR4, 3, 2, _dtensor_restore, "dtensor4", ()),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(request: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    """The ``RUNS`` of the selected tests, phase by phase: each key's per-rank outcomes, and
+    ``dir <name>`` the directories."""
+    selected = {
+        item.originalname for item in request.session.items if item.module is request.module
+    }
+    base = tmp_path_factory.mktemp("runs")
+    out: dict[str, Any] = {}
+    for phase in sorted({p for _, p, _, _, _, _ in RUNS.values()}):
+        keys = [k for k, (t, p, *_) in RUNS.items() if p == phase and t in selected]
+        if not keys:
+            continue
+        world = RUNS[keys[0]][2]
+        assert all(RUNS[k][2] == world for k in keys)
+        jobs = [(RUNS[k][3], (str(base / RUNS[k][4]), *RUNS[k][5])) for k in keys]
+        results = run_ranks(_jobs, world, jobs, timeout_secs=TIMEOUT * len(jobs))
+        for i, key in enumerate(keys):
+            out[key] = [r[i] for r in results]
+    out.update({f"dir {name}": str(base / name) for *_, name, _ in RUNS.values()})
+    return out
+
+
+def _outcome(runs: dict[str, Any], key: str) -> list[Any]:
+    """Each rank's result of the run ``key``; a rank's error fails the test with it."""
+    for rank, (kind, value) in enumerate(runs[key]):
+        assert kind == "ok", f"{key}, rank {rank}:\n{value}"
+    return [value for _, value in runs[key]]
+
+
+def test_split_and_root_restore_the_same_bytes_on_any_world_size(runs: dict[str, Any]) -> None:
+    split, root_mode = runs["dir split"], runs["dir root"]
+    saved = _outcome(runs, "split saved")
+    _outcome(runs, "root saved")
     # 2 -> 1: one process, no process group at all, takes rank 0's own values
     for where in (split, root_mode):
         fresh = _state(0, seed=99)
@@ -82,17 +165,17 @@ def test_split_and_root_restore_the_same_bytes_on_any_world_size(tmp_path: Any) 
             assert ckpt.restore(fresh) == 5
         assert _digest(fresh) == saved[0]
     # 2 -> 4: ranks 2 and 3 take the own values of saved ranks 0 and 1
-    four = run_ranks(_restore_world, 4, split, timeout_secs=TIMEOUT)
+    four = _outcome(runs, "split on 4")
     assert [four[r] for r in range(4)] == [saved[0], saved[1], saved[0], saved[1]]
 
 
-def test_four_ranks_save_and_two_restore(tmp_path: Any, capsys: Any) -> None:
-    root = str(tmp_path / "ck")
-    saved = run_ranks(_save, 4, root, "split", timeout_secs=TIMEOUT)
+def test_four_ranks_save_and_two_restore(runs: dict[str, Any], capsys: Any) -> None:
+    root = runs["dir four"]
+    saved = _outcome(runs, "four saved")
     manifest = pitstop.CheckpointManager(root).entries()[0].manifest
     assert manifest is not None and manifest.world_size == 4
     assert sum(1 for t in manifest.tensors if t.global_shape is not None) > 0  # cut tensors
-    two = run_ranks(_restore_world, 2, root, timeout_secs=TIMEOUT)
+    two = _outcome(runs, "four on 2")
     assert two == [saved[0], saved[1]]
     assert cli(["verify", root]) == 0
     capsys.readouterr()
@@ -176,25 +259,9 @@ def _dtensor_state(world: int, seed: int) -> dict[str, Any]:
     }
 
 
-def _dtensor_save(rank: int, world: int, root: str) -> None:
-    with pitstop.CheckpointManager(
-        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
-    ) as ckpt:
-        ckpt.save(1, {"sharded": _dtensor_state(world, seed=3)["sharded"]})
-
-
-def _dtensor_restore(rank: int, world: int, root: str) -> dict[str, list[float]]:
-    fresh = _dtensor_state(world, seed=4)["sharded"]
-    with pitstop.CheckpointManager(
-        root, options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT)
-    ) as ckpt:
-        assert ckpt.restore({"sharded": fresh}) == 1
-    return {k: v.full_tensor().flatten().tolist() for k, v in fresh.items()}
-
-
-def test_dtensor_state_round_trips_and_reshards(tmp_path: Any) -> None:
-    root = str(tmp_path / "ck")
-    run_ranks(_dtensor_save, 2, root, timeout_secs=TIMEOUT)
+def test_dtensor_state_round_trips_and_reshards(runs: dict[str, Any]) -> None:
+    root = runs["dir dtensor"]
+    _outcome(runs, "dtensor saved")
     torch.manual_seed(3)
     expected = {"rows": torch.randn(10, 7), "cols": torch.randn(6, 9), "rep": torch.randn(5)}
     want = {k: v.flatten().tolist() for k, v in expected.items()}
@@ -206,24 +273,24 @@ def test_dtensor_state_round_trips_and_reshards(tmp_path: Any) -> None:
         ("sharded/rows", (0, 0)), ("sharded/rows", (5, 0)),
     ]  # fmt: skip
     for world in (2, 3, 4):  # the same mesh size, and others (2 -> 4)
-        out = run_ranks(_dtensor_restore, world, root, timeout_secs=TIMEOUT)
-        assert all(o == want for o in out)
+        out = _outcome(runs, f"dtensor on {world}")
+        assert len(out) == world and all(o == want for o in out)
     plain = {k: torch.zeros_like(v) for k, v in expected.items()}  # one process, plain tensors
     with pitstop.CheckpointManager(root) as ckpt:
         assert ckpt.restore({"sharded": plain}) == 1
     assert_same_tensors(plain, expected)
 
 
-def test_dtensor_state_of_four_ranks_restores_on_two(tmp_path: Any) -> None:
-    root = str(tmp_path / "ck")
-    run_ranks(_dtensor_save, 4, root, timeout_secs=TIMEOUT)
+def test_dtensor_state_of_four_ranks_restores_on_two(runs: dict[str, Any]) -> None:
+    root = runs["dir dtensor4"]
+    _outcome(runs, "dtensor4 saved")
     manifest = pitstop.CheckpointManager(root).entries()[0].manifest
     assert manifest is not None and manifest.world_size == 4
     rows = sorted(t.start for t in manifest.tensors if t.key == "sharded/rows")
     assert rows == [(0, 0), (3, 0), (6, 0), (9, 0)]  # 10 rows over 4 ranks: 3, 3, 3, 1
     torch.manual_seed(3)
     expected = {"rows": torch.randn(10, 7), "cols": torch.randn(6, 9), "rep": torch.randn(5)}
-    out = run_ranks(_dtensor_restore, 2, root, timeout_secs=TIMEOUT)
+    out = _outcome(runs, "dtensor4 on 2")
     assert out == [{k: v.flatten().tolist() for k, v in expected.items()}] * 2
 
 
@@ -287,6 +354,11 @@ def test_a_rank_failing_to_stage_fails_the_save_at_once_and_the_next_save_works(
     assert ckpt.steps() == [1, 3] and not os.path.exists(os.path.join(root, "step-0000000002"))
 
 
+def _save_steps(rank: int, world: int, root: str, steps: list[int]) -> dict[str, Any]:
+    """:func:`_save` (split) of each step, one after the other; what the last saved."""
+    return [_save(rank, world, root, "split", step) for step in steps][-1]
+
+
 def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int, dict[str, Any]]:
     from pitstop.storage.local import LocalStorage
     from pitstop.testing import FaultyStorage
@@ -304,8 +376,7 @@ def test_each_rank_reads_its_part_of_the_replicated_bytes_and_damage_fails_all_b
     tmp_path: Any,
 ) -> None:
     root = str(tmp_path / "ck")
-    run_ranks(_save, 2, root, "split", 1, timeout_secs=TIMEOUT)
-    saved = run_ranks(_save, 2, root, "split", 2, timeout_secs=TIMEOUT)
+    saved = run_ranks(_save_steps, 2, root, [1, 2], timeout_secs=TIMEOUT)  # step 2's values
     manifest = pitstop.CheckpointManager(root).entries()[-1].manifest
     assert manifest is not None
     stream = sum(f.stream_nbytes or 0 for f in manifest.files)
@@ -338,21 +409,32 @@ def _restore_mismatched(rank: int, world: int, root: str, steps: list[int | None
             return f"own|{type(e).__name__}|{e}"
 
 
+def _restores_mismatched(
+    rank: int, world: int, root: str, cases: list[list[int | None]]
+) -> list[str]:
+    """:func:`_restore_mismatched` of each case, one after the other (a fresh manager each)."""
+    return [_restore_mismatched(rank, world, root, steps) for steps in cases]
+
+
 def test_a_restore_failing_on_one_rank_or_asked_for_other_steps_fails_on_every_rank(
     tmp_path: Any,
 ) -> None:
     root = str(tmp_path / "ck")
-    run_ranks(_save, 2, root, "split", 3, timeout_secs=TIMEOUT)
-    run_ranks(_save, 2, root, "split", 5, timeout_secs=TIMEOUT)
+    run_ranks(_save_steps, 2, root, [3, 5], timeout_secs=TIMEOUT)
+    # the cases one after the other in one set of ranks (each with a fresh manager): a failed
+    # restore leaves the ranks able to go on
+    cases: list[list[int | None]] = [[None, None], [None, 3], [3, None], [3, 5]]
+    out = run_ranks(_restores_mismatched, 2, root, cases, timeout_secs=TIMEOUT * len(cases))
     # the live state of rank 1 does not fit: rank 0 must not report success
-    out = run_ranks(_restore_mismatched, 2, root, [None, None], timeout_secs=TIMEOUT)
-    assert out[0].startswith("dist|restore|[1]|"), out[0]
-    assert out[1].startswith("own|StateMismatchError|"), out[1]
+    assert out[0][0].startswith("dist|restore|[1]|"), out[0][0]
+    assert out[1][0].startswith("own|StateMismatchError|"), out[1][0]
     # ranks asking for different steps: one clear error everywhere, nothing set aside
-    for steps in ([None, 3], [3, None], [3, 5]):
-        out = run_ranks(_restore_mismatched, 2, root, steps, timeout_secs=TIMEOUT)
-        for text in out:
-            assert text.startswith("dist|restore|") and "ranks disagree on the step" in text, text
+    for i, steps in enumerate(cases[1:], 1):
+        for text in (out[0][i], out[1][i]):
+            assert text.startswith("dist|restore|") and "ranks disagree on the step" in text, (
+                steps,
+                text,
+            )
     assert pitstop.CheckpointManager(root).steps() == [3, 5]
 
 
