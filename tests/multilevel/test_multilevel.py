@@ -127,6 +127,8 @@ def _check(results: list[dict[str, Any]], step: int, level: str) -> dict[str, in
     world = len(results)
     if world == 4 and world not in _EXPECTED:
         _train_schemes()  # computes them too
+    if world not in _EXPECTED and world < 4 and 4 in _EXPECTED:
+        _EXPECTED[world] = _EXPECTED[4][:world]  # a rank's states do not depend on the world
     if world not in _EXPECTED:
         _EXPECTED[world] = run_ranks(_expected, world, 12, timeout_secs=TIMEOUT)
     for rank, r in enumerate(results):
@@ -187,38 +189,77 @@ def _node(base: str, node: str, step: int | None = None) -> str:
     return path if step is None else os.path.join(path, f"step-{step:010d}")
 
 
-def test_a_rank_that_crashes_between_checkpoints_resumes_locally(tmp_path: Any) -> None:
-    base = str(tmp_path)
-    out = run_ranks(
-        _train, 4, base, "partner", NODES4, 6, 2, (2, 5), 3.0,
-        timeout_secs=TIMEOUT * 3, allow_failures=True,
-    )  # fmt: skip
-    assert isinstance(out[2], str)  # rank 2 died before step 5; the others then failed
-    _check(_resumed(base, "partner"), 4, "local")
+# the crashed runs, by test: (scheme, steps, crash, env of the ranks); each dies in its own
+# set of rank processes (a kill ends them), their restarts share one with the fault
+# matrix's (see `restarts`)
+CRASHES: dict[str, tuple[str, int, tuple[int, int] | None, dict[int, dict[str, str]]]] = {
+    "between checkpoints": ("partner", 6, (2, 5), {}),  # rank 2 dies before saving step 5
+    "mid write": ("xor", 6, None, {1: {"PITSTOP_KILL_AT": "replicate.mid:5"}}),
+    "mid flush": ("partner", 4, None, {1: {"PITSTOP_KILL_AT": "flush.mid:2"}}),
+}
+CRASH_TESTS = {  # test -> the crash it reads
+    "test_a_rank_that_crashes_between_checkpoints_resumes_locally": "between checkpoints",
+    "test_a_kill_mid_write_resumes_from_the_previous_local_step": "mid write",
+    "test_a_kill_during_a_flush_keeps_the_local_step_and_the_older_shared_one": "mid flush",
+}
 
 
-def test_a_kill_mid_write_resumes_from_the_previous_local_step(tmp_path: Any) -> None:
-    base = str(tmp_path)
-    run_ranks(
-        _train, 4, base, "xor", NODES4, 6, 2, None, 3.0, timeout_secs=TIMEOUT * 3,
-        env={1: {"PITSTOP_KILL_AT": "replicate.mid:5"}}, allow_failures=True,
-    )  # fmt: skip
-    assert not any(os.path.exists(_node(base, n, 5) + "/manifest.json") for n in NODES4)
-    _check(_resumed(base, "xor"), 4, "local")
+@pytest.fixture(scope="module")
+def crashed(request: Any, tmp_path_factory: Any) -> dict[str, dict[str, Any]]:
+    """The crashes of the selected tests of ``CRASH_TESTS``: each job trained until its rank
+    dies (what the ranks returned, and what its directories held then); `restarts` restarts
+    them."""
+    names = [
+        CRASH_TESTS[item.originalname] for item in request.session.items
+        if item.module is request.module and item.originalname in CRASH_TESTS
+    ]  # fmt: skip
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        scheme, steps, crash, env = CRASHES[name]
+        base = str(tmp_path_factory.mktemp("crash"))
+        trained = run_ranks(
+            _train, 4, base, scheme, NODES4, steps, 2, crash, 3.0, timeout_secs=TIMEOUT * 3,
+            env=env, allow_failures=True,
+        )  # fmt: skip
+        shared = os.path.join(base, "shared")
+        out[name] = {
+            "trained": trained,
+            "base": base,
+            "manifests": sorted(
+                os.path.relpath(os.path.join(d, "manifest.json"), base)
+                for d, _, files in os.walk(base)
+                if "manifest.json" in files
+            ),
+            "shared": sorted(os.listdir(shared)) if os.path.isdir(shared) else [],
+        }
+    return out
+
+
+def _manifest_of(node: str, step: int) -> str:
+    return os.path.join("local", node, f"step-{step:010d}", "manifest.json")
+
+
+def test_a_rank_that_crashes_between_checkpoints_resumes_locally(restarts: Any) -> None:
+    crash = restarts["crashes"]["between checkpoints"]
+    assert isinstance(crash["trained"][2], str)  # rank 2 died before step 5; the others failed
+    _check(crash["resumed"], 4, "local")
+
+
+def test_a_kill_mid_write_resumes_from_the_previous_local_step(restarts: Any) -> None:
+    crash = restarts["crashes"]["mid write"]
+    assert not any(_manifest_of(n, 5) in crash["manifests"] for n in NODES4)
+    assert all(_manifest_of(n, 4) in crash["manifests"] for n in NODES4)
+    _check(crash["resumed"], 4, "local")
 
 
 def test_a_kill_during_a_flush_keeps_the_local_step_and_the_older_shared_one(
-    tmp_path: Any,
+    restarts: Any,
 ) -> None:
-    base = str(tmp_path)
-    run_ranks(
-        _train, 4, base, "partner", NODES4, 4, 2, None, 3.0, timeout_secs=TIMEOUT * 3,
-        env={1: {"PITSTOP_KILL_AT": "flush.mid:2"}}, allow_failures=True,
-    )  # fmt: skip
-    shared = sorted(os.listdir(os.path.join(base, "shared")))
-    assert "step-0000000002" in shared
-    assert not os.path.exists(os.path.join(base, "shared", "step-0000000004", "manifest.json"))
-    _check(_resumed(base, "partner"), 4, "local")
+    crash = restarts["crashes"]["mid flush"]
+    assert "step-0000000002" in crash["shared"]
+    assert os.path.join("shared", "step-0000000002", "manifest.json") in crash["manifests"]
+    assert os.path.join("shared", "step-0000000004", "manifest.json") not in crash["manifests"]
+    _check(crash["resumed"], 4, "local")
 
 
 def _resume_all(rank: int, world: int, jobs: list[tuple[str, str, list[str], int]]) -> list[Any]:
@@ -394,11 +435,12 @@ def _cases(scheme: str) -> dict[str, tuple[Any, ...]]:
 
 
 @pytest.fixture(scope="module")
-def fault_matrix(request: Any, tmp_path_factory: Any) -> dict[str, tuple[list[Any], list[Any]]]:
+def restarts(request: Any, tmp_path_factory: Any, crashed: dict[str, Any]) -> dict[str, Any]:
     """The restarts of the fault matrix of each scheme selected, per rank and case: after
-    the damage, then (partner and xor) once more after a second node is lost. One set of
-    rank processes restarts every scheme's cases (spawning ranks is what tests wait for);
-    each scheme's test asserts its own."""
+    the damage, then (partner and xor) once more after a second node is lost; and those of
+    the jobs ``crashed`` (``"crashes"``: the crash, its ``"resumed"`` per rank). One set of
+    rank processes restarts the crashed jobs and every scheme's cases (spawning ranks is
+    what tests wait for); each test asserts its own."""
     schemes = [
         item.callspec.params["scheme"] for item in request.session.items
         if item.module is request.module and item.originalname == "test_the_fault_matrix"
@@ -411,8 +453,14 @@ def fault_matrix(request: Any, tmp_path_factory: Any) -> dict[str, tuple[list[An
             base = _trained(tmp / str(i), scheme)
             damage(base)
             jobs[scheme].append((base, scheme, nodes, rest[1] if len(rest) > 1 else 0))
-    timeout = TIMEOUT * 8 * len(schemes)
-    results = run_ranks(_resume_all, 4, [j for s in schemes for j in jobs[s]], timeout_secs=timeout)
+    crash_jobs = [(crash["base"], CRASHES[name][0], NODES4, 0) for name, crash in crashed.items()]
+    timeout = TIMEOUT * (8 * len(schemes) + 3 * len(crash_jobs))
+    results = run_ranks(
+        _resume_all, 4, crash_jobs + [j for s in schemes for j in jobs[s]], timeout_secs=timeout
+    )
+    for i, crash in enumerate(crashed.values()):
+        crash["resumed"] = [r[i] for r in results]
+    results = [r[len(crash_jobs) :] for r in results]
     again_schemes = [s for s in schemes if s != "single"]
     for scheme in again_schemes:
         spare = list(_cases(scheme)).index("lost node, spare in its place")
@@ -420,7 +468,7 @@ def fault_matrix(request: Any, tmp_path_factory: Any) -> dict[str, tuple[list[An
     again = run_ranks(
         _resume_all, 4, [job[:3] for s in again_schemes for job in jobs[s]], timeout_secs=timeout
     ) if again_schemes else [[]] * 4  # fmt: skip
-    out: dict[str, tuple[list[Any], list[Any]]] = {}
+    out: dict[str, Any] = {"crashes": crashed}
     first = second = 0
     for scheme in schemes:
         n = len(jobs[scheme])
@@ -433,12 +481,12 @@ def fault_matrix(request: Any, tmp_path_factory: Any) -> dict[str, tuple[list[An
 
 
 @pytest.mark.parametrize("scheme", ["single", "partner", "xor"])
-def test_the_fault_matrix(fault_matrix: dict[str, Any], scheme: str) -> None:
+def test_the_fault_matrix(restarts: dict[str, Any], scheme: str) -> None:
     """Each case: the step resumed from, the level that served it, bit-identical state, what
     was repaired; then every case restarts once more with nothing repaired (redundancy was
     re-established), and a second node lost after the spare came in is rebuilt too."""
     cases = _cases(scheme)
-    results, again = fault_matrix[scheme]
+    results, again = restarts[scheme]
     for j, (name, (_, _, expect, *on)) in enumerate(cases.items()):
         per_rank = [r[j] for r in results]
         step, level, repaired = expect[scheme]
