@@ -90,11 +90,13 @@ def _run(
     skip: tuple[int, int] | None = None,
     redundancy: str | None = None,
     wait_sealed: bool = True,
+    timeout: float = TIMEOUT,
 ) -> dict[str, Any]:
     """Resume (from whatever is there) and train to ``steps``: memory every step, durable
     every ``EVERY``; ``crash``: every rank dies once its snapshot of ``steps`` is sealed
     (``wait_sealed=False``: at once, its snapshot maybe not staged yet); ``skip`` (rank,
-    step): that rank finds no free slot for that step's snapshot."""
+    step): that rank finds no free slot for that step's snapshot; ``timeout``: the ranks'
+    ``dist_timeout_secs``."""
     import torch.distributed as dist
 
     expected = _state(rank)
@@ -114,7 +116,7 @@ def _run(
         ],
         policy=pitstop.EveryN(EVERY),
         topology=nodes,
-        options=pitstop.SaveOptions.from_env(dist_timeout_secs=TIMEOUT),
+        options=pitstop.SaveOptions.from_env(dist_timeout_secs=timeout),
     )
     memory = ckpt.hooks.levels.memory
     if skip is not None and skip[0] == rank:
@@ -448,9 +450,10 @@ def test_a_rank_killed_while_close_writes_the_newest_step_leaves_it_in_memory(
     memory at step 9, bit-exact. Before, rank 1 removed its part of step 9: the restart came
     from the disk's step 8."""
     base, shm, job = where
+    # rank 1 waits for the dead rank 0 until its round times out: 10 s, not TIMEOUT
     out = run_ranks(
-        _run, 2, base, shm, job, 9, False, timeout_secs=TIMEOUT * 3, allow_failures=True,
-        env={0: {"PITSTOP_KILL_AT": "commit.before_rename:3"}},
+        _run, 2, base, shm, job, 9, False, None, None, True, 10.0, timeout_secs=TIMEOUT * 3,
+        allow_failures=True, env={0: {"PITSTOP_KILL_AT": "commit.before_rename:3"}},
     )  # fmt: skip
     assert not isinstance(out[1], dict) or out[1]["latest_disk"] == 8, out
     assert 9 in _sealed(shm, job, 1), "rank 1 removed its part of step 9"
