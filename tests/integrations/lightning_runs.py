@@ -1,8 +1,9 @@
 """Many runs of examples/lightning_mnist.py from one process that imports Lightning once.
 
 ``python lightning_runs.py SPEC.json``: SPEC is a list of chains, each a list of runs
-``{"dir": ..., "argv": [...], "kill_at": "NAME:N" | null, "log": path}`` done one after the
-other (a killed run, then its resume). Chains run two at a time, each run in a child forked
+``{"dir": ..., "argv": [...], "kill_at": "NAME:N" | null, "log": path}`` (and optionally
+``"env"``: more environment variables of the run) done one after the other (a killed run,
+then its resume). Chains run two at a time, each run in a child forked
 from this process (Lightning's import costs seconds, a run of the example one), with
 ``PITSTOP_KILL_AT`` set as the run says. One JSON line per run on stdout: the run, its
 ``status`` (exit code; -9 for SIGKILL) and the ``pointers`` its directory holds afterwards
@@ -43,6 +44,7 @@ def _child(example: Any, run: dict[str, Any]) -> None:
         os.environ.pop("PITSTOP_CRASHTEST_KILL_STEP", None)
         if run.get("kill_at"):
             os.environ["PITSTOP_KILL_AT"] = run["kill_at"]
+        os.environ.update(run.get("env") or {})
         code = example.main(run["argv"])
     except BaseException:
         traceback.print_exc()

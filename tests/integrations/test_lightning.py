@@ -149,39 +149,39 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch: Any) -> None:
 
 
 # ---------------------------------------------------------------- the example, killed
-def _start(root: str, *extra: str, kill: bool = False) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    env.pop("PITSTOP_CRASHTEST_KILL_STEP", None)
-    if kill:
-        env["PITSTOP_CRASHTEST_KILL_STEP"] = str(KILL_STEP)
-    cmd = [sys.executable, EXAMPLE, "--dir", root, *extra]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-
-
-def _finish(proc: subprocess.Popen[str], code: int) -> None:
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == code, out[-3000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: Any) -> dict[str, str]:
-    """Uninterrupted and killed-then-resumed runs of the example, plain and ``--broken``
-    (four processes at once, then the two resumes)."""
+    """Uninterrupted and killed-then-resumed runs of the example, plain and ``--broken``: forks
+    of one process that imported Lightning once (lightning_runs.py), two at a time; the
+    killed run is SIGKILLed at KILL_STEP as ``pitstop crashtest`` kills it."""
     base = tmp_path_factory.mktemp("lightning")
     dirs = {name: str(base / name) for name in ("ref", "crash", "broken_ref", "broken_crash")}
-    first = [
-        (_start(dirs["ref"]), 0),
-        (_start(dirs["broken_ref"], "--broken"), 0),
-        (_start(dirs["crash"], kill=True), -signal.SIGKILL),
-        (_start(dirs["broken_crash"], "--broken", kill=True), -signal.SIGKILL),
+
+    def run(name: str, *extra: str, kill: bool = False) -> dict[str, Any]:
+        env = {"PITSTOP_CRASHTEST_KILL_STEP": str(KILL_STEP)} if kill else {}
+        log = str(base / f"{name}.{'killed' if kill else 'run'}.log")
+        return {"dir": dirs[name], "argv": ["--dir", dirs[name], *extra], "kill_at": None,
+                "env": env, "log": log}  # fmt: skip
+
+    chains = [
+        [run("crash", kill=True), run("crash")],
+        [run("broken_crash", "--broken", kill=True), run("broken_crash", "--broken")],
+        [run("ref")],
+        [run("broken_ref", "--broken")],
     ]
-    for proc, code in first:
-        _finish(proc, code)
-    resumes = [_start(dirs["crash"]), _start(dirs["broken_crash"], "--broken")]
-    for proc in resumes:
-        _finish(proc, 0)
+    spec = base / "spec.json"
+    spec.write_text(json.dumps(chains))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_KILL", "PITSTOP_CR"))}
+    proc = subprocess.run(
+        [sys.executable, RUNNER, str(spec)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines()]
+    codes = [(r["dir"], r["env"] != {}, r["status"]) for r in reports]
+    expected = [(dirs[n], False, 0) for n in dirs] + [
+        (dirs[n], True, -signal.SIGKILL) for n in ("crash", "broken_crash")
+    ]
+    assert sorted(codes) == sorted(expected), [(r, _log(r)) for r in reports if r["status"]]
     return dirs
 
 
