@@ -27,6 +27,7 @@ process group.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -187,6 +188,7 @@ class CheckpointManager:
         lineage = self._identity.lineage_for(step)
         if self._probe is not None:
             self._probe.saved(step, state)
+        metrics = _finite_metrics(metrics, step)
         handle = self._saver.async_save(step, state, lineage=lineage, metrics=metrics)
         self._loop.saved(step)
         return handle
@@ -611,3 +613,26 @@ class ManagerHooks:
     @property
     def group(self) -> Any:
         return self._m._group
+
+
+def _finite_metrics(metrics: Mapping[str, float] | None, step: int) -> dict[str, float] | None:
+    """The metrics a manifest can hold: a NaN or infinite one (a diverging loss, an AMP
+    overflow: ordinary events) is left out with a warning naming it, never a failed save;
+    one that is not a number is refused now, naming it, not in the background."""
+    if not metrics:
+        return None
+    kept: dict[str, float] = {}
+    for name, value in metrics.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"metrics[{name!r}] of step {step} is {type(value).__name__} {value!r}, not a "
+                "number"
+            ) from None
+        if math.isfinite(number):
+            kept[str(name)] = number
+        else:
+            _log.warning("metric %r of step %d is %s: the checkpoint is saved without it",
+                         name, step, number, phase="plan")  # fmt: skip
+    return kept

@@ -540,3 +540,39 @@ def test_the_profiler_counts_what_deciding_costs(root: str) -> None:
         assert stats.step_secs is not None and stats.step_secs > 0
         assert stats.overhead > 0  # no checkpoint, and still not free
         assert ckpt._loop._context(20, 0.0).step_secs == stats.step_secs
+
+
+def test_a_nan_loss_is_left_out_of_the_manifest_not_a_failed_save(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A diverging loss (NaN, inf: an AMP overflow) is an ordinary event: the checkpoint is
+    saved without it, with a warning naming it. Before, the manifest's JSON refused it in
+    the background and a later ``ckpt.step`` raised ``ValueError('Out of range float values
+    are not JSON compliant')`` for step 16 (hostile review, issue 26)."""
+    caplog.set_level("WARNING", logger="pitstop")
+    state = {"w": torch.zeros(4)}
+    with pitstop.CheckpointManager(root, policy=EveryN(2)) as ckpt:
+        for step in range(1, 21):
+            state["w"] += 1
+            loss = float("nan") if step == 16 else float("inf") if step == 18 else 0.5
+            ckpt.step(step, state, loss=loss)
+        ckpt.wait()
+        assert {16, 18, 20} <= set(ckpt.steps())
+    said = [r.getMessage() for r in caplog.records if "saved without it" in r.getMessage()]
+    assert any("'loss'" in m and "16" in m and "nan" in m for m in said), said
+    assert any("18" in m and "inf" in m for m in said), said
+    import json
+    import os
+
+    from pitstop.format.names import step_dir_name
+
+    def metrics(step: int) -> dict[str, float]:
+        with open(os.path.join(root, step_dir_name(step), "manifest.json")) as f:
+            return dict(json.load(f).get("metrics", {}))
+
+    assert "loss" not in metrics(16) and metrics(20)["loss"] == 0.5
+    with (
+        pytest.raises(ValueError, match=r"metrics\['acc'\] of step 3 is str"),
+        pitstop.CheckpointManager(root) as ckpt,
+    ):
+        ckpt.save(3, state, metrics={"acc": "high"})  # type: ignore[dict-item]
