@@ -86,6 +86,8 @@ class LoopDriver:
         self.pending: list[SaveHandle] = []
         self.preempted: int | None = None
         self.step_seen = 0
+        self.calls = 0  # step() calls: iterations, whatever the caller's step numbers count
+        self.ckpt_calls: int | None = None  # calls when the newest checkpoint started
         self.exit_code: int | None = 0
         self._signals: dict[int, Any] = {}
         self._quiet = (_QUIET_STEPS, _QUIET_SECS)  # the next stretch to warn about
@@ -105,6 +107,7 @@ class LoopDriver:
     ) -> StepResult:
         now = time.perf_counter()
         self.step_seen = step
+        self.calls += 1
         self._measure(now)
         self.collect()
         extra: dict[str, Any] = {"loss": loss, "epoch": epoch, "epoch_end": epoch_end}
@@ -158,7 +161,7 @@ class LoopDriver:
         """Several ranks: ask the policy now whether to checkpoint at the next step (its
         context one step on, this step's save counted) and start the vote on it, which
         travels while the next iteration runs."""
-        ctx = self._context(step + 1, now, **{**extra, "epoch_end": False})
+        ctx = self._context(step + 1, now, ahead=1, **{**extra, "epoch_end": False})
         mine = bool(self.policy.decide(ctx)) and self.saver.group.rank == 0
         self._vote = self.saver.group.vote(self._words(mine), "plan")
 
@@ -198,13 +201,16 @@ class LoopDriver:
         elif not self.started:
             self.start, self.started = now, True
 
-    def _context(self, step: int, now: float, **extra: Any) -> PolicyContext:
+    def _context(self, step: int, now: float, ahead: int = 0, **extra: Any) -> PolicyContext:
         measured = self.profiler.snapshot()
         since = self.ckpt_time if self.ckpt_time is not None else self.start
+        calls = self.calls + ahead
         return PolicyContext(
             step=step,
             elapsed_secs=now - self.start,
             steps_since_checkpoint=step - self.ckpt_step if self.ckpt_step is not None else step,
+            iteration=calls,
+            iters_since_checkpoint=calls - (self.ckpt_calls or 0),
             secs_since_checkpoint=now - since,
             iter_secs=measured.iter_secs,
             stall_secs=measured.stall_secs,
@@ -226,6 +232,7 @@ class LoopDriver:
         ``save_final``): the policy and ``stats()`` count from it."""
         if self.ckpt_step is None or step >= self.ckpt_step:
             self.ckpt_step, self.ckpt_time = step, time.perf_counter()
+            self.ckpt_calls = self.calls
             self._quiet = (_QUIET_STEPS, _QUIET_SECS)
 
     def _say_unprotected(self, ctx: PolicyContext) -> None:
@@ -264,7 +271,7 @@ class LoopDriver:
             elif err is not None:
                 raise err
         if not self.pending:
-            self.profiler.settled(self.step_seen)
+            self.profiler.settled(self.calls)  # in iterations, as the policy counts
         self.saver.raise_pending()
 
     def pause(self) -> None:

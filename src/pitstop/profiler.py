@@ -91,7 +91,7 @@ class ProfileStats:
     """Training time one checkpoint costs, measured in pairs (an upper estimate of the mean
     of the last 16: see the module's docstring)."""
     checkpoint_cost_step: int | None = None
-    """The step at which the newest paired measurement ended."""
+    """When the newest paired measurement ended, in iterations (``ckpt.step`` calls)."""
     checkpoint_cost_low_secs: float | None = None
     """A lower estimate of the same mean (minus its standard error; from 3 pairs on)."""
     steps_since_checkpoint: int = 0
@@ -175,7 +175,7 @@ class Profiler:
         self._flight = 0  # iterations beside the save in flight (since save_started)
         self._tail = 0  # quiet iterations after it still counted as its tail
         # the open pair: [baseline before, busy seconds, busy iterations, stall, commits,
-        # scatter, iterations before, tail seconds, tail iterations]
+        # scatter, iterations before, tail seconds, tail iterations, persist seconds]
         self._pair: list[float] | None = None
         self._closing: tuple[list[float], list[float], int] | None = None  # (pair, after, step)
         # (step, paired cost in iterations: seconds over the pair's own quiet iteration)
@@ -231,7 +231,7 @@ class Profiler:
         quiet = list(self._clean)
         before = quiet[-_BEFORE:]
         scatter = _scatter(quiet[-_SCATTER:])
-        self._pair = [statistics.median(before), 0.0, 0.0, 0.0, 0.0, scatter, len(before), 0, 0]
+        self._pair = [statistics.median(before), 0.0, 0.0, 0.0, 0.0, scatter, len(before), 0, 0, 0]
 
     def settled(self, step: int) -> None:
         """No save is in flight: the paired measurement, if one is open, closes once a few
@@ -257,8 +257,12 @@ class Profiler:
             before = (before + later) / 2
         if before <= 0:
             return
-        excess = pair[1] - pair[2] * before  # signed: noise cancels in the mean
-        tail = pair[7] - pair[8] * before
+        # signed (noise cancels in the mean), and never more than the persists ran: a save
+        # slows training only while it runs (an evaluation or a data-loader restart in that
+        # iteration without ckpt.pause() is not its cost; read as one, a 30 s pause set the
+        # interval to thousands of steps for good)
+        excess = min(pair[1] - pair[2] * before, pair[9])
+        tail = min(pair[7] - pair[8] * before, pair[9])
         self._pairs += 1
         self._costs.append((step, (pair[3] + excess) / before, before, tail / before))
 
@@ -278,6 +282,7 @@ class Profiler:
         self.checkpoints += 1
         if self._pair is not None:
             self._pair[4] += 1
+            self._pair[9] += max(stats.total_secs - stats.stall_secs, 0.0)
         self._stall.append(max(stats.stall_secs - stats.alloc_secs, self._pending_stall))
         self._pending_stall = 0.0
         self._persist.append(max(stats.total_secs - stats.stall_secs, 0.0))
@@ -317,7 +322,13 @@ class Profiler:
             self._estimate = (key, *_cost_estimate(costs))
         it = self.iter_secs or 0.0
         up, low = self._estimate[1], self._estimate[2]
-        return (None if up is None else up * it), (None if low is None else low * it)
+        # a checkpoint costs at least its stall, measured alone: noisy pairs may read less,
+        # even below zero, which would set the interval to the shortest the write allows
+        floor = _median(self._stall) or 0.0
+        return (
+            None if up is None else max(up * it, floor),
+            None if low is None else max(low * it, floor),
+        )
 
     @property
     def iter_secs(self) -> float | None:

@@ -22,7 +22,8 @@ class PolicyContext:
     with the machine's own drift: policies use the paired cost). ``measured_cost_secs``
     is what one checkpoint costs measured in pairs (its stall plus how much longer the
     iterations during its persist took than those just before it; median of the last
-    few), ``measured_cost_step`` the step of the newest such measurement,
+    few), ``measured_cost_step`` when the newest such measurement ended (an iteration, where
+    ``iteration`` is given; else a step),
     ``measured_cost_low_secs`` a lower estimate of the same (None until a few pairs agree). ``step_secs`` is
     what deciding costs each iteration, checkpoint or not (``ckpt.step``'s bookkeeping and,
     under torch.distributed, the ranks' vote): a cost no interval changes, which comes out
@@ -42,6 +43,11 @@ class PolicyContext:
     measured_cost_step: int | None = None
     measured_cost_low_secs: float | None = None
     step_secs: float | None = None
+    iteration: int | None = None
+    """``ckpt.step`` calls so far (None: count by ``step``). Step numbers may count
+    samples or tokens; an interval in iterations is counted in these."""
+    iters_since_checkpoint: int | None = None
+    """Iterations (calls) since the newest checkpoint started (None: ``steps_since_checkpoint``)."""
     in_flight: int = 0
     max_in_flight: int = 1
     checkpoints: int = 0
@@ -62,7 +68,8 @@ class PolicyContext:
         """The paired measurement of a checkpoint's cost, if one is at most ``horizon``
         steps old (an older one is not trusted: the model re-probes)."""
         paired, at = self.measured_cost_secs, self.measured_cost_step
-        if paired is None or at is None or self.step - at > horizon:
+        now = self.step if self.iteration is None else self.iteration
+        if paired is None or at is None or now - at > horizon:
             return None
         return paired
 

@@ -129,7 +129,8 @@ class CheckFreq(Schedule):
         if source is not None:
             self._paired_k = k
         self.interval, self.cost_secs = k, cost
-        take = ctx.steps_since_checkpoint >= k
+        since = ctx.iters_since_checkpoint
+        take = (ctx.steps_since_checkpoint if since is None else since) >= k
         if take and source is None:
             self._ref = k
         return take
