@@ -569,9 +569,11 @@ def loop_case(
 
     Overhead (the target, <= 3 %), measured in pairs within the run as in the drift case:
     per checkpoint, ``ckpt.step``'s stall plus the excess of the iterations during its
-    persist and of the ``LOOP_TAIL`` after it (a save's work goes on past its commit:
-    the transformer's iterations ran 3-7 % slower for ~6 after each save) over the
-    nearest quiet ones (past every tail), plus ``ckpt.step``'s bookkeeping on the other
+    persist over the nearest quiet ones (past every tail), and the excess of the
+    ``LOOP_TAIL`` iterations after it (a save's work goes on past its commit: the
+    transformer's iterations ran 3-7 % slower for ~6 after each save) where the run shows
+    such tails (their mean above its standard error, as the profiler counts them;
+    counted always, they add 8 iterations' noise to each checkpoint where there is none), plus ``ckpt.step``'s bookkeeping on the other
     steps, over the training time. A segment with checkpoints goes on until its last
     persist is done (no wait at its end). Cross-check: the median over pairs of (with /
     without - 1) per iteration (A/B: under a load of 3-6 on 2 cores its pairs scatter by
@@ -684,13 +686,21 @@ def loop_case(
         tail.append(not busy[i] and since <= LOOP_TAIL)
     quiet = [not b and not f and not t for b, f, t in zip(busy, first, tail, strict=True)]
     costs: list[float] = []
+    tails: list[float] = []  # each checkpoint's tail, apart: counted if the run shows one
     for i in range(n):
-        if (busy[i] or tail[i]) and costs:
+        if busy[i] and costs:
             costs[-1] += train_s[i] - _nearest_median(train_s, quiet, i)
+        if tail[i] and tails:
+            tails[-1] += train_s[i] - _nearest_median(train_s, quiet, i)
         if saved[i]:
             costs.append(calls[i])
+            tails.append(0.0)
         if costs and i in waits:
             costs[-1] += waits[i]
+    tail_secs = statistics.fmean(tails) if tails else 0.0
+    tail_se = statistics.stdev(tails) / math.sqrt(len(tails)) if len(tails) > 1 else math.inf
+    if tail_secs > tail_se:  # the tails show (mean above its standard error): they count
+        costs = [c + t for c, t in zip(costs, tails, strict=True)]
     it = statistics.median([t for t, q in zip(train_s, quiet, strict=True) if q] or train_s)
     stall = statistics.median([c for c, s in zip(calls, saved, strict=True) if s] or [0.0])
     cost = max(statistics.fmean(costs), stall) if costs else stall
@@ -708,7 +718,8 @@ def loop_case(
         "segment": seg, "window_intervals": n / max(policy.interval or 1, 1),
         "ab_overhead": overhead, "pairs": ratios,
         "overhead": (sum(costs) + bookkeeping) / (it * n) if n else float("nan"),
-        "checkpoints": sum(saved), "cost_secs": cost, "stall_secs": stall, "persist_secs": persist,
+        "checkpoints": sum(saved), "cost_secs": cost, "tail_secs": tail_secs,
+        "tail_se_secs": tail_se, "stall_secs": stall, "persist_secs": persist,
         "policy_cost_secs": stats.checkpoint_cost_secs, "interval": policy.interval,
         "k_allowed": k_allowed, "longest_gap": longest, "gap_ratio": longest / k_allowed,
         "interval_ratio": n / max(sum(saved), 1) / k_allowed,
