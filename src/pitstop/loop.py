@@ -88,6 +88,7 @@ class LoopDriver:
         self.step_seen = 0
         self.calls = 0  # step() calls: iterations, whatever the caller's step numbers count
         self.ckpt_calls: int | None = None  # calls when the newest checkpoint started
+        self._behind_said = False  # a step below the newest checkpoint's was warned about
         self.exit_code: int | None = 0
         self._signals: dict[int, Any] = {}
         self._quiet = (_QUIET_STEPS, _QUIET_SECS)  # the next stretch to warn about
@@ -106,6 +107,14 @@ class LoopDriver:
         epoch_end: bool = False,
     ) -> StepResult:
         now = time.perf_counter()
+        if self.ckpt_step is not None and step < self.ckpt_step and not self._behind_said:
+            self._behind_said = True
+            _log.warning(
+                "ckpt.step(%d) is below step %d, the newest checkpoint's (restored or saved): "
+                "step numbers should go on from what ckpt.restore() returned; a save of a "
+                "lower step is one more checkpoint, older than the newest by number",
+                step, self.ckpt_step, phase="plan",
+            )  # fmt: skip
         self.step_seen = step
         self.calls += 1
         self._measure(now)
@@ -230,10 +239,10 @@ class LoopDriver:
     def saved(self, step: int) -> None:
         """A save of ``step`` started (from ``step()`` or the loop's own ``save``/``async_save``/
         ``save_final``): the policy and ``stats()`` count from it."""
+        self.ckpt_time, self.ckpt_calls = time.perf_counter(), self.calls  # whatever its number
+        self._quiet = (_QUIET_STEPS, _QUIET_SECS)
         if self.ckpt_step is None or step >= self.ckpt_step:
-            self.ckpt_step, self.ckpt_time = step, time.perf_counter()
-            self.ckpt_calls = self.calls
-            self._quiet = (_QUIET_STEPS, _QUIET_SECS)
+            self.ckpt_step = step
 
     def _say_unprotected(self, ctx: PolicyContext) -> None:
         """Warn once the work a failure would lose passes a stretch (both steps and seconds),
