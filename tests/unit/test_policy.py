@@ -509,6 +509,9 @@ def test_checkfreq_explains_its_interval() -> None:
     p.decide(c)
     why = p.explain(c)
     assert f"every {p.interval} steps" in why and "2%" in why and "0.5" in why, why
+    half = CheckFreq(max_overhead=0.005)
+    half.decide(c)
+    assert "CheckFreq(0.5%)" in half.explain(c), half.explain(c)  # not "CheckFreq(0%)"
 
 
 def test_checkfreq_takes_the_cost_of_deciding_out_of_its_budget() -> None:

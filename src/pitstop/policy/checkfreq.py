@@ -137,11 +137,11 @@ class CheckFreq(Schedule):
 
     def explain(self, ctx: PolicyContext) -> str:
         """Why the interval is what it is (``ckpt.stats().policy_reason``, the loop's warning)."""
-        name = f"CheckFreq({self.max_overhead:.0%})"
+        name = f"CheckFreq({percent(self.max_overhead)})"
         if not ctx.measured or self.interval is None:
             return f"{name} is warming up: no checkpoint until iterations and one save are timed"
         it = _finite(ctx.iter_secs)
-        budget = f"{self.max_overhead:.0%} overhead budget"
+        budget = f"{percent(self.max_overhead)} overhead budget"
         why = (
             f"{name} checkpoints every {self.interval} steps: one checkpoint costs "
             f"{self.cost_secs or 0.0:.3g} s of training (stall {_finite(ctx.stall_secs):.3g} s "
@@ -163,3 +163,8 @@ def _finite(x: float | None) -> float:
 
 def _ceil(x: float) -> int:
     return min(_MAX_INTERVAL, math.ceil(x - 1e-9)) if math.isfinite(x) else _MAX_INTERVAL
+
+
+def percent(fraction: float) -> str:
+    """A budget as the user gave it: 0.02 -> '2%', 0.005 -> '0.5%' (not '0%')."""
+    return f"{fraction * 100:.3g}%"
