@@ -303,8 +303,24 @@ class Run:
         }  # fmt: skip
 
 
+MAX_SECONDS = 3600.0  # one run's wall time: the benchmark runs a dozen of them
+MAX_FAILURES = 32  # a trace's: each failure of each run restarts from a warm spare (~0.3 GB)
+MAX_DRAWS = 10**6  # failures failure_trace may draw: seconds / mtbf at most this
+
+
 def failure_trace(seconds: float, mtbf: float, seed: int) -> list[float]:
-    rng, t, out = random.Random(seed), 0.0, []
+    """Exponential failure times in [0, seconds), mean gap ``mtbf``: both finite and > 0,
+    and ``seconds / mtbf`` at most MAX_DRAWS (ValueError, naming them, otherwise)."""
+    for name, value in (("seconds", seconds), ("mtbf", mtbf)):
+        if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+            raise ValueError(f"failure_trace: {name} must be a finite number > 0, got {value!r}")
+    if seconds / mtbf > MAX_DRAWS:
+        raise ValueError(
+            f"failure_trace: seconds {seconds:g} / mtbf {mtbf:g} is {seconds / mtbf:.3g} "
+            f"failures, more than the limit of {MAX_DRAWS:.0e}"
+        )
+    rng, t = random.Random(seed), 0.0
+    out: list[float] = []
     while True:
         t += rng.expovariate(1.0 / mtbf)
         if t >= seconds:
@@ -601,15 +617,63 @@ def predict(run: Run, base: Run, args: argparse.Namespace, trace: list[float]) -
     return statistics.fmean(r.goodput for r in seeds)
 
 
+def _positive(high: float) -> Any:
+    """An argparse type: a finite number > 0, at most ``high`` (argparse names the option)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _intervals(text: str) -> list[int]:
+    """``--sweep``: a comma list of integers >= 1."""
+    out = []
+    for word in text.split(","):
+        try:
+            k = int(word)
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise argparse.ArgumentTypeError(
+                f"needs a comma list of integers >= 1, got {word.strip()!r} in {text!r}"
+            )
+        out.append(k)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--seconds", type=float, default=None, help="wall time of each run")
-    p.add_argument("--mtbf", type=float, default=None, help="mean time between failures (s)")
+    p.add_argument(
+        "--seconds",
+        type=_positive(MAX_SECONDS),
+        default=None,
+        help=f"wall time of each run (default 40, 10 with --quick; at most {MAX_SECONDS:g})",
+    )
+    p.add_argument(
+        "--mtbf",
+        type=_positive(math.inf),
+        default=None,
+        help="mean time between failures (s; default 12, 5 with --quick)",
+    )
     p.add_argument("--seed", type=int, default=26)
-    p.add_argument("--sweep", default=None, help="intervals k (steps) of the fixed contenders")
+    p.add_argument(
+        "--sweep",
+        type=_intervals,
+        default=None,
+        help="intervals k (steps) of the fixed contenders: a comma list of integers >= 1",
+    )
     p.add_argument("--root", default=None)
     p.add_argument("--only", default=None, help="contenders whose name contains this (and none)")
     p.add_argument("--dump", default=None, help="write each run's timeline and the sim's here")
@@ -625,10 +689,21 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from _common import json_line, log
 
-    args.seconds = args.seconds or (10.0 if args.quick else 40.0)
-    args.mtbf = args.mtbf or (5.0 if args.quick else 12.0)
-    sweep = [int(s) for s in (args.sweep or ("20" if args.quick else "10,40,160")).split(",")]
-    trace = failure_trace(args.seconds, args.mtbf, args.seed)
+    if args.seconds is None:  # 0 is refused by --seconds's type, not taken for the default
+        args.seconds = 10.0 if args.quick else 40.0
+    if args.mtbf is None:
+        args.mtbf = 5.0 if args.quick else 12.0
+    sweep = args.sweep or ([20] if args.quick else [10, 40, 160])
+    try:
+        trace = failure_trace(args.seconds, args.mtbf, args.seed)
+    except ValueError as e:
+        p.error(f"--seconds {args.seconds:g} with --mtbf {args.mtbf:g}: {e}")
+    if len(trace) > MAX_FAILURES:
+        p.error(
+            f"--seconds {args.seconds:g} with --mtbf {args.mtbf:g}: {len(trace)} failures in the "
+            f"trace, more than the limit of {MAX_FAILURES} (each restarts a run from a warm spare "
+            "process that has imported torch, ~0.3 GB each): raise --mtbf or lower --seconds"
+        )
     base_dir = args.root or tempfile.mkdtemp(prefix="pitstop-goodput-")
     log(
         f"T={args.seconds:.0f}s per run, MTBF {args.mtbf:.0f}s, trace {[round(t, 1) for t in trace]}"

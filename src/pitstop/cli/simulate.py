@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -20,7 +21,17 @@ from pitstop.policy import (
 )
 from pitstop.sim.compare import PolicySummary
 from pitstop.sim.engine import RunResult, simulate
-from pitstop.sim.model import FailureModel, JobModel, LossModel, load_profile, load_trace
+from pitstop.sim.model import (
+    MAX_FAILURES,
+    MAX_ITERATIONS,
+    MIN_WEIBULL_SHAPE,
+    FailureModel,
+    JobModel,
+    LossModel,
+    TooManyFailures,
+    load_profile,
+    load_trace,
+)
 
 __all__ = ["add_arguments", "run_simulate"]
 
@@ -30,47 +41,119 @@ EXAMPLE = (
 )
 
 
+MAX_SEEDS = 10_000
+MAX_JOBS = 1024
+MAX_MTBF_HOURS = 1e12  # a node failing once in a hundred million years: never, in a simulation
+WALL_FACTOR = 50.0  # a run gives up at 50 x the job's work (simulate's max_wall_factor)
+
+
+def _number(low: float, *, strict: bool = False, high: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``low`` (> if ``strict``), at most ``high``;
+    argparse names the option in its message and exits 2."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not (value > low if strict else value >= low):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if strict else '>='} {low:g}, got {text!r}"
+            )
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _count(high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= 1 (at most ``high``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    secs = _number(0.0)  # a time, 0 allowed
     job = p.add_argument_group("job")
-    job.add_argument("--iter-secs", type=float, help="compute time of one iteration")
-    job.add_argument("--stall-secs", type=float, help="how long a checkpoint blocks the loop")
-    job.add_argument("--persist-secs", type=float, help="background write time until commit")
+    job.add_argument(
+        "--iter-secs", type=_number(0.0, strict=True), help="compute time of one iteration"
+    )
+    job.add_argument("--stall-secs", type=secs, help="how long a checkpoint blocks the loop")
+    job.add_argument("--persist-secs", type=secs, help="background write time until commit")
     job.add_argument(
         "--slowdown-secs",
-        type=float,
+        type=secs,
         default=None,
         help="extra training time per persist (default 0)",
     )
     job.add_argument(
         "--restart-secs",
-        type=float,
+        type=secs,
         default=None,
         help="time to restart after a failure (default 60)",
     )
-    job.add_argument("--hours", type=float, default=24.0, help="compute hours the job needs")
     job.add_argument(
-        "--epoch-iters", type=int, default=None, help="iterations per epoch (for EveryEpoch)"
+        "--hours",
+        type=_number(0.0, strict=True),
+        default=24.0,
+        help=f"compute hours the job needs (at most {MAX_ITERATIONS:.0e} iterations)",
     )
-    job.add_argument("--max-in-flight", type=int, default=2)
+    job.add_argument(
+        "--epoch-iters", type=_count(), default=None, help="iterations per epoch (for EveryEpoch)"
+    )
+    job.add_argument("--max-in-flight", type=_count(), default=2)
     job.add_argument(
         "--profile", help="JSON with measured costs (pitstop bench --profile, ckpt.stats())"
     )
     fail = p.add_argument_group("failures")
-    fail.add_argument("--mtbf-hours", type=float, default=24.0, help="MTBF of one node")
-    fail.add_argument("--nodes", type=int, default=1)
     fail.add_argument(
-        "--weibull-shape", type=float, default=1.0, help="1: exponential; < 1: clustered failures"
+        "--mtbf-hours",
+        type=_number(0.0, strict=True, high=MAX_MTBF_HOURS),
+        default=24.0,
+        help="MTBF of one node",
+    )
+    fail.add_argument("--nodes", type=_count(), default=1)
+    fail.add_argument(
+        "--weibull-shape",
+        type=_number(MIN_WEIBULL_SHAPE),
+        default=1.0,
+        help=f"1: exponential; < 1: clustered failures (>= {MIN_WEIBULL_SHAPE})",
     )
     fail.add_argument(
         "--trace", help="CSV of failure times in seconds (replaces the failure process)"
     )
     value = p.add_argument_group("value (exploratory training, COCI)")
     value.add_argument(
-        "--loss-tau-hours", type=float, default=None, help="time constant of the loss curve"
+        "--loss-tau-hours",
+        type=_number(0.0, strict=True, high=MAX_MTBF_HOURS),
+        default=None,
+        help="time constant of the loss curve",
     )
     value.add_argument(
         "--stop-min",
-        type=float,
+        type=_fraction,
         default=None,
         help="runs stop early, uniformly in [f, 1] x the job",
     )
@@ -81,17 +164,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="all, or a comma list of: epoch, every:N, youngdaly, checkfreq[:BUDGET], value",
     )
     out.add_argument(
-        "--seeds", type=int, default=5, help="failure traces per policy (the same for every policy)"
+        "--seeds",
+        type=_count(MAX_SEEDS),
+        default=5,
+        help="failure traces per policy (the same for every policy)",
     )
-    out.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
+    out.add_argument(
+        "--jobs",
+        type=_count(MAX_JOBS),
+        default=min(os.cpu_count() or 1, MAX_JOBS),
+        help="processes",
+    )
     out.add_argument(
         "--plot", help="write a PNG (needs the 'plot' extra: pip install 'pitstop[plot]')"
     )
     out.add_argument("--json", action="store_true", help="print the table as JSON")
 
 
+def _read(option: str, path: str, load: Callable[[str], Any]) -> Any:
+    """``load(path)``, its errors named by the option that gave the file (exit 2)."""
+    try:
+        return load(path)
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot read it: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"{option} {e}") from None
+
+
 def _job(args: argparse.Namespace) -> JobModel:
-    values: dict[str, Any] = load_profile(args.profile) if args.profile else {}
+    values: dict[str, Any] = _read("--profile", args.profile, load_profile) if args.profile else {}
     for name in ("iter_secs", "stall_secs", "persist_secs", "slowdown_secs", "restart_secs"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -104,6 +205,23 @@ def _job(args: argparse.Namespace) -> JobModel:
         )
     values.setdefault("slowdown_secs", 0.0)
     values.setdefault("restart_secs", 60.0)
+    it = values["iter_secs"]
+    it_name = (
+        f"--iter-secs {it:g}"
+        if args.iter_secs is not None
+        else f"iter_secs {it:g} (--profile {args.profile})"
+    )
+    job_secs = args.hours * 3600
+    if it > job_secs:
+        raise ValueError(
+            f"{it_name} is longer than the whole job (--hours {args.hours:g} = {job_secs:g} s)"
+        )
+    if job_secs / it > MAX_ITERATIONS:
+        raise ValueError(
+            f"--hours {args.hours:g} of {it_name} is {job_secs / it:.3g} iterations, more than "
+            f"the limit of {MAX_ITERATIONS:.0e} (the simulator runs 50-100 thousand a second): "
+            "lower --hours or simulate coarser iterations (--iter-secs and the costs scaled alike)"
+        )
     return JobModel.for_hours(
         args.hours,
         max_in_flight=args.max_in_flight,
@@ -112,8 +230,17 @@ def _job(args: argparse.Namespace) -> JobModel:
     )
 
 
-def _failures(args: argparse.Namespace) -> FailureModel:
-    trace = load_trace(args.trace) if args.trace else None
+def _failures(args: argparse.Namespace, job: JobModel) -> FailureModel:
+    trace = _read("--trace", args.trace, load_trace) if args.trace else None
+    mtbf_secs = args.mtbf_hours * 3600 / args.nodes
+    expected = job.work_secs * WALL_FACTOR / mtbf_secs
+    if trace is None and expected > MAX_FAILURES:
+        raise ValueError(
+            f"--mtbf-hours {args.mtbf_hours:g} over --nodes {args.nodes} is a failure every "
+            f"{mtbf_secs:.3g} s: some {expected:.3g} failures in a run (which may take "
+            f"{WALL_FACTOR:g} x the job's {job.work_secs / 3600:.3g} h of compute), more than "
+            f"the limit of {MAX_FAILURES:.0e}: raise --mtbf-hours, or lower --nodes or --hours"
+        )
     return FailureModel.per_node(
         args.mtbf_hours, args.nodes, weibull_shape=args.weibull_shape, trace=trace
     )
@@ -135,12 +262,25 @@ def _policies(spec: str, job: JobModel, failures: FailureModel) -> dict[str, Che
                 raise ValueError("policy 'epoch' needs --epoch-iters")
             out["EveryEpoch"] = EveryEpoch()
         elif name == "every":
-            out[f"EveryN({int(arg or 100)})"] = EveryN(int(arg or 100))
+            try:
+                every = EveryN(int(arg or 100))
+            except ValueError as e:  # not an integer, or < 1
+                raise ValueError(
+                    f"--policy {raw.strip()!r}: every:N needs an integer N >= 1 ({e})"
+                ) from None
+            out[f"EveryN({every.n})"] = every
         elif name == "youngdaly":
             out["YoungDaly"] = YoungDaly(mtbf_secs=failures.mtbf_secs)
         elif name == "checkfreq":
-            budget = float(arg) if arg else 0.02
-            out[f"CheckFreq({budget:.0%})"] = CheckFreq(budget)
+            try:
+                budget = float(arg) if arg else 0.02
+                freq = CheckFreq(budget)
+            except ValueError as e:
+                raise ValueError(
+                    f"--policy {raw.strip()!r}: checkfreq:BUDGET needs a number between 0 and 1 "
+                    f"(0.02 is 2 %) ({e})"
+                ) from None
+            out[f"CheckFreq({budget:.0%})"] = freq
         elif name == "value":
             out["ValueAware"] = ValueAware(mtbf_secs=failures.mtbf_secs, horizon_secs=job.work_secs)
         else:
@@ -158,7 +298,8 @@ def _one(
 
 
 def _run_all(tasks: list[Any], jobs: int) -> list[RunResult]:
-    if jobs <= 1 or len(tasks) == 1:
+    jobs = min(jobs, len(tasks))
+    if jobs <= 1:
         return [_one(t) for t in tasks]
     with ProcessPoolExecutor(jobs) as pool:
         return list(pool.map(_one, tasks))
@@ -183,7 +324,19 @@ def _fmt_row(s: PolicySummary, with_value: bool) -> str:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    job, failures = _job(args), _failures(args)
+    """Exit status 0; ValueError (a usage error, exit 2) for a bad value, named."""
+    try:
+        return _run(args)
+    except TooManyFailures as e:  # a Weibull shape that clusters failures past the limit
+        raise ValueError(
+            f"--weibull-shape {args.weibull_shape:g} with --mtbf-hours {args.mtbf_hours:g} "
+            f"over --nodes {args.nodes}: {e}; raise --weibull-shape or --mtbf-hours"
+        ) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    job = _job(args)
+    failures = _failures(args, job)
     policies = _policies(args.policy, job, failures)
     loss = None
     if args.loss_tau_hours is not None or args.stop_min is not None:
@@ -205,7 +358,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         from pitstop.sim.plot import plot_report
 
         sweep = _sweep(job, failures, args)
-        plot_report(args.plot, summaries, sweep, job=job, mtbf_secs=failures.mtbf_secs)
+        try:
+            plot_report(args.plot, summaries, sweep, job=job, mtbf_secs=failures.mtbf_secs)
+        except OSError as e:
+            raise ValueError(f"--plot {args.plot}: cannot write it: {e.strerror or e}") from None
         print(f"\nplot written to {args.plot}")
     return 0
 

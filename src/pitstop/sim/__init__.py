@@ -15,6 +15,7 @@ from pitstop.sim.model import (
     FailureModel,
     JobModel,
     LossModel,
+    TooManyFailures,
     load_profile,
     load_trace,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "LossModel",
     "PolicySummary",
     "RunResult",
+    "TooManyFailures",
     "compare",
     "default_policies",
     "load_profile",

@@ -65,6 +65,8 @@ def compare(
 ) -> list[PolicySummary]:
     """Simulate every policy on the same failure traces (seed i gives every policy the same
     failures), and summarize."""
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
+        raise ValueError(f"compare: seeds must be an integer >= 1, got {seeds!r}")
     out = []
     for name, policy in policies.items():
         runs = tuple(

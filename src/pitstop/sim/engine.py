@@ -13,6 +13,7 @@ across failures while the real one warmed up, probed and grew its interval again
 from __future__ import annotations
 
 import copy
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -152,7 +153,25 @@ def simulate(
     ``benchmarks/goodput.py`` measures): the work done is the progress reached then (no
     failure ends it), and ``goodput`` is that over ``until_secs``. Goodput over a fixed
     job (work / wall) and over a fixed time differ when failures cluster in part of the
-    run: the fixed job's run goes on past them, with none."""
+    run: the fixed job's run goes on past them, with none.
+
+    Raises ValueError for a parameter out of range (``loss_every_secs`` > 0,
+    ``max_wall_factor`` >= 1, ``until_secs`` > 0, all finite), and
+    :class:`~pitstop.sim.model.TooManyFailures` for failures more frequent than the
+    simulator can draw in the run's horizon (``max_wall_factor`` x the job's work)."""
+    for label, value, low, strict in (
+        ("loss_every_secs", loss_every_secs, 0.0, True),
+        ("max_wall_factor", max_wall_factor, 1.0, False),
+        ("until_secs", until_secs, 0.0, True),
+    ):
+        if value is None:
+            continue  # until_secs (the others are never None)
+        number = isinstance(value, (int, float)) and math.isfinite(value)
+        if not number or not (value > low if strict else value >= low):
+            raise ValueError(
+                f"simulate: {label} must be a finite number {'>' if strict else '>='} {low:g}, "
+                f"got {value!r}"
+            )
     rng = random.Random(seed)
     template, policy = policy, copy.deepcopy(policy)
     fail_times = failures.times(job.work_secs * max_wall_factor, rng)

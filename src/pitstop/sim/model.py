@@ -23,11 +23,66 @@ import bisect
 import csv
 import json
 import math
+import numbers
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FailureClass", "FailureModel", "JobModel", "LossModel", "load_profile", "load_trace"]
+__all__ = [
+    "MAX_FAILURES",
+    "MAX_ITERATIONS",
+    "FailureClass",
+    "FailureModel",
+    "JobModel",
+    "LossModel",
+    "TooManyFailures",
+    "load_profile",
+    "load_trace",
+]
+
+MAX_ITERATIONS = 10**7
+"""The most iterations a job may have: the engine runs 50-100 thousand a second, so a run of
+this many takes minutes (and one that never finishes, 50 times its work, far longer)."""
+MAX_FAILURES = 10**6
+"""The most failures one run may draw over its horizon (50 times the job's work): more would
+take as long as the iterations above, and a job failing that often makes no progress anyway."""
+MIN_WEIBULL_SHAPE = 0.05
+"""Below this the Weibull gaps are mostly shorter than a nanosecond, and a run draws far more
+failures than its MTBF says (shape 0.01: some 10^16 in a horizon of 50 MTBF)."""
+
+
+class TooManyFailures(ValueError):
+    """A failure process that would draw more than :data:`MAX_FAILURES` failures in one run."""
+
+
+def _finite(owner: str, name: str, value: Any, *, low: float = 0.0, strict: bool = False) -> None:
+    """Refuse ``value`` unless it is a finite real number >= ``low`` (> ``low`` if ``strict``)."""
+    ok = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (float(value) > low if strict else float(value) >= low)
+    )
+    if not ok:
+        raise ValueError(
+            f"{owner}.{name} must be a finite number {'>' if strict else '>='} {low:g}, "
+            f"got {value!r}"
+        )
+
+
+def _count(owner: str, name: str, value: Any, *, high: int | None = None) -> None:
+    """Refuse ``value`` unless it is an integer >= 1 (and <= ``high``)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or int(value) < 1:
+        raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+    if high is not None and int(value) > high:
+        raise ValueError(f"{owner}.{name} is {value}, more than the limit of {high}")
+
+
+COST_FIELDS = (
+    "iter_secs", "stall_secs", "persist_secs", "slowdown_secs", "restart_secs",
+    "cost_noise_secs", "measured_cost_secs",
+)  # fmt: skip
+"""The job's times in seconds: what a profile JSON may give (``load_profile``)."""
 
 
 @dataclass(frozen=True)
@@ -60,22 +115,24 @@ class JobModel:
     work too (the costs are those of the host at factor 1)."""
 
     def __post_init__(self) -> None:
-        for f in (
-            "iter_secs", "stall_secs", "persist_secs", "slowdown_secs", "restart_secs",
-            "cost_noise_secs",
-        ):  # fmt: skip
-            if getattr(self, f) < 0:
-                raise ValueError(f"JobModel.{f} must be >= 0, got {getattr(self, f)}")
-        if self.measured_cost_secs is not None and not self.measured_cost_secs >= 0:
-            raise ValueError(
-                f"JobModel.measured_cost_secs must be >= 0, got {self.measured_cost_secs}"
-            )
-        if self.iter_secs <= 0 or self.iterations < 1:
-            raise ValueError("JobModel needs iter_secs > 0 and iterations >= 1")
+        _finite("JobModel", "iter_secs", self.iter_secs, strict=True)
+        for f in COST_FIELDS[1:]:
+            if f != "measured_cost_secs" or self.measured_cost_secs is not None:
+                _finite("JobModel", f, getattr(self, f))
+        _count("JobModel", "iterations", self.iterations, high=MAX_ITERATIONS)
+        _count("JobModel", "max_in_flight", self.max_in_flight)
+        if self.iterations_per_epoch is not None:
+            _count("JobModel", "iterations_per_epoch", self.iterations_per_epoch)
         if self.speed_trace is not None:
             times = [t for t, _ in self.speed_trace]
-            if times != sorted(times) or any(not f > 0 for _, f in self.speed_trace):
-                raise ValueError("JobModel.speed_trace needs increasing times and factors > 0")
+            if (
+                times != sorted(times)
+                or not all(math.isfinite(t) for t in times)
+                or not all(0 < f < math.inf for _, f in self.speed_trace)
+            ):
+                raise ValueError(
+                    "JobModel.speed_trace needs finite increasing times and finite factors > 0"
+                )
 
     def speed_at(self, t: float) -> float:
         """The host's factor at ``t``: how much longer than at factor 1 its work takes."""
@@ -95,8 +152,19 @@ class JobModel:
 
     @classmethod
     def for_hours(cls, hours: float, **kw: Any) -> JobModel:
-        """A job of ``hours`` of compute."""
-        return cls(iterations=max(1, round(hours * 3600 / kw["iter_secs"])), **kw)
+        """A job of ``hours`` of compute (at least one iteration, at most
+        :data:`MAX_ITERATIONS`)."""
+        _finite("JobModel.for_hours", "hours", hours, strict=True)
+        it = kw["iter_secs"]
+        _finite("JobModel", "iter_secs", it, strict=True)
+        n = hours * 3600 / it
+        if n > MAX_ITERATIONS:
+            raise ValueError(
+                f"JobModel.for_hours: {hours:g} hours of {it:g} s iterations is {n:.3g} "
+                f"iterations, more than the limit of {MAX_ITERATIONS:.0e} (the simulator runs "
+                "50-100 thousand a second): simulate fewer hours or longer iterations"
+            )
+        return cls(iterations=max(1, round(n)), **kw)
 
 
 @dataclass(frozen=True)
@@ -107,6 +175,10 @@ class FailureClass:
     name: str
     share: float
     extra_restart_secs: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite("FailureClass", "share", self.share)
+        _finite("FailureClass", "extra_restart_secs", self.extra_restart_secs)
 
 
 @dataclass(frozen=True)
@@ -134,10 +206,15 @@ class FailureModel:
     prediction is then a mean over seeds, with its spread."""
 
     def __post_init__(self) -> None:
-        if any(not r >= 0 for r in self.restart_trace):
-            raise ValueError("FailureModel.restart_trace needs restart times >= 0")
-        if not self.trace_jitter_secs >= 0:
-            raise ValueError("FailureModel.trace_jitter_secs must be >= 0")
+        _finite("FailureModel", "mtbf_secs", self.mtbf_secs, strict=True)
+        _finite("FailureModel", "weibull_shape", self.weibull_shape, low=MIN_WEIBULL_SHAPE)
+        if self.trace is not None and not all(0 <= t < math.inf for t in self.trace):
+            raise ValueError("FailureModel.trace needs finite failure times >= 0")
+        if any(not 0 <= r < math.inf for r in self.restart_trace):
+            raise ValueError("FailureModel.restart_trace needs finite restart times >= 0")
+        _finite("FailureModel", "trace_jitter_secs", self.trace_jitter_secs)
+        if self.classes and not sum(c.share for c in self.classes) > 0:
+            raise ValueError("FailureModel.classes need a share > 0 between them")
 
     def restart_of(self, i: int, default: float) -> float:
         """The restart time of the ``i``-th failure (from 0): measured, or ``default``."""
@@ -145,10 +222,25 @@ class FailureModel:
 
     @classmethod
     def per_node(cls, mtbf_hours_per_node: float, nodes: int, **kw: Any) -> FailureModel:
-        return cls(mtbf_secs=mtbf_hours_per_node * 3600 / max(1, nodes), **kw)
+        _finite("FailureModel.per_node", "mtbf_hours_per_node", mtbf_hours_per_node, strict=True)
+        _count("FailureModel.per_node", "nodes", nodes)
+        return cls(mtbf_secs=mtbf_hours_per_node * 3600 / nodes, **kw)
+
+    def check_horizon(self, horizon_secs: float) -> None:
+        """Refuse a horizon over which the failure process would draw more than
+        :data:`MAX_FAILURES` failures on average (a trace is as long as it is)."""
+        expected = horizon_secs / self.mtbf_secs
+        if self.trace is None and not expected <= MAX_FAILURES:
+            raise TooManyFailures(
+                f"an MTBF of {self.mtbf_secs:.3g} s over a horizon of {horizon_secs:.3g} s is "
+                f"{expected:.3g} failures, more than the limit of {MAX_FAILURES:.0e}"
+            )
 
     def times(self, horizon_secs: float, rng: random.Random) -> list[float]:
-        """Failure times in [0, horizon) of wall-clock time."""
+        """Failure times in [0, horizon) of wall-clock time; :class:`TooManyFailures` when
+        there would be more than :data:`MAX_FAILURES` (expected, or drawn: a small Weibull
+        shape draws many more than the MTBF says)."""
+        self.check_horizon(horizon_secs)
         if self.trace is not None:
             j = self.trace_jitter_secs
             moved = [max(t + rng.uniform(-j, j), 0.0) for t in self.trace] if j else self.trace
@@ -162,6 +254,12 @@ class FailureModel:
             if t >= horizon_secs:
                 return out
             out.append(t)
+            if len(out) > MAX_FAILURES:
+                raise TooManyFailures(
+                    f"a Weibull shape of {k:g} at an MTBF of {self.mtbf_secs:.3g} s drew more "
+                    f"than {MAX_FAILURES:.0e} failures in a horizon of {horizon_secs:.3g} s "
+                    "(a smaller shape clusters more failures in bursts)"
+                )
 
     def pick_class(self, rng: random.Random) -> FailureClass | None:
         if not self.classes:
@@ -185,6 +283,15 @@ class LossModel:
     tau_secs: float = 3 * 3600.0
     stop_min: float | None = None
 
+    def __post_init__(self) -> None:
+        _finite("LossModel", "floor", self.floor, low=-math.inf)
+        _finite("LossModel", "scale", self.scale)
+        _finite("LossModel", "tau_secs", self.tau_secs, strict=True)
+        if self.stop_min is not None and not (
+            isinstance(self.stop_min, (int, float)) and 0 <= self.stop_min <= 1
+        ):
+            raise ValueError(f"LossModel.stop_min must be between 0 and 1, got {self.stop_min!r}")
+
     def loss(self, t: float) -> float:
         return self.floor + self.scale * math.exp(-t / self.tau_secs)
 
@@ -203,42 +310,67 @@ class LossModel:
 
 
 def load_profile(path: str) -> dict[str, float]:
-    """The job-model fields found in a profile JSON (``iter_secs``, ``stall_secs``, ...)."""
-    with open(path) as f:
-        doc = json.load(f)
+    """The job's times found in a profile JSON (``iter_secs``, ``stall_secs``, ...: the
+    fields of :data:`COST_FIELDS`; other keys are left alone). A value that is not a finite
+    number >= 0 (> 0 for ``iter_secs``) is refused, named. OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path}: not a JSON profile ({e})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a profile must be a JSON object")
-    names = {f.name for f in fields(JobModel)}
-    out = {
-        k: float(v)
-        for k, v in doc.items()
-        if k in names and isinstance(v, (int, float)) and v is not None
-    }
+    out: dict[str, float] = {}
+    for k in COST_FIELDS:
+        if k not in doc or (k == "measured_cost_secs" and doc[k] is None):
+            continue
+        v = doc[k]
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not number or not (v > 0 if k == "iter_secs" else v >= 0):
+            raise ValueError(
+                f"{path}: {k} is {v!r}, not a finite number {'>' if k == 'iter_secs' else '>='} 0"
+            )
+        out[k] = float(v)
     if not out:
-        raise ValueError(f"{path}: no job-model fields ({', '.join(sorted(names))}) in the profile")
+        raise ValueError(f"{path}: none of {', '.join(COST_FIELDS)} in the profile")
     return out
 
 
 def load_trace(path: str) -> tuple[float, ...]:
     """Failure times (seconds since the job started) from a CSV: one per row, first column,
-    or a column named ``time_secs``; a header row is skipped."""
+    or a column named ``time_secs``; a header row (a first row with no number) is skipped,
+    and so are blank rows. A time that is not a finite number >= 0, or a file with no time,
+    is refused, naming the file and the line; OSError when it cannot be read."""
     times: list[float] = []
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows:
-        return ()
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"{path}: not a CSV of failure times ({e})") from None
     column = 0
-    if rows[0] and "time_secs" in rows[0]:
+    if rows and rows[0] and "time_secs" in rows[0]:
         column = rows[0].index("time_secs")
+    header = False
     for i, row in enumerate(rows):
-        if not row or not row[column].strip():
+        cell = row[column].strip() if len(row) > column else ""
+        if not cell:
             continue
         try:
-            times.append(float(row[column]))
+            t = float(cell)
         except ValueError:
             if i == 0:
+                header = True
                 continue  # a header
             raise ValueError(
-                f"{path}: row {i + 1} has no number in column {column + 1}: {row!r}"
+                f"{path}: line {i + 1} has no number in column {column + 1}: {row!r}"
             ) from None
+        if not 0 <= t < math.inf:
+            raise ValueError(
+                f"{path}: line {i + 1}: failure time {cell!r} is not a finite number >= 0"
+            )
+        times.append(t)
+    if not times:
+        what = "only a header" if header else "nothing"
+        raise ValueError(f"{path}: no failure times in the trace (it holds {what})")
     return tuple(sorted(times))
