@@ -19,6 +19,7 @@ from pitstop.policy import (
     YoungDaly,
     daly_optimum,
 )
+from pitstop.policy.checkfreq import percent
 from pitstop.sim.compare import PolicySummary
 from pitstop.sim.engine import RunResult, simulate
 from pitstop.sim.model import (
@@ -280,7 +281,7 @@ def _policies(spec: str, job: JobModel, failures: FailureModel) -> dict[str, Che
                     f"--policy {raw.strip()!r}: checkfreq:BUDGET needs a number between 0 and 1 "
                     f"(0.02 is 2 %) ({e})"
                 ) from None
-            out[f"CheckFreq({budget:.0%})"] = freq
+            out[f"CheckFreq({percent(budget)})"] = freq
         elif name == "value":
             out["ValueAware"] = ValueAware(mtbf_secs=failures.mtbf_secs, horizon_secs=job.work_secs)
         else:
