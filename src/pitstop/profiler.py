@@ -317,7 +317,7 @@ class Profiler:
         same share of the cores as the training thread), and a cost in seconds from before
         the change would set the interval for another host until 16 new pairs replaced it."""
         costs = self._paired_costs()
-        key = (self._pairs, len(costs))
+        key = tuple(costs)  # which pairs (the host now), and whether their tails count
         if self._estimate[0] != key:
             self._estimate = (key, *_cost_estimate(costs))
         it = self.iter_secs or 0.0
