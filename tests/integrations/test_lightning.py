@@ -149,6 +149,19 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch: Any) -> None:
 
 
 # ---------------------------------------------------------------- the example, killed
+def _run_chains(base: Any, chains: list[Any]) -> list[str]:
+    """Run ``chains`` of Lightning runs (forks of one process that imported Lightning once,
+    ``lightning_runs.py``); the lines it reported, one per run."""
+    spec = base / "spec.json"
+    spec.write_text(json.dumps(chains))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_KILL", "PITSTOP_CR"))}
+    proc = subprocess.run(
+        [sys.executable, RUNNER, str(spec)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: Any) -> dict[str, str]:
     """Uninterrupted and killed-then-resumed runs of the example, plain and ``--broken``: forks
@@ -169,14 +182,8 @@ def runs(tmp_path_factory: Any) -> dict[str, str]:
         [run("ref")],
         [run("broken_ref", "--broken")],
     ]
-    spec = base / "spec.json"
-    spec.write_text(json.dumps(chains))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_KILL", "PITSTOP_CR"))}
-    proc = subprocess.run(
-        [sys.executable, RUNNER, str(spec)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads(line) for line in proc.stdout.splitlines()]
+    lines = _run_chains(base, chains)
+    reports = [json.loads(line) for line in lines]
     codes = [(r["dir"], r["env"] != {}, r["status"]) for r in reports]
     expected = [(dirs[n], False, 0) for n in dirs] + [
         (dirs[n], True, -signal.SIGKILL) for n in ("crash", "broken_crash")
@@ -369,16 +376,10 @@ def kills(tmp_path_factory: Any) -> dict[str, list[dict[str, Any]]]:
         name = kill_at.replace(":", "-")
         log = str(base / f"{name}.{{}}.log")
         chains.append([run(name, kill_at, log.format("killed")), run(name, None, log.format(i))])
-    spec = base / "spec.json"
-    spec.write_text(json.dumps(chains))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_KILL", "PITSTOP_CR"))}
-    proc = subprocess.run(
-        [sys.executable, RUNNER, str(spec)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = _run_chains(base, chains)
     names = {str(base / k.replace(":", "-")): k for k in KILLS} | {str(base / "ref"): "ref"}
     reports: dict[str, list[dict[str, Any]]] = {}
-    for line in proc.stdout.splitlines():
+    for line in lines:
         report = json.loads(line)
         reports.setdefault(names[report["dir"]], []).append(report)
     return reports
