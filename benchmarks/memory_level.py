@@ -1,33 +1,38 @@
-"""The memory level's building blocks, timed against a plain memcpy of the same bytes.
+"""Checkpoints with the memory level, as a training process sees them (issue 27).
 
-    python benchmarks/memory_level.py            # 512 MiB of state, 7 rounds
-    python benchmarks/memory_level.py --quick    # 512 MiB, 3 rounds (under a minute)
+    python benchmarks/memory_level.py            # 1 GiB of state (a few minutes)
+    python benchmarks/memory_level.py --quick    # 256 MiB (under a minute)
 
-One run, interleaved rounds (this machine's speed drifts: compare within a run, as
-ratios). The state is ``--mib`` MiB of float32 tensors (16 of them). Per round:
+Everything on the same bytes (``--mib`` MiB of float32 in 16 tensors, plus the objects a
+state carries), the competitors interleaved in one run (this machine's speed drifts):
 
-* ``memcpy``: ``dst.copy_(src)`` of every tensor into a reused, already-touched anonymous
-  buffer laid out as the data file: the floor of any staging.
-* ``stage arena``: the engine's ``stage`` into a pre-faulted anonymous ``Arena`` (what the
-  saver does today).
-* ``stage slot``: the same ``stage`` into a shared-memory slot (``levels.shm``; the slot is
-  the memory checkpoint, no second copy), plus ``slots.staged`` (record and objects).
-* ``seal``: hashing every segment and writing the manifest (the keeper's work, not the
-  training process's), 2 hash threads.
-* ``read memcpy``: copying the slot's data back into live tensors (no verification): the
-  "plain memcpy of the state" the restore rows are compared with.
-* ``restore memory``: ``restore_from_memory`` through a fresh ``SlotStorage`` (what a
-  restarted process runs: map the slots, scan, pin, recover + ``load_entry``): every
-  checksum verified in place in the slot, the bytes copied straight into the live tensors.
-* ``restore buffered``: the same call through a SlotStorage whose reader hides its
-  in-place view (``data_view``), so the engine reads through its read buffers (a copy),
-  hashes there, then copies into the tensors: the restore before the in-place path.
-* ``verify+copy direct``: hash each segment in the slot and copy it to its tensor, two
-  threads, nothing else (no catalog, no pins, no mapping): the floor of a verified restore.
-* ``restore disk``: ``pitstop.load`` of the same step persisted to a local directory by
-  ``keeper.persist_slot`` (page cache warm).
+Per checkpoint, in the training process (wall stall and CPU time of every thread of the
+process, ``getrusage``), medians of ``--reps``:
 
-Prints medians and ratios, then a final JSON line.
+* ``copy``: one memmove of every tensor into a reused, touched buffer (the floor: what a
+  checkpoint must at least cost the training process).
+* ``threads``: ``CheckpointManager(dir)``, ``async_save`` then ``wait``: today's path
+  without a memory level (stage into the arena, hash and write in threads of the training
+  process, commit, retention).
+* ``memory snapshot``: ``[Memory(), Local(dir)]``, ``ckpt.step()`` between durable saves:
+  the copy into a slot and its ``staged`` record; the keeper seals it (its CPU is counted
+  apart, from /proc).
+* ``memory durable``: the same list, ``save``: the keeper also writes the slot to ``dir``.
+
+Restore after a crash, each in a fresh process (the writer SIGKILLs itself; its keeper
+lingers; the restoring process adopts the slots): ``restore memory`` (``ckpt.restore``,
+served by the memory level), ``restore disk`` (``CheckpointManager(dir).restore`` of the
+step the keeper wrote), ``torch.load`` (of a ``torch.save`` of the same state, page cache
+warm), against ``memcpy`` (copying the state between two touched buffers in that process).
+
+Also: RSS of the training process and of the keeper, and the shared memory the slots use.
+
+Several ranks (``--only ranks``): two gloo ranks, one emulated node each, the same small
+training loop with no checkpoints, the local level every 10 steps, plus a memory snapshot
+every step, plus partner copies of every snapshot into the other node's memory: the median
+iteration time of each.
+
+Prints a table and a final JSON line.
 """
 
 from __future__ import annotations
@@ -37,276 +42,507 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
-import torch
-
-import pitstop
-from pitstop.engine.persist import encode_objects
-from pitstop.engine.stage import arena_tensor, stage
-from pitstop.format.checksum import get_checksum, segments
-from pitstop.io.arena import Arena
-from pitstop.levels.keeper import persist_slot, start_keeper
-from pitstop.levels.memory import SlotStorage, plan_state, record_for, restore_from_memory
-from pitstop.levels.shm import DATA_OFFSET, SHM_DIR, SlotSet, new_job_token, seal
-from pitstop.storage.base import DataReader
-from pitstop.storage.local import LocalStorage
-
-_RESTORES = ("restore memory", "restore buffered", "verify+copy direct", "restore disk")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _state(mib: int) -> dict[str, Any]:
+    import torch
+
     g = torch.Generator().manual_seed(0)
     n = 16
     per = mib * (1 << 20) // 4 // n
-    return {"w": {f"t{i:02d}": torch.randn(per, generator=g) for i in range(n)}}
+    tensors = {f"t{i:02d}": torch.randn(per, generator=g) for i in range(n)}
+    return {"w": tensors, "progress": {"epoch": 1, "note": "x" * 100}}
 
 
 def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
-def _timed(
-    fn: Callable[[], object], cpu: dict[str, list[float]] | None = None, name: str = ""
-) -> float:
+def _proc_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def _rss_mib(pid: int | str = "self") -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _timed(fn: Any) -> tuple[float, float]:
     c0, t0 = _cpu(), time.perf_counter()
     fn()
-    wall = time.perf_counter() - t0
-    if cpu is not None:
-        cpu.setdefault(name, []).append(_cpu() - c0)
-    return wall
+    return time.perf_counter() - t0, _cpu() - c0
 
 
-def keeper_run(b: Bench) -> dict[str, float]:
-    """The real keeper: seal four snapshots (the first of each slot maps it), persist the
-    last one to a local directory; its RSS."""
-    keeper = start_keeper(b.job, next_dir=b.root)
-    try:
-        seals = []
-        for _ in range(4):
-            b.stage_slot()
-            t0 = time.perf_counter()
-            keeper.request_seal(b.slot.index)
-            keeper.wait_for("sealed", step=b.step, timeout=120)
-            seals.append(time.perf_counter() - t0)
-        keeper.request_persist(b.slot.index)
-        done = keeper.wait_for("persisted", step=b.step, timeout=300)
-        with open(f"/proc/{keeper.pid}/status") as f:
-            status = f.read()
-        rss = {
-            line.split(":")[0]: int(line.split()[1]) * 1024
-            for line in status.splitlines()
-            if line.startswith(("VmRSS", "RssAnon", "RssShmem"))
-        }
-        return {
-            "seal_first_secs": seals[0],
-            "seal_secs": statistics.median(seals[2:]),
-            "persist_secs": done["secs"],
-            **{f"keeper_{k}": v for k, v in rss.items()},
-        }
-    finally:
-        keeper.stop(unlink=False)
-        shutil.rmtree(b.root, ignore_errors=True)
+# --------------------------------------------------------------------------- costs
+def costs(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    import torch
+
+    import pitstop
+    from pitstop.engine.stage import copy_bytes
+    from pitstop.policy import EveryN
+
+    state = _state(args.mib)
+    flat = list(state["w"].values())
+    dst = [torch.empty_like(t) for t in flat]
+    for d in dst:
+        d.fill_(1.0)
+    job = f"bench{os.getpid()}"
+    plain = pitstop.CheckpointManager(os.path.join(root, "threads"), keep_last=2)
+    mem = pitstop.CheckpointManager(
+        [pitstop.Memory(job=job), pitstop.Local(os.path.join(root, "local"), keep_last=2)],
+        policy=EveryN(10**9),
+    )
+    plain.reserve(state)
+    mem.reserve(state)
+    keeper_cpu: list[float] = []
+    rows: dict[str, list[tuple[float, float]]] = {
+        k: [] for k in ("copy", "threads", "memory snapshot", "memory durable")
+    }
+    step = 0
+
+    def settle() -> None:  # let the keeper seal the snapshot (its own CPU, not ours)
+        memory = mem.hooks.levels.memory
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            slots = memory.slots if memory is not None else None
+            if slots is not None and slots.newest() and slots.newest()[1].step == step:
+                return
+            time.sleep(0.005)
+
+    for rep in range(args.reps + 1):  # the first round warms up (slots, arena, keeper)
+        out: dict[str, tuple[float, float]] = {}
+        out["copy"] = _timed(lambda: [copy_bytes(d, s) for d, s in zip(dst, flat)])
+        step += 1
+        out["threads"] = _timed(lambda s=step: plain.async_save(s, state).wait())
+        step += 1
+        memory = mem.hooks.levels.memory
+        k0 = _proc_cpu(memory.keeper.pid) if memory and memory.keeper else 0.0
+        out["memory snapshot"] = _timed(lambda s=step: (mem.step(s, state), mem.wait()))
+        settle()
+        step += 1
+        out["memory durable"] = _timed(lambda s=step: mem.save(s, state))
+        if memory is not None and memory.keeper is not None:
+            keeper_cpu.append(_proc_cpu(memory.keeper.pid) - k0)
+        if rep:
+            for k, v in out.items():
+                rows[k].append(v)
+        print(f"  round {rep}: " + ", ".join(f"{k} {w:.3f}s/{c:.3f}cpu"
+                                            for k, (w, c) in out.items()), file=sys.stderr)  # fmt: skip
+    memory = mem.hooks.levels.memory
+    keeper_rss = _rss_mib(memory.keeper.pid) if memory and memory.keeper else 0.0
+    shm = sum(s.nbytes for s in memory.slots.slots) if memory and memory.slots else 0
+    result = {
+        k: {"wall": statistics.median(w for w, _ in v), "cpu": statistics.median(c for _, c in v)}
+        for k, v in rows.items()
+    }
+    result["keeper_cpu_per_snapshot_and_durable"] = statistics.median(keeper_cpu[1:] or [0.0])
+    result["rss_mib"] = _rss_mib()
+    result["keeper_rss_mib"] = keeper_rss
+    result["shm_mib"] = shm / (1 << 20)
+    result["state_mib"] = args.mib
+    plain.close()
+    mem.close()
+    return result
 
 
-class _Reader:
-    """A slot's reader without its ``data_view`` hook: the engine's buffered path."""
+# --------------------------------------------------------------------------- restores
+def writer(args: argparse.Namespace) -> None:
+    """A training process: a memory snapshot, a durable copy, a torch.save; then SIGKILL."""
+    import torch
 
-    direct = False
+    import pitstop
+    from pitstop.policy import EveryN
 
-    def __init__(self, inner: DataReader) -> None:
-        self._inner = inner
-
-    def read_into(self, offset: int, out: memoryview) -> int:
-        return self._inner.read_into(offset, out)
-
-    def close(self) -> None:
-        self._inner.close()
-
-
-class BufferedSlotStorage(SlotStorage):
-    """A SlotStorage whose data files are read through the engine's read buffers."""
-
-    def open_data(self, directory: str, name: str) -> Any:
-        return _Reader(super().open_data(directory, name))
+    state = _state(args.mib)
+    ckpt = pitstop.CheckpointManager(
+        [pitstop.Memory(job=args.job), pitstop.Local(args.dir, keep_last=1)], policy=EveryN(10**9)
+    )
+    ckpt.restore(state)
+    ckpt.save(args.step, state)  # memory + disk (the keeper writes it)
+    torch.save(state, os.path.join(args.dir, "state.pt"))
+    os.sync()
+    print("ready", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Bench:
-    """The state, its slots, arena and target tensors; one method per timed operation."""
+def restorer(args: argparse.Namespace) -> None:
+    import torch
 
-    def __init__(self, mib: int) -> None:
-        self.state = _state(mib)
-        self.into = {"w": {k: torch.empty_like(v) for k, v in self.state["w"].items()}}
-        self.flat, self.plan = plan_state(self.state)
-        self.nbytes = self.plan.file_bytes
-        self.job = "bench" + new_job_token()
-        self.slots = SlotSet.create(self.job, data_bytes=self.nbytes)
-        self.arena = Arena(self.nbytes)
-        self.abuf = arena_tensor(self.arena)
-        self.copier = ThreadPoolExecutor(1)
-        self.hashers = ThreadPoolExecutor(2)
-        self.root = tempfile.mkdtemp(prefix="pitstop-memlevel-")
-        self.items = list(self.plan.items)
-        self.srcs = [self.flat.tensors[it.key] for it in self.items]
-        self.dsts = [self.into["w"][it.key.rsplit("/", 1)[-1]] for it in self.items]
-        self.views = [
-            self.abuf[it.offset : it.offset + it.nbytes].view(torch.float32) for it in self.items
-        ]
-        self.objects = encode_objects(self.flat.tree, rank=0)
-        self.slot: Any = None
-        self.step = 0
-        self.staged_secs: list[float] = []
-        self.hash = get_checksum("xxh3_64")
+    import pitstop
+    from pitstop.engine.stage import copy_bytes
 
-    def close(self) -> None:
-        self.slots.close(unlink=True)
-        self.arena.close()
-        self.copier.shutdown()
-        self.hashers.shutdown()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def memcpy(self) -> None:
-        for dst, src in zip(self.views, self.srcs, strict=True):
-            dst.copy_(src)
-
-    def stage_arena(self) -> None:
-        stage(self.flat, self.plan, self.abuf, overlap=False, copier=self.copier).wait_copied()
-
-    def stage_slot(self) -> None:
-        self.step += 1
-        slot = self.slots.begin(self.step)
-        assert slot is not None
-        buf = arena_tensor(cast(Any, slot))  # a Slot is arena-like
-        stage(self.flat, self.plan, buf, overlap=False, copier=self.copier).wait_copied()
+    state = _state(args.mib)
+    for t in state["w"].values():
+        t.zero_()
+    out: dict[str, Any] = {}
+    if args.what == "memory":
+        ckpt = pitstop.CheckpointManager(
+            [pitstop.Memory(job=args.job), pitstop.Local(args.dir, keep_last=1)]
+        )
         t0 = time.perf_counter()
-        self.slots.staged(slot, record_for(self.plan, self.step), self.objects, self.nbytes)
-        self.staged_secs.append(time.perf_counter() - t0)
-        self.slot = slot
+        out["step"] = ckpt.restore(state)
+        out["secs"] = time.perf_counter() - t0
+        assert ckpt.last_restore is not None
+        out["level"] = ckpt.last_restore.level
+        os._exit(_emit(out))  # no close: the next round's writer adopts the slots
+    elif args.what == "disk":
+        ckpt = pitstop.CheckpointManager(args.dir)
+        t0 = time.perf_counter()
+        out["step"] = ckpt.restore(state)
+        out["secs"] = time.perf_counter() - t0
+        ckpt.close()
+    elif args.what == "torch.load":
+        t0 = time.perf_counter()
+        loaded = torch.load(os.path.join(args.dir, "state.pt"), weights_only=True)
+        for k, t in state["w"].items():
+            t.copy_(loaded["w"][k])
+        out["secs"] = time.perf_counter() - t0
+    else:  # memcpy between two touched buffers of the state's size
+        src = [t.clone() for t in state["w"].values()]
+        t0 = time.perf_counter()
+        for d, s in zip(state["w"].values(), src):
+            copy_bytes(d, s)
+        out["secs"] = time.perf_counter() - t0
+    _emit(out)
 
-    def seal(self) -> None:
-        assert seal(self.slot, pool=self.hashers) is not None
 
-    def read_memcpy(self) -> None:
-        data = self.slot.view
-        for it, dst in zip(self.items, self.dsts, strict=True):
-            piece = data[it.offset : it.offset + it.nbytes]
-            dst.view(-1).view(torch.uint8).copy_(torch.frombuffer(piece, dtype=torch.uint8))
+def _emit(out: dict[str, Any]) -> int:
+    print(json.dumps(out), flush=True)
+    return 0
 
-    def restore_memory(self, kind: type[SlotStorage] = SlotStorage) -> None:
-        with kind(SHM_DIR, self.job) as storage:
-            result = restore_from_memory(storage, self.into)
-        assert result.step == self.step, result
 
-    def restore_buffered(self) -> None:
-        self.restore_memory(BufferedSlotStorage)
+def restores(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    job = f"benchr{os.getpid()}"
+    d = os.path.join(root, "restore")
+    os.makedirs(d, exist_ok=True)
+    rows: dict[str, list[float]] = {"restore memory": [], "restore disk": [], "torch.load": [],
+                                    "memcpy": []}  # fmt: skip
+    levels = []
+    base = [sys.executable, os.path.abspath(__file__), "--mib", str(args.mib), "--job", job,
+            "--dir", d]  # fmt: skip
+    for rnd in range(args.reps):
+        w = subprocess.run([*base, "--role", "writer", "--step", str(rnd + 1)],
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+        if "ready" not in w.stdout:
+            raise SystemExit(f"writer failed: {w.stderr[-2000:]}")
+        for what, row in (("memory", "restore memory"), ("disk", "restore disk"),
+                          ("torch.load", "torch.load"), ("memcpy", "memcpy")):  # fmt: skip
+            r = subprocess.run([*base, "--role", "restorer", "--what", what],
+                               capture_output=True, text=True, timeout=600)  # fmt: skip
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            if not lines:
+                raise SystemExit(f"restorer {what} failed: {r.stderr[-2000:]}")
+            got = json.loads(lines[-1])
+            rows[row].append(got["secs"])
+            if what == "memory":
+                levels.append(got.get("level"))
+        print(f"  restore round {rnd}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in rows.items())
+              + f" (memory level served: {levels[-1]})", file=sys.stderr)  # fmt: skip
+    from pitstop.levels.shm import SHM_DIR, remove_job
 
-    def direct(self) -> None:
-        data = self.slot.view
+    time.sleep(0.5)
+    remove_job(SHM_DIR, job)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in rows.items()}
+    out["served_by"] = levels
+    return out
 
-        def one(k: int) -> None:
-            it, dst = self.items[k], self.dsts[k].view(-1).view(torch.uint8)
-            for a, n in segments(it.offset, it.nbytes, self.plan.segment_bytes):
-                piece = data[a : a + n]
-                self.hash(piece)
-                dst[a - it.offset : a - it.offset + n].copy_(
-                    torch.frombuffer(piece, dtype=torch.uint8)
-                )
 
-        list(self.hashers.map(one, range(len(self.items))))
+# --------------------------------------------------------------------------- loop
+def loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """Every-step memory snapshots on the training loop of ``benchmarks/overhead.py`` (an MLP
+    + Adam, the same widths): paired segments with and without checkpoints, alternating
+    order, in one process; overhead = median of (with / without - 1). Beside it, the same
+    pairs with today's path checkpointing every step (``CheckpointManager(dir)``,
+    ``EveryN(1)``)."""
+    import torch
+    from torch import nn
 
-    def restore_disk(self) -> None:
-        assert pitstop.load(self.root, self.into, step=self.step) == self.step
+    import pitstop
+    from pitstop.policy import EveryN
+
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(args.layers):
+        blocks += [nn.Linear(args.width, args.width), nn.ReLU()]
+    model = nn.Sequential(*blocks, nn.Linear(args.width, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    state = {"model": model, "optimizer": opt}
+
+    def train() -> float:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    train()
+    managers = {
+        "memory every step": pitstop.CheckpointManager(
+            [pitstop.Memory(job=f"benchl{os.getpid()}"),
+             pitstop.Local(os.path.join(root, "loop-local"), keep_last=1)],
+            policy=EveryN(10**9),
+        ),
+        "threads every step": pitstop.CheckpointManager(
+            os.path.join(root, "loop-threads"), keep_last=1, policy=EveryN(1)
+        ),
+    }  # fmt: skip
+    state_mib = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3 / 2**20
+    step = 0
+    out: dict[str, Any] = {"state_mib": state_mib}
+    for name, ckpt in managers.items():
+        ckpt.reserve(state)
+        ratios, taken = [], 0
+        for pair in range(args.pairs + 1):  # the first pair warms up
+            times = {}
+            for with_ckpt in (True, False) if pair % 2 else (False, True):
+                t0 = time.perf_counter()
+                for _ in range(args.segment):
+                    step += 1
+                    loss = train()
+                    if with_ckpt:
+                        r = ckpt.step(step, state, loss=loss)
+                        taken += bool(r) or r.name == "SKIPPED"
+                if with_ckpt:
+                    ckpt.wait()
+                    ckpt.pause()
+                times[with_ckpt] = time.perf_counter() - t0
+            if pair:
+                ratios.append(times[True] / times[False] - 1)
+            print(f"  loop {name} pair {pair}: with {times[True]:.2f}s without "
+                  f"{times[False]:.2f}s", file=sys.stderr)  # fmt: skip
+        memory = ckpt.hooks.levels.memory
+        snapshots = None
+        if memory is not None and memory.slots is not None:
+            newest = memory.slots.newest()
+            snapshots = newest[1].gen if newest else 0  # slot generations: snapshots begun
+        out[name] = {"overhead": statistics.median(ratios), "pairs": ratios,
+                     "snapshots_begun": snapshots}  # fmt: skip
+        ckpt.close()
+    out["iter_secs"] = None
+    t0 = time.perf_counter()
+    for _ in range(3):
+        train()
+    out["iter_secs"] = (time.perf_counter() - t0) / 3
+    return out
+
+
+# --------------------------------------------------------------------------- main
+# ---------------------------------------------------------------------- several ranks
+def _ranks_state(mib: int) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    width = 1024
+    layers = max(1, mib * (1 << 20) // (width * width * 4 * 3))  # weights + Adam's two
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return {"model": model, "optimizer": opt}
+
+
+def _ranks_loop(
+    rank: int, world: int, variant: str, root: str, shm: str, mib: int, steps: int
+) -> dict[str, Any]:
+    """One rank: ``steps`` iterations (forward, backward, Adam) with ``ckpt.step`` as the
+    variant says; the wall time of each iteration, and (``crash``) a SIGKILL-like end once
+    the newest snapshot is sealed and copied."""
+    import torch
+
+    import pitstop
+    from pitstop.levels.shm import new_job_token
+
+    torch.set_num_threads(1)
+    state = _ranks_state(mib)
+    model, opt = state["model"], state["optimizer"]
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(rank))
+    ckpt = None
+    if variant != "none":
+        levels: list[Any] = [pitstop.Local(os.path.join(root, variant, "{node}"),
+                                           redundancy="single")]  # fmt: skip
+        if variant.startswith("memory"):
+            levels.insert(0, pitstop.Memory(
+                job="b" + new_job_token(), directory=os.path.join(shm, variant, "{node}"),
+                redundancy="partner" if variant == "memory partner" else "single",
+            ))  # fmt: skip
+        ckpt = pitstop.CheckpointManager(
+            levels, policy=pitstop.EveryN(10), topology=[f"n{r}" for r in range(world)]
+        )
+    times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if ckpt is not None:
+            ckpt.step(step, state)
+        times.append(time.perf_counter() - t0)
+    if ckpt is not None:
+        ckpt.close()
+    return {"times": times}
+
+
+def ranks(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """Two ranks (gloo, one emulated node each), the same loop with: no checkpoints; the
+    local level every 10 steps; plus a memory snapshot every step; plus partner copies of
+    every snapshot into the other node's memory. Median iteration time of rank 0 after the
+    first 5 iterations, each variant run ``reps`` times in turn."""
+    from pitstop.testing.distributed import run_ranks
+
+    shm = tempfile.mkdtemp(prefix="pitstop-bench-", dir="/dev/shm")
+    variants = ("none", "local every 10", "memory every step", "memory partner")
+    per: dict[str, list[float]] = {v: [] for v in variants}
+    try:
+        for _ in range(max(1, args.reps // 2)):
+            for v in variants:
+                out = run_ranks(_ranks_loop, 2, v, root, shm, args.ranks_mib, args.ranks_steps,
+                                timeout_secs=300.0)  # fmt: skip
+                per[v] += out[0]["times"][5:]
+                shutil.rmtree(os.path.join(root, v), ignore_errors=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return {"mib": args.ranks_mib, **{v: statistics.median(t) for v, t in per.items()}}
+
+
+def report_ranks(rk: dict[str, Any], summary: dict[str, Any]) -> None:
+    base = rk["none"]
+    print(f"\ntwo ranks (gloo, a node each), {rk['mib']} MiB of model + Adam per rank, "
+          "median iteration time of rank 0:")  # fmt: skip
+    names = ("none", "local every 10", "memory every step", "memory partner")
+    for k in names:
+        print(f"  {k:20s} {rk[k] * 1e3:8.1f} ms  ({(rk[k] / base - 1) * 100:+6.1f} % vs none)")
+    summary["ranks_iter_ms"] = {k: rk[k] * 1e3 for k in names}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--mib", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--mib", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--role", default="main")
+    p.add_argument("--what", default="")
+    p.add_argument("--job", default="")
+    p.add_argument("--dir", default="")
+    p.add_argument("--step", type=int, default=1)
+    p.add_argument("--only", default="costs,restores,loop,ranks", help="sections to run")
+    p.add_argument("--ranks-mib", type=int, default=None)
+    p.add_argument("--ranks-steps", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--segment", type=int, default=None)
+    p.add_argument("--pairs", type=int, default=None)
     args = p.parse_args()
-    rounds = args.rounds or (3 if args.quick else 7)
-    b = Bench(args.mib)
-    times: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}
-    stages = [("memcpy", b.memcpy), ("stage arena", b.stage_arena), ("stage slot", b.stage_slot)]
-    reads = [("read memcpy", b.read_memcpy), ("restore memory", b.restore_memory),
-             ("restore buffered", b.restore_buffered), ("verify+copy direct", b.direct)]  # fmt: skip
+    args.width = args.width or (1536 if args.quick else 2048)  # benchmarks/overhead.py's loop
+    args.layers = args.layers or (3 if args.quick else 7)
+    args.batch = args.batch or (128 if args.quick else 256)
+    args.segment = args.segment or (8 if args.quick else 16)
+    args.pairs = args.pairs or (2 if args.quick else 3)
+    args.mib = args.mib or (256 if args.quick else 1024)
+    args.reps = args.reps or (3 if args.quick else 5)
+    args.ranks_mib = args.ranks_mib or (48 if args.quick else 96)
+    args.ranks_steps = args.ranks_steps or (25 if args.quick else 40)
+    if args.role == "writer":
+        return writer(args)
+    if args.role == "restorer":
+        return restorer(args)
+    root = tempfile.mkdtemp(prefix="pitstop-memckpt-", dir=os.environ.get("PITSTOP_BENCH_DIR"))
     try:
-        for r in range(rounds):
-            for name, fn in stages if r % 2 == 0 else stages[::-1]:
-                times.setdefault(name, []).append(_timed(fn, cpu, name))
-            times.setdefault("seal", []).append(_timed(b.seal))
-            for name, fn in reads if r % 2 == 0 else reads[::-1]:
-                times.setdefault(name, []).append(_timed(fn))
-            persist_slot(b.slot, LocalStorage(b.root), pool=b.hashers)
-            times.setdefault("restore disk", []).append(_timed(b.restore_disk))
-            shutil.rmtree(b.root, ignore_errors=True)
-            if r == 0:
-                for fn in (b.restore_buffered, b.restore_memory):  # both land every bit
-                    for t in b.into["w"].values():
-                        t.fill_(float("nan"))
-                    fn()
-                    for k, v in b.state["w"].items():
-                        assert torch.equal(v, b.into["w"][k]), k
-            print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-        keeper = keeper_run(b)
+        print(f"state {args.mib} MiB, {args.reps} rounds; load {os.getloadavg()[0]:.1f}",
+              file=sys.stderr)  # fmt: skip
+        only = set(args.only.split(","))
+        c = costs(args, root) if "costs" in only else None
+        r = restores(args, root) if "restores" in only else None
+        lp = loop(args, root) if "loop" in only else None
+        rk = ranks(args, root) if "ranks" in only else None
     finally:
-        b.close()
-    extra = {
-        "trainer_cpu_memcpy_secs": statistics.median(cpu["memcpy"]),
-        "trainer_cpu_stage_slot_secs": statistics.median(cpu["stage slot"]),
-        "staged_meta_secs": statistics.median(b.staged_secs),
-        "shm_bytes": 2 * (DATA_OFFSET + b.nbytes),
-        **keeper,
-    }
-    report(times, b.nbytes, len(b.items), rounds, extra)
+        shutil.rmtree(root, ignore_errors=True)
+    summary: dict[str, Any] = {"bench": "memory_level", "state_mib": args.mib}
+    if c is not None:
+        report_costs(args, c, summary)
+    if r is not None:
+        report_restores(r, summary)
+    if lp is not None:
+        report_loop(lp, summary)
+    if rk is not None:
+        report_ranks(rk, summary)
+    print(json.dumps(summary))
 
 
-def report(
-    times: dict[str, list[float]], nbytes: int, count: int, rounds: int, extra: dict[str, float]
-) -> None:
-    med = {k: statistics.median(v) for k, v in times.items()}
-    base, rbase = med["memcpy"], med["read memcpy"]
-    gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
-    print(f"state: {nbytes / 2**20:.0f} MiB in {count} tensors; {rounds} rounds, medians")
-    for k, v in med.items():
-        ref = rbase if k in _RESTORES else base
-        print(f"{k:20s} {v * 1e3:8.1f} ms  {gbps[k]:6.2f} GB/s  {ref / v:5.2f}x a memcpy")
-    out = {
-        "bytes": nbytes,
-        "rounds": rounds,
-        "median_secs": {k: round(v, 5) for k, v in med.items()},
-        "stage_slot_vs_memcpy": round(base / med["stage slot"], 3),
-        "stage_arena_vs_memcpy": round(base / med["stage arena"], 3),
-        "restore_memory_vs_memcpy": round(rbase / med["restore memory"], 3),
-        "restore_buffered_vs_memcpy": round(rbase / med["restore buffered"], 3),
-        "direct_vs_memcpy": round(rbase / med["verify+copy direct"], 3),
-        "restore_disk_vs_memcpy": round(rbase / med["restore disk"], 3),
-        "seal_gbps": round(gbps["seal"], 2),
-        **{k: round(v, 5) if isinstance(v, float) else v for k, v in extra.items()},
-    }
-    c = extra
-    print(
-        f"trainer CPU per checkpoint: memcpy {c['trainer_cpu_memcpy_secs'] * 1e3:.1f} ms, stage "
-        f"into a slot {c['trainer_cpu_stage_slot_secs'] * 1e3:.1f} ms (of which the staged "
-        f"record + objects write {c['staged_meta_secs'] * 1e3:.2f} ms wall)"
-    )
-    print(
-        f"keeper: seal {c['seal_secs']:.3f} s (first of a slot {c['seal_first_secs']:.3f} s), persist to disk {c['persist_secs']:.3f} s; RSS "
-        f"{c.get('keeper_VmRSS', 0) / 2**20:.0f} MiB (anon {c.get('keeper_RssAnon', 0) / 2**20:.0f}"
-        f" MiB, shmem {c.get('keeper_RssShmem', 0) / 2**20:.0f} MiB); /dev/shm used "
-        f"{c['shm_bytes'] / 2**20:.0f} MiB"
-    )
-    print(json.dumps(out))
+def report_costs(args: argparse.Namespace, c: dict[str, Any], summary: dict[str, Any]) -> None:
+    copy_cpu = c["copy"]["cpu"]
+    names = ("copy", "threads", "memory snapshot", "memory durable")
+    print(f"\nper checkpoint ({args.mib} MiB), medians: wall stall / CPU of the training process")
+    for k in names:
+        w, cpu = c[k]["wall"], c[k]["cpu"]
+        print(f"  {k:16s} {w * 1e3:8.1f} ms  cpu {cpu * 1e3:8.1f} ms  "
+              f"({cpu / copy_cpu:5.2f}x the copy's CPU)")  # fmt: skip
+    budget = 1.5 * copy_cpu + 0.002
+    print(f"  goal: memory snapshot CPU <= 1.5 x copy + 2 ms = {budget * 1e3:.1f} ms: "
+          f"{'PASS' if c['memory snapshot']['cpu'] <= budget else 'MISS'}")  # fmt: skip
+    print(f"  keeper CPU per snapshot + durable write: "
+          f"{c['keeper_cpu_per_snapshot_and_durable']:.3f} s; RSS: training {c['rss_mib']:.0f} "
+          f"MiB, keeper {c['keeper_rss_mib']:.0f} MiB (the slots it maps count there too); "
+          f"shared memory {c['shm_mib']:.0f} MiB")  # fmt: skip
+    summary.update({
+        "cpu_ms": {k: c[k]["cpu"] * 1e3 for k in names},
+        "stall_ms": {k: c[k]["wall"] * 1e3 for k in names},
+        "snapshot_cpu_vs_copy": c["memory snapshot"]["cpu"] / copy_cpu,
+        "rss_mib": c["rss_mib"], "keeper_rss_mib": c["keeper_rss_mib"], "shm_mib": c["shm_mib"],
+    })  # fmt: skip
+
+
+def report_restores(r: dict[str, Any], summary: dict[str, Any]) -> None:
+    names = ("memcpy", "restore memory", "restore disk", "torch.load")
+    print("\nrestore after a crash, fresh process, medians:")
+    for k in names:
+        print(f"  {k:16s} {r[k]:8.3f} s   memcpy/this {r['memcpy'] / r[k]:5.2f}x")
+    print(f"  goal: restore memory >= 0.5x a memcpy: "
+          f"{'PASS' if r['memcpy'] / r['restore memory'] >= 0.5 else 'MISS'}; "
+          f"memory vs disk {r['restore disk'] / r['restore memory']:.2f}x faster; "
+          f"served by {r['served_by']}")  # fmt: skip
+    summary.update({
+        "restore_memory_vs_memcpy": r["memcpy"] / r["restore memory"],
+        "restore_memory_vs_disk": r["restore disk"] / r["restore memory"],
+        "restore_secs": {k: r[k] for k in names}, "restore_served_by": r["served_by"],
+    })  # fmt: skip
+
+
+def report_loop(lp: dict[str, Any], summary: dict[str, Any]) -> None:
+    print(f"\ncheckpoint every step on benchmarks/overhead.py's loop ({lp['state_mib']:.0f} MiB "
+          f"of state, {lp['iter_secs']:.2f} s per iteration), overhead vs no checkpoints "
+          "(median of pairs):")  # fmt: skip
+    for k in ("memory every step", "threads every step"):
+        extra = lp[k]["snapshots_begun"]
+        print(f"  {k:20s} {lp[k]['overhead'] * 100:6.1f} %  pairs "
+              f"{[round(x * 100, 1) for x in lp[k]['pairs']]}"
+              + (f"; memory snapshots begun: {extra}" if extra is not None else ""))  # fmt: skip
+    summary["loop"] = {k: lp[k]["overhead"] for k in ("memory every step", "threads every step")}
+    summary["loop_state_mib"] = lp["state_mib"]
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PITSTOP_LOG", "warning")
     main()
