@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -36,6 +38,25 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     opt.zero_grad()
     loss.backward()
     opt.step()
+
+
+def launcher_keeper(root: str, shm: str, job: str, *extra: str) -> subprocess.Popen[str]:
+    """``pitstop keeper ROOT --job JOB --shm-dir SHM ...`` as a launcher starts it (no
+    ``PITSTOP_`` variables), once it watches the job."""
+    from pitstop.levels.keeper_watch import external_keeper
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pitstop.cli.main import main; "
+         "sys.exit(main(sys.argv[1:]))", "keeper", root, "--job", job, "--shm-dir", shm,
+         *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not external_keeper(shm, job):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    return proc
 
 
 def flip_byte(path: str, offset: int) -> None:

@@ -8,16 +8,14 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
 import pytest
 import torch
 
+from conftest import launcher_keeper
 from pitstop.cli.main import main
-from pitstop.levels.keeper_watch import external_keeper
 
 from . import memory_worker as w
 
@@ -28,21 +26,6 @@ STEPS = 40
 @functools.cache
 def _ref() -> tuple[dict[int, str], dict[str, torch.Tensor]]:
     return w.reference(STEPS)
-
-
-def _keeper(root: str, shm: str, job: str, *extra: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pitstop.cli.main import main; "
-         "sys.exit(main(sys.argv[1:]))", "keeper", root, "--job", job, "--shm-dir", shm,
-         *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not external_keeper(shm, job):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
-    return proc
 
 
 def _steps_on_disk(root: str) -> list[int]:
@@ -59,7 +42,7 @@ def test_a_launchers_keeper_seals_writes_a_killed_trainers_newest_and_ends_with_
 ) -> None:
     root, out = os.path.join(str(tmp_path), "ck"), os.path.join(str(tmp_path), "final.pt")
     digests, want = _ref()
-    keeper = _keeper(root, shm_dir, job, "--linger-secs", "60")
+    keeper = launcher_keeper(root, shm_dir, job, "--linger-secs", "60")
     try:
         code, lines, err = w.run(
             root, shm_dir, job, STEPS, "--external", "--kill-at", "27", "--step-secs", "0.01"
@@ -89,7 +72,7 @@ def test_a_launchers_keeper_seals_writes_a_killed_trainers_newest_and_ends_with_
 
 def test_a_second_keeper_of_the_same_job_refuses(job: str, shm_dir: str, tmp_path: Any) -> None:
     root = os.path.join(str(tmp_path), "ck")
-    first = _keeper(root, shm_dir, job)
+    first = launcher_keeper(root, shm_dir, job)
     try:
         assert main(["keeper", root, "--job", job, "--shm-dir", shm_dir, "--max-secs", "1"]) == 1
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 import pitstop
-from conftest import flip_byte, make_state, tensors_of
+from conftest import flip_byte, launcher_keeper, make_state, tensors_of
+from pitstop.cli.main import main as gc_main
 from pitstop.levels.memory_peers import peer_token
 from pitstop.levels.shm import (
     COMMITTED,
@@ -91,12 +93,16 @@ def _run(
     redundancy: str | None = None,
     wait_sealed: bool = True,
     timeout: float = TIMEOUT,
+    keepers_die: bool = False,
+    keeper: str | bool = True,
 ) -> dict[str, Any]:
     """Resume (from whatever is there) and train to ``steps``: memory every step, durable
     every ``EVERY``; ``crash``: every rank dies once its snapshot of ``steps`` is sealed
     (``wait_sealed=False``: at once, its snapshot maybe not staged yet); ``skip`` (rank,
     step): that rank finds no free slot for that step's snapshot; ``timeout``: the ranks'
-    ``dist_timeout_secs``."""
+    ``dist_timeout_secs``; ``keepers_die``: each rank's keeper is SIGKILLed with it (as in a
+    kill of the process group: no keeper writes the job's newest step to the disk, what
+    memory holds is all there is); ``keeper``: ``Memory(keeper=)``."""
     import torch.distributed as dist
 
     expected = _state(rank)
@@ -110,7 +116,11 @@ def _run(
     ckpt = pitstop.CheckpointManager(
         [
             pitstop.Memory(
-                job=job, directory=where, linger_secs=120, redundancy=redundancy or "single"
+                job=job,
+                directory=where,
+                linger_secs=120,
+                redundancy=redundancy or "single",
+                keeper=keeper,
             ),
             pitstop.Local(os.path.join(base, "local", "{node}"), redundancy="single"),
         ],
@@ -150,6 +160,9 @@ def _run(
         out["sealed"] = _newest_sealed(mine, job, rank)
         out["copied"] = _newest_sealed(mine, *copies)
         dist.barrier()
+        if keepers_die and memory.keeper is not None:
+            memory.keeper.proc.kill()
+            memory.keeper.proc.wait()
         with open(os.path.join(base, f"crash-{rank}.json"), "w") as f:
             json.dump(out, f)
         os._exit(9)  # no close, no cleanup: as after a SIGKILL of every rank
@@ -179,10 +192,17 @@ def where() -> Iterator[tuple[str, str, str]]:
     assert not remaining, f"segments left in {shm}: {remaining}"
 
 
-def _crash(base: str, shm: str, job: str, redundancy: str | None = None) -> list[dict[str, Any]]:
+def _crash(
+    base: str,
+    shm: str,
+    job: str,
+    redundancy: str | None = None,
+    keepers_die: bool = False,
+    keeper: str | bool = True,
+) -> list[dict[str, Any]]:
     run_ranks(
-        _run, 2, base, shm, job, STEPS, True, None, redundancy, timeout_secs=TIMEOUT * 3,
-        allow_failures=True,
+        _run, 2, base, shm, job, STEPS, True, None, redundancy, True, TIMEOUT, keepers_die,
+        keeper, timeout_secs=TIMEOUT * 3, allow_failures=True,
     )  # fmt: skip
     out = []
     for r in range(2):
@@ -240,7 +260,7 @@ def test_a_step_one_rank_lacks_is_passed_over(where: tuple[str, str, str]) -> No
     """Rank 1's snapshot of the newest step is gone (it skipped it: its slots were busy):
     the step is no checkpoint; the one before it, which both hold, serves from memory."""
     base, shm, job = where
-    _crash(base, shm, job)
+    _crash(base, shm, job, keepers_die=True)  # memory alone holds step 7
     os.unlink(_slot_of(shm, job, 1, STEPS))
     out = _resume(base, shm, job)
     for r, o in enumerate(out):
@@ -252,7 +272,7 @@ def test_a_damaged_part_on_one_rank_falls_back_on_every_rank(where: tuple[str, s
     """A flipped byte in rank 1's slot of the newest step: every rank passes the step over
     together (the checksum fails on rank 1 only) and restores the older one, bit-exact."""
     base, shm, job = where
-    _crash(base, shm, job)
+    _crash(base, shm, job, keepers_die=True)  # memory alone holds step 7
     flip_byte(_slot_of(shm, job, 1, STEPS), DATA_OFFSET + 100)
     out = _resume(base, shm, job)
     for r, o in enumerate(out):
@@ -338,7 +358,7 @@ def test_a_part_that_disagrees_is_refused_and_said_in_last_restore(
     ``last_restore.skipped`` names the refused step on every rank (before: only a warning
     on rank 0 said it)."""
     base, shm, job = where
-    _crash(base, shm, job)
+    _crash(base, shm, job, keepers_die=True)  # memory alone holds step 7
     _edit_part(
         _slot_of(shm, job, 1, STEPS),
         lambda b: b.__setitem__("lineage", {**b["lineage"], "timeline": "f" * 16}),
@@ -538,3 +558,63 @@ def test_a_restart_with_another_world_size_leaves_the_memory_snapshots(
     out = _resume(base, shm, job)
     for r, o in enumerate(out):
         assert (o["start"], o["level"], o["restored_ok"]) == (STEPS, "memory", True), (r, o)
+
+
+def _keepers(job: str) -> list[int]:
+    """The pids of the keepers of ``job`` still running."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"pitstop.levels.keeper" in argv and job.encode() in argv:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.parametrize("keeper", ["own", "launcher"])
+def test_every_rank_killed_the_last_keeper_writes_the_newest_whole_step_to_disk(
+    where: tuple[str, str, str], keeper: str
+) -> None:
+    """Every rank of a one-node job is killed after step 7 (its last durable save: step 4):
+    once both trainers are dead, a keeper (rank 0's own, or the launcher's ``pitstop
+    keeper``) joins the ranks' parts of step 7 and writes the step to the next level, so a
+    restart that comes after the snapshots are gone (the keepers told to go: SIGTERM)
+    resumes from the disk at step 7, bit-exact, not at 4. Before, a keeper never wrote a part
+    of a step of several ranks: the snapshots newer than the disk went with the linger."""
+    base, shm, job = where
+    local = os.path.join(base, "local")
+    node = os.path.join(local, socket.gethostname())  # the Local level's node directory
+    launcher = (
+        launcher_keeper(node, shm, job, "--linger-secs", "120") if keeper == "launcher" else None
+    )
+    try:
+        _crash(base, shm, job, keeper="external" if launcher else True)
+        manifest = os.path.join(node, f"step-{STEPS:010d}", "manifest.json")
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and not os.path.isfile(manifest):
+            time.sleep(0.05)
+        assert os.path.isfile(manifest), (
+            f"step {STEPS} was not written to {node}: {os.listdir(local)}"
+        )
+        keepers = [launcher.pid] if launcher else _keepers(job)
+        assert len(keepers) == (1 if launcher else 2), keepers  # lingering for a restart
+        for pid in keepers:
+            os.kill(pid, 15)  # the next level holds their newest step: the segments may go
+        if launcher:  # it leaves them for a restart: the job torn down, pitstop gc goes
+            assert launcher.wait(TIMEOUT) == 0, launcher.communicate()
+            assert gc_main(["gc", node, "--shm-dir", shm]) == 0
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and (_keepers(job) or os.listdir(shm)):
+            time.sleep(0.05)
+        assert not os.listdir(shm), os.listdir(shm)
+        out = _resume(base, shm, job)
+        for r, o in enumerate(out):
+            assert (o["start"], o["level"], o["restored_ok"]) == (STEPS, "local", True), (r, o)
+            assert o["final_ok"], (r, o)
+    finally:
+        if launcher is not None and launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

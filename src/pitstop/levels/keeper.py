@@ -15,7 +15,10 @@ long. ``linger_secs``: after persisting, keep the segments that long for a resta
 training process of the same job, which adopts them (it holds the job's lock file and its
 slots name it as owner); the keeper then exits without removing them. SIGTERM (the job torn
 down) ends the linger at once: the segments go if the next level holds their newest step,
-else they stay for ``pitstop gc``.
+else they stay for ``pitstop gc``. Under several ranks (``--world`` > 1) a slot is one
+rank's part of a step and is never written alone: once every trainer of the job is dead,
+rank 0's keeper writes the newest step every rank holds on this node
+(:mod:`pitstop.levels.keeper_join`), at the trainer's death or while it lingers.
 
 Call sequence (training thread)::
 
@@ -190,6 +193,8 @@ class Keeper:
     def __init__(self, args: argparse.Namespace) -> None:
         self.job, self.rank, self.shm = args.job, args.rank, args.shm_dir
         self.parent, self.linger = args.parent, args.linger_secs
+        self.world = args.world  # > 1: a slot is a part; rank 0's keeper writes whole steps
+        self._joined = False  # (several ranks) the job's newest whole step was looked at
         self.sock = socket.socket(fileno=args.fd)
         self.lock_fd = hold_job_lock(self.shm, self.job, self.rank)  # the segments are alive
         self.also: list[tuple[str, int, int]] = []  # other segments of the job's: partner
@@ -336,8 +341,9 @@ class Keeper:
         whether it holds it now."""
         head = slot.header()
         step = head.step if head is not None else None
-        if self.storage is None or step is None:
-            self.send(event="skipped", slot=slot.index, step=step, why="no next level")
+        if self.storage is None or step is None or self.world > 1:
+            why = "a part of a step of several ranks" if self.world > 1 else "no next level"
+            self.send(event="skipped", slot=slot.index, step=step, why=why)
             return False
         held = newest_step(self.storage)
         if held is not None and held >= step:
@@ -365,7 +371,14 @@ class Keeper:
             cached.close()
         newest = self._newest(seal_staged=died) if died or persist else None
         held = True  # the next level holds the newest snapshot's step (or there is none)
-        if newest is not None:
+        step = None  # (several ranks) the newest snapshot's step
+        if newest is not None and self.world > 1:  # a part: never written alone
+            head = newest.header()
+            newest.close()
+            step = head.step if head is not None else None
+            if died and self.rank == 0:
+                self._persist_job()
+        elif newest is not None:
             try:
                 held = self.persist(newest)
             except Exception as e:
@@ -375,7 +388,9 @@ class Keeper:
                 newest.close()
         if died and self.linger > 0 and self._adopted(time.monotonic() + self.linger):
             unlink = False
-        elif self.term and unlink and not held:  # told to go before a restart took them over:
+        elif self.term and unlink and not (held if self.world == 1 else self._holds(step)):
+            # told to go before a restart took them over (several ranks: rank 0's keeper may
+            # have written the job's newest step meanwhile):
             unlink = False  # the newest snapshot is nowhere else; pitstop gc removes them
             _log.warning(
                 "keeper: SIGTERM; the newest memory snapshot of job %s rank %d is not on the "
@@ -432,6 +447,8 @@ class Keeper:
         path = os.path.join(self.shm, lock_name(self.job, self.rank))
         named = self._named
         while time.monotonic() < deadline and not self.term:  # SIGTERM: go now
+            if self.world > 1 and self.rank == 0 and not self._joined:
+                self._persist_job()  # once the job's last trainer is gone too
             with contextlib.suppress(OSError, ValueError):
                 with open(path, "rb") as f:
                     owner = json.loads(f.read(512).strip() or b"{}")
@@ -446,6 +463,34 @@ class Keeper:
             time.sleep(0.05)
         return False
 
+    def _persist_job(self) -> None:
+        """Rank 0's keeper of a job of several ranks, once every trainer of the job is dead:
+        the newest step every rank holds on this node, to the next level
+        (:mod:`pitstop.levels.keeper_join`; a job across nodes: nothing)."""
+        from pitstop.levels.keeper_join import persist_joined, trainers_dead
+
+        if self.storage is None or not trainers_dead(self.shm, self.job, self.world):
+            return
+        self._joined = True
+        try:
+            step, what = persist_joined(self.shm, self.job, self.world, self.storage,
+                                        pool=self.pool, hashers=self.hashers)  # fmt: skip
+        except Exception as e:
+            _log.warning("keeper: the newest memory step of job %s (%d ranks) not written to "
+                         "%s: %r", self.job, self.world, self.storage.url, e)  # fmt: skip
+            return
+        _log.info("keeper: job %s (%d ranks), newest whole memory step %s: %s", self.job,
+                  self.world, step, what)  # fmt: skip
+
+    def _holds(self, step: int | None) -> bool:
+        """Whether the next level holds ``step`` or a newer one (None: nothing to hold)."""
+        if step is None:
+            return True
+        with contextlib.suppress(Exception):
+            held = newest_step(self.storage) if self.storage is not None else None
+            return held is not None and held >= step
+        return False
+
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pitstop.levels.keeper``: see the module docstring."""
@@ -457,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent", type=int, required=True, help="the training process's pid")
     p.add_argument("--fd", type=int, required=True, help="the command socket's fd")
     p.add_argument("--linger-secs", type=float, default=0.0)
+    p.add_argument("--world", type=int, default=1, help="the job's world size")
     p.add_argument(
         "--also",
         action="append",
@@ -589,6 +635,7 @@ def start_keeper(
     shm_dir: str = SHM_DIR,
     next_dir: str | None = None,
     linger_secs: float = 0.0,
+    world: int = 1,
     timeout: float = 30.0,
     kill_at: str | None = None,
     also: list[tuple[str, int]] | None = None,
@@ -603,7 +650,7 @@ def start_keeper(
     cmd = [
         sys.executable, "-m", "pitstop.levels.keeper", "--job", job, "--rank", str(rank),
         "--shm-dir", shm_dir, "--parent", str(os.getpid()), "--fd", str(theirs.fileno()),
-        "--linger-secs", str(linger_secs),
+        "--linger-secs", str(linger_secs), "--world", str(world),
     ]  # fmt: skip
     if next_dir is not None:
         cmd += ["--next", os.path.abspath(next_dir)]

@@ -13,7 +13,9 @@ no keeper of their own). What it does, every few milliseconds:
 * **Watch the trainers**: each rank's lock file names its training process. When it is
   gone (SIGKILL included), the newest snapshot of a one-process job (its slot is a whole
   checkpoint) is written to ``CKPT_DIR`` if that holds no newer step (checked as written);
-  a part of several ranks' step never is (only the job's commit round writes those). A
+  a part of several ranks' step never is alone, but once every rank of a job that runs
+  wholly on this node has died, the newest step every rank holds is joined and written
+  (:mod:`pitstop.levels.keeper_join`). A
   restarted trainer adopts the slots (its pid in the lock file); if none does within
   ``--linger-secs``, the dead rank's segments are removed.
 * **End**: when the job's segments are all gone (a clean ``close()`` removes them) after it
@@ -42,6 +44,7 @@ from typing import Any
 
 from pitstop.io.locks import pid_alive
 from pitstop.levels.keeper import newest_step, persist_slot
+from pitstop.levels.keeper_join import owner_pid, persist_joined, slot_world, trainers_dead
 from pitstop.levels.shm import (
     COMMITTED,
     PREFIX,
@@ -85,17 +88,6 @@ def external_keeper(directory: str, job: str) -> bool:
     return False
 
 
-def _owner(directory: str, job: str, rank: int) -> int | None:
-    """The pid the rank's lock file names (the training process that owns its slots)."""
-    try:
-        with open(os.path.join(directory, lock_name(job, rank)), "rb") as f:
-            owner = json.loads(f.read(512).strip() or b"{}")
-    except (OSError, ValueError):
-        return None
-    pid = owner.get("pid") if isinstance(owner, dict) else None
-    return pid if isinstance(pid, int) and pid > 0 else None
-
-
 class _Watch:
     def __init__(self, job: str, directory: str, next_dir: str | None, linger_secs: float):
         self.job, self.directory, self.linger = job, directory, linger_secs
@@ -106,6 +98,9 @@ class _Watch:
         self.dead: dict[int, tuple[int, float]] = {}  # rank -> (dead pid, since)
         self.seen = False
         self.stop = False
+        self.joined: set[frozenset[int]] = (
+            set()
+        )  # the dead pids of a job of several ranks looked at
 
     def ranks(self) -> list[int]:
         out = set()
@@ -153,7 +148,7 @@ class _Watch:
         if not found:
             return
         head, slot = max(found, key=lambda hs: hs[0].gen)
-        if head.step is None or _world(slot, head) != 1:
+        if head.step is None or slot_world(slot, head) != 1:
             return  # a part of several ranks' step: only their commit round writes it
         held = newest_step(self.storage)
         if held is not None and held >= head.step:
@@ -166,6 +161,35 @@ class _Watch:
         if done is not None:
             _log.info("keeper: the newest memory snapshot (step %s) written to %s", done.step,
                       self.storage.url)  # fmt: skip
+
+    def persist_job(self, ranks: list[int]) -> None:
+        """A job of several ranks, every one on this node and every trainer dead: its
+        newest whole step to the next level (:mod:`pitstop.levels.keeper_join`), once per
+        set of dead trainers."""
+        world = self.world(ranks[0]) if ranks else 0
+        if self.storage is None or world < 2 or ranks != list(range(world)):
+            return
+        pids = frozenset(owner_pid(self.directory, self.job, r) or 0 for r in ranks)
+        if pids in self.joined or not trainers_dead(self.directory, self.job, world):
+            return
+        self.joined.add(pids)
+        try:
+            step, what = persist_joined(self.directory, self.job, world, self.storage,
+                                        pool=self.pool, hashers=self.hashers)  # fmt: skip
+        except Exception as e:
+            _log.warning("keeper: the newest memory step of job %s not written to %s: %r",
+                         self.job, self.storage.url, e)  # fmt: skip
+            return
+        _log.info("keeper: job %s (%d ranks), newest whole memory step %s: %s", self.job,
+                  world, step, what)  # fmt: skip
+
+    def world(self, rank: int) -> int:
+        """The world size the rank's newest snapshot was staged by (0: unknown)."""
+        found = self.mapped(rank)
+        if not found:
+            return 0
+        slot, head = max(found, key=lambda sh: sh[1].gen)
+        return slot_world(slot, head)
 
     def remove(self, rank: int) -> None:
         for path in list(iter_slots(self.directory, self.job, rank)):
@@ -185,7 +209,7 @@ class _Watch:
         self.seen = True
         for rank in ranks:
             self.seal_staged(rank)
-            pid = _owner(self.directory, self.job, rank)
+            pid = owner_pid(self.directory, self.job, rank)
             alive = pid is not None and pid_alive(pid)
             if alive:
                 self.dead.pop(rank, None)
@@ -193,6 +217,7 @@ class _Watch:
             if rank not in self.dead:  # it just died: its newest snapshot to the disk
                 self.dead[rank] = (pid or 0, now)
                 self.persist_newest(rank)
+                self.persist_job(ranks)
             elif now - self.dead[rank][1] > self.linger:
                 _log.info("keeper: rank %d of job %s was not restarted within %.0f s: its "
                           "memory snapshots are removed", rank, self.job, self.linger)  # fmt: skip
@@ -206,16 +231,6 @@ class _Watch:
         self.slots.clear()
         self.hashers.shutdown(wait=True)
         self.pool.shutdown(wait=True)
-
-
-def _world(slot: Slot, head: SlotHeader) -> int:
-    from pitstop.levels.shm import read_meta
-
-    try:
-        record = json.loads(read_meta(slot, head)[0])
-        return int(record.get("world_size", 1))
-    except Exception:
-        return 0
 
 
 def run_watch(
@@ -252,9 +267,10 @@ def run_watch(
                 break
             time.sleep(poll_secs)
         for rank in watch.ranks() if watch.stop else []:  # stopped: dead trainers' newest
-            pid = _owner(shm_dir, job, rank)
+            pid = owner_pid(shm_dir, job, rank)
             if pid is None or not pid_alive(pid):
                 watch.persist_newest(rank)
+        watch.persist_job(watch.ranks() if watch.stop else [])
     finally:
         watch.close()
         for s, h in old.items():

@@ -291,10 +291,11 @@ class MemoryLevel(RootLevel):
         if self.keeper is not None or not self.spec.keeper:
             return
         try:
-            self.keeper = start_keeper(  # several ranks: a slot is a part; never written alone
-                self.job, rank=self.group.rank, shm_dir=self.directory,
-                next_dir=self.next_dir if self.group.size == 1 else None,
-                linger_secs=float(self.spec.linger_secs),
+            self.keeper = start_keeper(  # several ranks: a slot is a part, never written
+                # alone; rank 0's keeper writes the job's newest whole step when every
+                # trainer died (all on this node: levels.keeper_join)
+                self.job, rank=self.group.rank, shm_dir=self.directory, next_dir=self.next_dir,
+                linger_secs=float(self.spec.linger_secs), world=self.group.size,
                 also=[(self.peers.job, self.peers.source)] if self.peers is not None else None,
             )  # fmt: skip
         except Exception as e:
@@ -351,8 +352,8 @@ class MemoryLevel(RootLevel):
     def request_persist(self, slot: Slot) -> bool:
         """Persist thread: ask the keeper to seal ``slot`` and write it to the next level;
         False if it cannot (gone, none, or the next level is not a local directory)."""
-        if self.keeper is None or self.next_dir is None:
-            return False
+        if self.keeper is None or self.next_dir is None or self.group.size > 1:
+            return False  # (several ranks: a part is written by the commit round only)
         return self.keeper.request_persist(slot.index)
 
     def persist_here(self, slot: Slot, pool: Executor) -> str | None:
