@@ -30,6 +30,7 @@ from pitstop.levels.shm import (
     open_slot,
     remove_job,
 )
+from pitstop.levels.shm_header import job_token
 
 from . import memory_worker as w
 
@@ -539,6 +540,50 @@ def test_gc_removes_the_segments_of_a_killed_job_and_the_restart_reads_disk(
     assert start["digest"] == _ref()[0][20]
     _assert_final(out)
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.parametrize("discard", [False, True])
+def test_gc_writes_a_killed_jobs_newest_memory_step_to_its_directory_before_removing_it(
+    shm_dir: str, tmp_path: Any, capsys: Any, discard: bool
+) -> None:
+    """The job that wrote to ROOT (its default job token) was killed with its keeper after
+    step 25 (the disk's newest: 20): ``pitstop gc ROOT`` writes the newest memory step to
+    ROOT (sealing it if the keeper died first), then removes the segments, and the restart
+    resumes from it, bit-exact. Before, gc removed the only copy of steps 21-25.
+    ``--discard-memory`` (to start over) removes them without writing."""
+    root = os.path.join(str(tmp_path), "ck")
+    job = job_token(os.path.abspath(root))
+    try:
+        code, lines, err = w.run(
+            root, shm_dir, job, STEPS, "--kill-at", "25", "--kill-group", "--settle", group=True
+        )
+        assert code == -signal.SIGKILL, err
+        w.wait_gone(w.first(lines, "keeper"))
+        capsys.readouterr()
+        assert main(["gc", root, "--shm-dir", shm_dir, "--dry-run"]) == 0
+        assert f"would write job {job}'s newest memory step (2" in capsys.readouterr().out
+        with pitstop.CheckpointManager(root) as disk:
+            assert disk.steps() == [20]  # a dry run writes nothing
+        if discard:
+            assert main(["gc", root, "--shm-dir", shm_dir, "--discard-memory"]) == 0
+            assert "wrote" not in capsys.readouterr().out and os.listdir(shm_dir) == []
+            with pitstop.CheckpointManager(root) as disk:
+                assert disk.steps() == [20]
+            return
+        assert main(["gc", root, "--shm-dir", shm_dir]) == 0
+        said = capsys.readouterr().out
+        written = re.search(f"wrote job {job}'s newest memory step \\((2[45])\\) to ", said)
+        assert written, said
+        assert os.listdir(shm_dir) == []
+        out = os.path.join(str(tmp_path), "final.pt")
+        code, lines, err = w.run(root, shm_dir, job, STEPS, "--final", out)
+        assert code == 0, err
+        start = lines[0]  # memory gone: the step gc wrote, bit-exact
+        assert (start["restored"], start["level"]) == (int(written.group(1)), "local"), start
+        assert start["digest"] == _ref()[0][start["restored"]]
+        _assert_final(out)
+    finally:
+        remove_job(shm_dir, job)
 
 
 def test_ls_shows_the_memory_snapshots_of_the_directory(

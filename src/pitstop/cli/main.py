@@ -197,21 +197,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return code
 
 
+def _job_dirs(root: str) -> list[str]:
+    """``root`` and its nodes' directories (a multi-level root's): where a job whose memory
+    level writes to them would (its default job token is the directory's)."""
+    from pitstop.cli.levels import read_levels
+
+    dirs = [os.path.abspath(root)]
+    if os.path.isfile(os.path.join(root, LEVELS_FILE)):
+        with contextlib.suppress(Exception):  # said by the listing
+            lv = read_levels(root)
+            dirs += [os.path.abspath(lv.node_dir(n)) for n in lv.order]
+    return list(dict.fromkeys(dirs))
+
+
 def _print_memory(root: str, shm_dir: str | None) -> None:
     """The memory level's snapshots of the job that writes to ``root`` (or to a node's
     directory under it) on this host, found by the default job token (a job run with its
     own ``Memory(job=)`` is not found; ``pitstop gc`` removes a dead job's)."""
-    from pitstop.cli.levels import read_levels
     from pitstop.levels.shm_clean import job_slots
     from pitstop.levels.shm_header import SHM_DIR, job_token
 
     directory = shm_dir or SHM_DIR
-    dirs = [os.path.abspath(root)]
-    if os.path.isfile(os.path.join(root, LEVELS_FILE)):
-        with contextlib.suppress(Exception):  # said by the listing above
-            lv = read_levels(root)
-            dirs += [os.path.abspath(lv.node_dir(n)) for n in lv.order]
-    for d in dict.fromkeys(dirs):
+    for d in _job_dirs(root):
         heads = job_slots(directory, job_token(d))
         if not heads:
             continue
@@ -392,6 +399,50 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _save_dead_jobs(args: argparse.Namespace, shm: str, newest: dict[str, int]) -> set[str]:
+    """Before ``gc`` removes a dead job's shared memory: the newest memory step of the job
+    that wrote to ``args.dir`` (or a node's directory under it) is written there unless it
+    holds that step or a newer one (:func:`pitstop.levels.keeper_join.persist_newest`), so
+    no committed step is lost. Those saved leave ``newest``; the jobs whose step could not
+    be written are returned: their segments stay."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pitstop.levels.keeper_join import persist_newest
+    from pitstop.levels.shm_header import job_token
+    from pitstop.options import IOOptions
+    from pitstop.storage.local import LocalStorage
+
+    kept: set[str] = set()
+    local = object_url(args.dir) is None and not args.discard_memory
+    for d in _job_dirs(args.dir) if local else []:
+        job = job_token(d)
+        if newest.get(job, -1) < 0:
+            continue
+        if args.dry_run:
+            print(f"would write job {job}'s newest memory step ({newest[job]}) to {d} first, "
+                  "unless it holds it")  # fmt: skip
+            del newest[job]
+            continue
+        with ThreadPoolExecutor(4) as pool, ThreadPoolExecutor(2) as hashers:
+            try:
+                step, what = persist_newest(shm, job, LocalStorage(d, IOOptions.from_env()),
+                                            pool=pool, hashers=hashers)  # fmt: skip
+            except OSError as e:  # (CheckpointIOError too) the disk: keep them
+                print(f"job {job}: its newest memory step could not be written to {d} ({e}); "
+                      f"its shared memory is kept (run gc again)", file=sys.stderr)  # fmt: skip
+                kept.add(job)
+                continue
+            except CorruptCheckpointError as e:  # a damaged snapshot: nothing to keep it for
+                print(f"job {job}: its newest memory step is not a checkpoint ({e}); not written")
+                continue
+        if step is not None:
+            verb = "wrote" if what == "written" else "did not write"
+            print(f"{verb} job {job}'s newest memory step ({step}) to {d}"
+                  f"{'' if what == 'written' else f': {what}'}")  # fmt: skip
+            del newest[job]
+    return kept
+
+
 def cmd_keeper(args: argparse.Namespace) -> int:
     """``pitstop keeper DIR``: see :mod:`pitstop.levels.keeper_watch`."""
     from pitstop.levels.keeper_watch import run_watch
@@ -432,12 +483,13 @@ def _gc_shm(args: argparse.Namespace) -> list[str]:
                 if h.step is not None and h.state in ("staged", "committed")
             ]  # fmt: skip (a restart seals it)
             newest[parsed[0]] = max(steps, default=-1)
-    names = remove_stale(directory, dry_run=args.dry_run)
+    kept = _save_dead_jobs(args, directory, newest)
+    names = remove_stale(directory, keep=kept, dry_run=args.dry_run)
     what = "would remove" if args.dry_run else "removed"
     for name in names:
         print(f"{what} {os.path.join(directory, name)} (shared memory of a dead job)")
     for job, step in newest.items():
-        if step >= 0:
+        if step >= 0 and job not in kept:
             print(f"  job {job}: its newest memory snapshot, step {step}, "
                   f"{'would be' if args.dry_run else 'is'} gone with it (a restart of that job "
                   "would have resumed from it; the disk levels keep their own steps)")  # fmt: skip
@@ -644,6 +696,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also remove the memory level's shared memory of dead jobs on this "
                         "host, never a live job's (default: on for a local DIR, off for a URL)")  # fmt: skip
     p.add_argument("--shm-dir", default=None, help="where that shared memory is (default /dev/shm)")
+    p.add_argument("--discard-memory", action="store_true",
+                   help="remove a dead job's memory snapshots without writing its newest step "
+                        "to DIR first (to start the job over)")  # fmt: skip
     p.set_defaults(func=cmd_gc)
 
     p = add(

@@ -14,7 +14,9 @@ in memory (``Memory(linger_secs=)``) for a restart, as before.
 
 Call sequence: the per-rank keeper of rank 0 (:mod:`pitstop.levels.keeper`: when its trainer
 dies and while it lingers) or the launcher's keeper (:mod:`pitstop.levels.keeper_watch`:
-when it has seen every rank die) calls :func:`trainers_dead`, then :func:`persist_joined`.
+when it has seen every rank die) calls :func:`trainers_dead`, then :func:`persist_joined`;
+``pitstop gc`` calls :func:`persist_newest` for a dead job before it removes the job's
+segments (one process or several ranks).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pitstop.faults import killpoint
 from pitstop.format.manifest import Manifest, join_parts
 from pitstop.format.names import step_dir_name
 from pitstop.io.locks import pid_alive
-from pitstop.levels.keeper import newest_step, write_slot
+from pitstop.levels.keeper import newest_step, persist_slot, write_slot
 from pitstop.levels.shm import (
     COMMITTED,
     STAGED,
@@ -44,7 +46,7 @@ from pitstop.levels.shm import (
 )
 from pitstop.storage.base import Storage
 
-__all__ = ["owner_pid", "persist_joined", "slot_world", "trainers_dead"]
+__all__ = ["owner_pid", "persist_joined", "persist_newest", "slot_world", "trainers_dead"]
 
 
 def owner_pid(directory: str, job: str, rank: int) -> int | None:
@@ -110,6 +112,43 @@ def persist_joined(
         for mapped in ranks:
             for slot, _ in mapped:
                 slot.close()
+
+
+def persist_newest(
+    directory: str,
+    job: str,
+    storage: Storage,
+    *,
+    pool: Executor,
+    hashers: Executor,
+    seal_wait_secs: float = 5.0,
+) -> tuple[int | None, str]:
+    """A dead job's newest memory step to ``storage`` unless it holds that step or a newer
+    one: a one-process job's newest snapshot (a staged one sealed first), or the newest
+    step every rank of a job of several ranks holds in ``directory``
+    (:func:`persist_joined`). Returns (that step, or None; what was done)."""
+    mapped = _mapped(directory, job, 0)
+    try:
+        live = [(h.gen, slot_world(s, h)) for s, h in mapped if h.state in (STAGED, COMMITTED)]
+        if not live:
+            return None, "no memory snapshot"
+        world = max(live)[1]
+        if world > 1:
+            return persist_joined(directory, job, world, storage, pool=pool, hashers=hashers,
+                                  seal_wait_secs=seal_wait_secs)  # fmt: skip
+        _seal_newest(mapped, hashers, seal_wait_secs)
+        committed = [(h.gen, i) for i, (_, h) in enumerate(mapped) if h.state == COMMITTED]
+        if not committed:
+            return None, "no committed memory snapshot"
+        slot, head = mapped[max(committed)[1]]
+        held = newest_step(storage)
+        if head.step is None or (held is not None and held >= head.step):
+            return head.step, f"the next level holds step {held}"
+        done = persist_slot(slot, storage, pool=pool)
+        return (head.step, "written") if done is not None else (head.step, "in use")
+    finally:
+        for slot, _ in mapped:
+            slot.close()
 
 
 def _mapped(directory: str, job: str, rank: int) -> list[tuple[Slot, SlotHeader]]:
