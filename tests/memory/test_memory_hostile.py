@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pitstop
-from pitstop.levels.shm import STAGED, iter_slots, lock_name, read_header
+from pitstop.levels.shm import STAGED, iter_slots, lock_name, open_slot, read_header
 
 from . import memory_worker as w
 
@@ -216,3 +216,94 @@ def test_shared_memory_that_fills_after_the_slots_were_made_loses_no_durable_sav
     got = w.tensors(fresh)
     for k, v in expected[10].items():
         assert torch.equal(got[k], v), k
+
+
+def test_slot_files_renamed_to_each_others_names_are_left_out_and_training_goes_on(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """Two slot files swapped by name after a crash (each header names the other's index):
+    they are no slots of the names they bear, so the restart leaves them out (the disk or
+    the slot left whole serves) and the training that follows, with its keeper, takes
+    snapshots and saves as before. Before, the trainer went by the headers and its keeper
+    by the names: every slot looked busy, and the first durable save failed after 120 s."""
+    root = os.path.join(str(tmp_path), "ck")
+    state = w.build()
+    ckpt = pitstop.CheckpointManager(_levels(job, shm_dir, root, linger_secs=0),
+                                     policy=pitstop.EveryN(5))  # fmt: skip
+    for step in range(1, 8):
+        w.train_step(state, step)
+        ckpt.step(step, state)
+    ckpt.wait()
+    memory = ckpt.hooks.levels.memory
+    paths = sorted(iter_slots(shm_dir, job, 0))
+    memory.keeper.detach()  # a crash: the slots stay (the keeper lets them go)
+    memory.keeper = None
+    memory.slots.close()
+    memory.slots = None
+    ckpt.close(flush=False)
+    a, b = paths[0], paths[1]
+    os.rename(a, a + ".x")
+    os.rename(b, a)
+    os.rename(a + ".x", b)
+    with pytest.raises(pitstop.CheckpointError, match="is named slot 0 but its header says"):
+        open_slot(a, job=job, rank=0)
+    fresh = w.build(seed=1)
+    again = pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(5))
+    try:
+        got = again.restore(fresh)
+        assert got is not None and got >= 5
+        for step in range(got + 1, got + 13):
+            w.train_step(fresh, step)
+            again.step(step, fresh)
+        again.wait()
+        assert max(again.steps()) >= got + 10  # its durable saves went on
+    finally:
+        again.close()
+
+
+def test_a_fifo_named_like_a_slot_of_a_job_without_a_lock_file_hangs_nothing(
+    shm_dir: str, tmp_path: Any
+) -> None:
+    """A FIFO in shared memory with a slot's name and no lock file beside it (anyone may
+    make one in /dev/shm): the cleanup that every start of the memory level runs, and
+    ``pitstop gc``, pass it by. Before, opening it to read its header waited for a writer
+    for ever: no trainer on the node could start."""
+    import threading
+
+    from pitstop.levels.shm import remove_stale
+
+    fifo = os.path.join(shm_dir, "pitstop-mem-deadjob-r00000-s0")
+    os.mkfifo(fifo)
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(remove_stale(shm_dir)), daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # let the blocked open go (a writer appears) before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+    assert not hung, "remove_stale waited on a FIFO named like a slot"
+    assert done[0] == [os.path.basename(fifo)]  # a dead job's debris: no owner is alive
+
+
+def test_a_lock_file_naming_a_reused_pid_that_nobody_holds_is_a_dead_jobs(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """The job's lock file names a pid that is running (here: pid 1, of this host and boot)
+    but nobody holds the lock: every process of the job is dead and the pid was reused (a
+    container's pid 1). The level adopts the segments; before, it took pid 1 for a second
+    process of the job and turned itself off for the whole run."""
+    import json
+    import socket
+
+    from pitstop.levels.shm_header import boot_id
+
+    with open(os.path.join(shm_dir, lock_name(job, 0)), "w") as f:
+        json.dump({"job": job, "host": socket.gethostname(), "pid": 1, "boot": boot_id()}, f)
+    ckpt = pitstop.CheckpointManager(
+        _levels(job, shm_dir, os.path.join(str(tmp_path), "ck")), policy=pitstop.EveryN(2)
+    )
+    try:
+        assert ckpt.hooks.levels.memory.active is True
+    finally:
+        ckpt.close()

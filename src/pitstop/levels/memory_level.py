@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -533,6 +534,9 @@ def _live_owner(directory: str, job: str, rank: int) -> int | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return -1  # a FIFO, a device...: never read (a FIFO would hang the read)
         owner = json.loads(os.pread(fd, 512, 0).strip() or b"{}")
+        with contextlib.suppress(BlockingIOError):  # nobody holds the lock: every process
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # of the job is dead, whatever
+            return None  # pid it names (pids are reused: a container's pid 1)
     except (OSError, ValueError):
         return None
     finally:

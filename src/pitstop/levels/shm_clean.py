@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from collections.abc import Callable, Collection, Iterator
 
 from pitstop.errors import CheckpointError
@@ -62,14 +63,17 @@ def _stale(directory: str, job: str, rank: int, names: list[str]) -> Callable[[b
             return None  # a living training process or keeper holds it
     else:  # no lock file (removed by hand, or a crash while creating): the slots' owners say
         for name in names:
-            try:
-                sfd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+            try:  # never a FIFO's open that waits for a writer, nor a symlink followed
+                sfd = os.open(os.path.join(directory, name),
+                              os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # fmt: skip
             except PermissionError:
                 return None  # another user's job
             except OSError:
                 continue
             with contextlib.suppress(OSError):
                 try:
+                    if not stat.S_ISREG(os.fstat(sfd).st_mode):
+                        continue  # not a slot: no owner to ask (the finally closes it)
                     h = read_header(sfd, retries=1)
                 finally:
                     os.close(sfd)

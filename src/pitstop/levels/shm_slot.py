@@ -21,7 +21,7 @@ import mmap
 import os
 
 from pitstop.errors import CheckpointError, ShmSpaceError
-from pitstop.levels.shm_header import DATA_OFFSET, SlotHeader, read_header
+from pitstop.levels.shm_header import DATA_OFFSET, SlotHeader, parse_segment_name, read_header
 
 __all__ = ["ShmSpaceError", "Slot", "open_slot", "reserve", "write_meta"]
 
@@ -135,6 +135,13 @@ def open_slot(
             raise CheckpointError(
                 f"{path} is not a slot of job {job} rank {rank}", path=path, phase="restore"
             )
+        named = parse_segment_name(os.path.basename(path))
+        if named is not None and named[2] is not None and named[2] != header.index:
+            raise CheckpointError(  # renamed: the trainer and its keeper would disagree on
+                # which slot is which (the name says one, the header another)
+                f"{path} is named slot {named[2]} but its header says slot {header.index}",
+                path=path, phase="restore",
+            )  # fmt: skip
         return Slot(path, fd, header.index, header.data_bytes, writable=writable, populate=populate)
     except BaseException:
         os.close(fd)
