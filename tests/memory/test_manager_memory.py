@@ -9,6 +9,7 @@ batches); "bit-exact" compares with the uninterrupted run without checkpoints.""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -301,6 +302,43 @@ def test_a_killed_keeper_training_goes_on_in_process(
         _close_or_abandon(ckpt, memory, job, shm_dir)
     assert os.listdir(shm_dir) == []
     assert _restore_fresh(root) == (36, digests[36])
+
+
+def test_a_hung_keeper_is_killed_and_training_goes_on_in_process(
+    job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The keeper stops answering (SIGSTOP: a hung process) while it holds a slot it was
+    sealing: after 10 s without an answer it is killed, said, and this process seals and
+    writes from then on; the durable saves go on. Before, no snapshot found a free slot and
+    the next durable save waited 120 s, then failed training (no word before)."""
+    root = os.path.join(str(tmp_path), "ck")
+    state, digests = w.build(), {}
+    ckpt = pitstop.CheckpointManager(_levels(job, shm_dir, root), policy=pitstop.EveryN(10))
+    memory = ckpt.hooks.levels.memory
+    try:
+        _train(ckpt, state, range(1, 6), digests)
+        assert memory.keeper is not None
+        keeper = memory.keeper
+        os.kill(keeper.pid, signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING, logger="pitstop"):
+            step = 6
+            deadline = time.monotonic() + 60  # a bound: it is killed after about 10 s
+            while keeper.proc.poll() is None and time.monotonic() < deadline:
+                _train(ckpt, state, range(step, step + 1), digests)
+                step += 1
+                time.sleep(0.02)
+            assert keeper.proc.poll() is not None, "the stopped keeper was never killed"
+            _train(ckpt, state, range(step, step + 25), digests)
+            ckpt.wait()
+        assert "has not answered for" in caplog.text, caplog.text
+        last = step + 24
+        assert max(ckpt.steps()) >= last - 10  # durable saves landed after it
+        assert _newest_committed(memory, last) in (last - 1, last)  # sealed in-process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(keeper.pid, signal.SIGCONT)
+        _close_or_abandon(ckpt, memory, job, shm_dir)
+    assert os.listdir(shm_dir) == []
 
 
 def _close_or_abandon(ckpt: Any, memory: Any, job: str, shm_dir: str) -> None:

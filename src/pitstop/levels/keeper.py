@@ -40,6 +40,7 @@ trainers made by ``Memory(keeper="external")`` (:mod:`pitstop.levels.keeper_watc
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -281,6 +282,7 @@ class Keeper:
                 if op == "stop":
                     return self.finish(died=False, **cmd.get("args", {}))
                 self.handle(cmd)
+                self.send(event="seen")  # every command answered: a hung keeper shows
             if self.sock.getblocking():
                 return None  # one read per wake-up; the selector says when there is more
 
@@ -529,6 +531,8 @@ class KeeperHandle:
         self.pid = proc.pid
         self._buf = b""
         self._events: list[dict[str, Any]] = []
+        self._asked: collections.deque[float] = collections.deque()  # commands not answered
+        self._slowest = 0.0  # the longest a command took to be answered (seconds)
 
     def alive(self) -> bool:
         """Whether the keeper still runs (False: it crashed or was killed; persist in-process)."""
@@ -536,10 +540,22 @@ class KeeperHandle:
 
     def _send(self, op: str, **kw: Any) -> bool:
         try:
+            if op != "stop":
+                self._asked.append(time.monotonic())
             self.sock.sendall(json.dumps({"op": op, **kw}).encode() + b"\n")
         except OSError:
             return False
         return True
+
+    def stalled(self, floor_secs: float = 10.0) -> float | None:
+        """How long the oldest command has waited for its answer, if longer than
+        ``floor_secs`` and 5 times the longest any took so far (a keeper that stopped:
+        SIGSTOP, a hung hash), else None. Read by the thread that reads the events."""
+        try:
+            waited = time.monotonic() - self._asked[0]
+        except IndexError:  # none waits (or the last was answered meanwhile)
+            return None
+        return waited if waited > max(floor_secs, 5 * self._slowest) else None
 
     def detach(self) -> None:
         """Let the keeper go on alone, as if this process had died: it seals and writes the
@@ -569,7 +585,11 @@ class KeeperHandle:
         self._buf += data
         while b"\n" in self._buf:
             line, self._buf = self._buf.split(b"\n", 1)
-            self._events.append(json.loads(line))
+            event = json.loads(line)
+            if event.get("event") != "seen":
+                self._events.append(event)
+            elif self._asked:
+                self._slowest = max(self._slowest, time.monotonic() - self._asked.popleft())
 
     def events(self) -> list[dict[str, Any]]:
         """What the keeper reported since the last call (never waits)."""

@@ -64,6 +64,8 @@ from pitstop.storage.base import Storage
 __all__ = ["MemorySaver", "NoFreeSlotError"]
 
 _log = get_logger("pitstop.levels")
+_KEEPER_STALL_SECS = 10.0  # a keeper that answers no command this long (and 5x its slowest
+# answer) is taken for hung and killed: this process seals and writes from then on
 _DURABLE_WAIT_SECS = 120.0  # a durable save waits this long for a slot the keeper frees
 _SNAPSHOT_WAIT_SECS = 1.0  # a memory snapshot this long (then it is skipped): the loop waits
 # for a keeper that falls behind rather than lose more than the step under way in a crash
@@ -441,6 +443,13 @@ class MemorySaver(Saver):
                 self._event(e)
             if self._stopping and not self._writing:
                 return
+            waited = keeper.stalled(_KEEPER_STALL_SECS)
+            if waited is not None:  # stopped or hung: it would hold its slots for ever
+                _log.warning(
+                    "the memory level's keeper (pid %d) has not answered for %.0f s: it is "
+                    "killed", keeper.pid, waited, phase="persist",
+                )  # fmt: skip
+                keeper.proc.kill()  # its flocks go with it; the EOF follows
         if not self._stopping:
             self._keeper_died()
 
