@@ -1,7 +1,7 @@
 """Checkpoints with the memory level, as a training process sees them (issue 27).
 
     python benchmarks/memory_level.py            # 1 GiB of state (a few minutes)
-    python benchmarks/memory_level.py --quick    # 256 MiB (under a minute)
+    python benchmarks/memory_level.py --quick    # 256 MiB, 2 rounds, no ranks (under a minute)
 
 Everything on the same bytes (``--mib`` MiB of float32 in 16 tensors, plus the objects a
 state carries), the competitors interleaved in one run (this machine's speed drifts):
@@ -447,7 +447,11 @@ def main() -> None:
     p.add_argument("--job", default="")
     p.add_argument("--dir", default="")
     p.add_argument("--step", type=int, default=1)
-    p.add_argument("--only", default="costs,restores,loop,ranks", help="sections to run")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="sections to run (default costs,restores,loop,ranks; --quick: not ranks)",
+    )
     p.add_argument("--ranks-mib", type=int, default=None)
     p.add_argument("--ranks-steps", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
@@ -456,15 +460,16 @@ def main() -> None:
     p.add_argument("--segment", type=int, default=None)
     p.add_argument("--pairs", type=int, default=None)
     args = p.parse_args()
-    args.width = args.width or (1536 if args.quick else 2048)  # benchmarks/overhead.py's loop
+    args.width = args.width or (1024 if args.quick else 2048)  # benchmarks/overhead.py's loop
     args.layers = args.layers or (3 if args.quick else 7)
     args.batch = args.batch or (128 if args.quick else 256)
-    args.segment = args.segment or (8 if args.quick else 16)
+    args.segment = args.segment or (6 if args.quick else 16)
     args.pairs = args.pairs or (2 if args.quick else 3)
     args.mib = args.mib or (256 if args.quick else 1024)
-    args.reps = args.reps or (3 if args.quick else 5)
+    args.reps = args.reps or (2 if args.quick else 5)
+    args.only = args.only or ("costs,restores,loop" if args.quick else "costs,restores,loop,ranks")
     args.ranks_mib = args.ranks_mib or (48 if args.quick else 96)
-    args.ranks_steps = args.ranks_steps or (25 if args.quick else 40)
+    args.ranks_steps = args.ranks_steps or (16 if args.quick else 40)
     if args.role == "writer":
         return writer(args)
     if args.role == "restorer":
