@@ -103,3 +103,34 @@ def test_gc_of_shared_memory_runs_without_torch(tmp_path: object, shm_dir: str) 
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.splitlines()) == len(stale) and os.listdir(shm_dir) == []
+
+
+def test_gc_removes_the_empty_keeper_logs_of_the_jobs_it_removes(
+    tmp_path: object, shm_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A killed keeper leaves its log behind; gc removes the empty ones of the dead jobs whose
+    segments it removes, never a log with something in it nor a living job's."""
+    from pitstop.levels.keeper import keeper_log
+    from pitstop.levels.shm_header import parse_segment_name
+
+    dead = {p[0] for p in map(parse_segment_name, _dead_job(shm_dir)) if p is not None}
+    (ended,) = dead
+    running = "t" + new_job_token()
+    live = SlotSet.create(running, data_bytes=4096, directory=shm_dir)
+    paths = [keeper_log(ended), keeper_log(ended, 1), keeper_log(running)]
+    try:
+        for p in paths:
+            open(p, "w").close()
+        with open(paths[1], "w") as f:
+            f.write("keeper: a warning worth keeping\n")
+        root = _root(tmp_path)
+        assert main(["gc", root, "--shm-dir", shm_dir, "--dry-run"]) == 0
+        assert os.path.exists(paths[0])
+        assert main(["gc", root, "--shm-dir", shm_dir]) == 0
+        assert "removed 1 empty keeper log(s)" in capsys.readouterr().out
+        assert [os.path.exists(p) for p in paths] == [False, True, True]
+    finally:
+        live.close(unlink=True)
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)

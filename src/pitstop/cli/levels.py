@@ -418,8 +418,8 @@ def ls_levels(args: argparse.Namespace) -> int:
         return 0
     every = lv.doc.get("every")
     when = f"every {every}" if isinstance(every, int) else "on its own schedule"
-    print(f"levels of {os.path.abspath(args.dir)}: local every step, shared {when}"
-          if lv.shared_url else f"levels of {os.path.abspath(args.dir)}: local only")  # fmt: skip
+    print(f"disk levels of {os.path.abspath(args.dir)}: local every step, shared {when}"
+          if lv.shared_url else f"disk levels of {os.path.abspath(args.dir)}: local only")  # fmt: skip
     _print_notes(lv)
     print()
     if lv.shared is not None and shared is not None:

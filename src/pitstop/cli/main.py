@@ -488,6 +488,15 @@ def _gc_shm(args: argparse.Namespace) -> list[str]:
     what = "would remove" if args.dry_run else "removed"
     for name in names:
         print(f"{what} {os.path.join(directory, name)} (shared memory of a dead job)")
+    from pitstop.levels.keeper import empty_logs
+
+    ended = [p[0] for p in map(parse_segment_name, names) if p is not None]
+    logs = empty_logs(ended)  # a killed keeper's, of the jobs whose segments went here
+    for path in logs if not args.dry_run else []:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if logs:
+        print(f"{what} {len(logs)} empty keeper log(s) of ended jobs in {os.path.dirname(logs[0])}")
     for job, step in newest.items():
         if step >= 0 and job not in kept:
             print(f"  job {job}: its newest memory snapshot, step {step}, "

@@ -84,8 +84,8 @@ from pitstop.storage.base import Storage
 from pitstop.storage.local import LocalStorage
 
 __all__ = [
-    "KeeperHandle", "keeper_log", "main", "newest_step", "persist_slot", "start_keeper",
-    "write_slot",
+    "KeeperHandle", "empty_logs", "keeper_log", "main", "newest_step", "persist_slot",
+    "start_keeper", "write_slot",
 ]  # fmt: skip
 
 _log = get_logger("pitstop.levels")
@@ -646,6 +646,22 @@ class KeeperHandle:
 def keeper_log(job: str, rank: int = 0) -> str:
     """Where the keeper of (``job``, ``rank``) writes its warnings (appended)."""
     return os.path.join(tempfile.gettempdir(), f"pitstop-keeper-{job}-r{rank:05d}.log")
+
+
+def empty_logs(jobs: typing.Iterable[str]) -> list[str]:
+    """The empty logs of the keepers of ``jobs`` (every rank): a killed keeper leaves its log
+    behind; ``pitstop gc`` removes those of the jobs whose segments it removed."""
+    directory, out = tempfile.gettempdir(), []
+    for job in set(jobs):
+        prefix = os.path.basename(keeper_log(job, 0)).rsplit("-r", 1)[0] + "-r"
+        with contextlib.suppress(OSError):
+            for name in os.listdir(directory):
+                path = os.path.join(directory, name)
+                if name.startswith(prefix) and name.endswith(".log"):
+                    with contextlib.suppress(OSError):
+                        if os.lstat(path).st_size == 0:
+                            out.append(path)
+    return sorted(out)
 
 
 def start_keeper(
