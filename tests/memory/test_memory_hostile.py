@@ -21,7 +21,8 @@ def _levels(job: str, shm: str, root: str, **kw: Any) -> list[Any]:
     return [pitstop.Memory(job=job, directory=shm, **kw), pitstop.Local(root, redundancy="single")]
 
 
-def _slot_steps(shm: str, job: str) -> dict[int, str]:
+def _slot_paths(shm: str, job: str) -> dict[str, tuple[int | None, str]]:
+    """Every slot file of the job's rank 0: (its step, its state)."""
     out = {}
     for path in iter_slots(shm, job, 0):
         fd = os.open(path, os.O_RDONLY)
@@ -29,9 +30,13 @@ def _slot_steps(shm: str, job: str) -> dict[int, str]:
             head = read_header(fd)
         finally:
             os.close(fd)
-        if head is not None and head.step is not None:
-            out[head.step] = head.state
+        if head is not None:
+            out[path] = (head.step, head.state)
     return out
+
+
+def _slot_steps(shm: str, job: str) -> dict[int, str]:
+    return {step: state for step, state in _slot_paths(shm, job).values() if step is not None}
 
 
 def test_a_rollback_removes_newer_snapshots_even_staged_ones(
@@ -307,3 +312,48 @@ def test_a_lock_file_naming_a_reused_pid_that_nobody_holds_is_a_dead_jobs(
         assert ckpt.hooks.levels.memory.active is True
     finally:
         ckpt.close()
+
+
+def test_a_launchers_keeper_that_stops_mid_seal_never_stops_training(
+    job: str, shm_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The launcher's keeper (``Memory(keeper="external")``) stops while it holds a staged
+    slot (SIGSTOP mid-seal: simulated by holding that slot's flock, with the keeper's own
+    flock held so that it seems to run) and seals nothing more: once no slot has been free
+    for 10 s, the training process seals the newest staged snapshot itself whenever none is
+    free, and says so; snapshots and durable saves go on. Before, every slot stayed busy and
+    the durable save at step 20 failed training after 120 s."""
+    import fcntl
+    import logging
+
+    from pitstop.levels.keeper_watch import keeper_file
+
+    keeper = os.open(keeper_file(shm_dir, job), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(keeper, fcntl.LOCK_EX)  # "pitstop keeper" runs (it never seals)
+    held = -1
+    root = os.path.join(str(tmp_path), "ck")
+    ckpt = pitstop.CheckpointManager(
+        _levels(job, shm_dir, root, keeper="external"), policy=pitstop.EveryN(10)
+    )
+    try:
+        state = w.build()
+        with caplog.at_level(logging.WARNING, logger="pitstop"):
+            for step in range(1, 26):
+                w.train_step(state, step)
+                ckpt.step(step, state)
+                if step == 5:  # the keeper stops while sealing step 5's snapshot
+                    ckpt.wait()
+                    (path,) = (p for p, s in _slot_paths(shm_dir, job).items() if s == (5, STAGED))
+                    held = os.open(path, os.O_RDWR)
+                    fcntl.flock(held, fcntl.LOCK_EX)
+            ckpt.wait()
+        assert "has sealed nothing for" in caplog.text, caplog.text
+        assert ckpt.steps() == [10, 20]
+        ckpt.close()  # writes the newest snapshot: it was taken and sealed
+        assert pitstop.CheckpointManager(root).steps()[-1] == 25
+    finally:
+        ckpt.close()
+        if held >= 0:
+            os.close(held)
+        os.close(keeper)
+        os.unlink(keeper_file(shm_dir, job))

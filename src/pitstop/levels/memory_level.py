@@ -124,6 +124,8 @@ class MemoryLevel(RootLevel):
         self._claim = -1  # the job's lock file, held and naming this process from the start
         self._leave: str | None = None  # why close() leaves the segments (as a crash would)
         self._refused: list[tuple[str, str]] = []  # the restart's steps whose parts disagree
+        self._stuck: float | None = None  # since when no slot was free (an external keeper)
+        self._said_stuck = False
         other = _live_owner(self.directory, self.job, group.rank) if self.active else None
         if other is not None:
             self.active = False
@@ -325,9 +327,31 @@ class MemoryLevel(RootLevel):
         deadline = time.monotonic() + wait_secs
         while True:
             slot = self.slots.begin(step, avoid=avoid(), nbytes=nbytes)
-            if slot is not None or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if slot is not None:
+                self._stuck = None
                 return slot
+            self._unstick(now)
+            if now >= deadline:
+                return None
             time.sleep(0.002)
+
+    def _unstick(self, now: float) -> None:
+        """No slot was free: if that has lasted ``_EXTERNAL_STALL_SECS`` while a launcher's
+        keeper runs (hung or stopped: it is not this process's to kill, as its own keeper
+        is), the newest staged snapshot is sealed here, which frees the older slots."""
+        if not self.external or self.slots is None:
+            return
+        if self._stuck is None:
+            self._stuck = now  # (once said, it is not waited for again)
+        stuck = self._said_stuck or now - self._stuck >= _EXTERNAL_STALL_SECS
+        if stuck and self.slots.seal_pending(0.0) and not self._said_stuck:
+            self._said_stuck = True
+            _log.warning(
+                "the external keeper of job %s has sealed nothing for %.0f s: sealing in "
+                "the training process when no slot is free", self.job, now - self._stuck,
+                phase="stage",
+            )  # fmt: skip
 
     def seal(self, slot: Slot, pool: Executor) -> None:
         """Persist thread: commit staged ``slot`` (the keeper hashes it, or the external
@@ -519,6 +543,11 @@ class MemoryLevel(RootLevel):
                 self._claim = -1
             super().close()
             self._slot_storage.close()
+
+
+_EXTERNAL_STALL_SECS = 10.0
+"""No slot free this long while a launcher's keeper runs: the training process seals what
+is staged (``MemoryLevel._unstick``)."""
 
 
 def _live_owner(directory: str, job: str, rank: int) -> int | None:
