@@ -357,3 +357,34 @@ def test_a_launchers_keeper_that_stops_mid_seal_never_stops_training(
             os.close(held)
         os.close(keeper)
         os.unlink(keeper_file(shm_dir, job))
+
+
+def test_a_slot_header_naming_another_rank_is_no_slot_and_the_level_stays_on(
+    job: str, shm_dir: str, tmp_path: Any
+) -> None:
+    """A rank-0 slot whose header was edited to name rank 1 (crafted, or a file renamed): it
+    is no slot of either, so a one-process restart neither takes the job for one of two
+    ranks (it turned the level off, telling the user to restart with 2) nor counts it."""
+    import dataclasses
+
+    from pitstop.levels.shm import SlotSet, write_header
+    from pitstop.levels.shm_clean import job_slots
+
+    slots = SlotSet.create(job, data_bytes=4096, directory=shm_dir)
+    path = slots.slots[0].path
+    slots.close(unlink=False)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        head = read_header(fd)
+        assert head is not None
+        write_header(fd, dataclasses.replace(head, rank=1, seq=head.seq + 1))
+    finally:
+        os.close(fd)
+    assert [h.rank for h in job_slots(shm_dir, job)] == [0]  # the edited one is left out
+    ckpt = pitstop.CheckpointManager(_levels(job, shm_dir, os.path.join(str(tmp_path), "ck")))
+    try:
+        assert ckpt.hooks.levels.memory.active is True
+    finally:
+        ckpt.close()
+    for p in iter_slots(shm_dir, job, 0):  # the one it could not take as a slot
+        os.unlink(p)

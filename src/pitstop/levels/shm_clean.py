@@ -130,8 +130,8 @@ def job_slots(directory: str, job: str) -> list[SlotHeader]:
             head = None
         finally:
             os.close(fd)
-        if head is not None and head.job == job:
-            out.append(head)
+        if head is not None and (head.job, head.rank, head.index) == parsed:  # the name's
+            out.append(head)  # (a slot renamed or crafted to another's name is none)
     return sorted(out, key=lambda h: (h.rank, h.index))
 
 
