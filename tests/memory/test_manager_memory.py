@@ -22,10 +22,12 @@ import pytest
 import torch
 
 import pitstop
+from conftest import flip_byte
 from pitstop.cli.main import main
 from pitstop.levels.shm import (
     COMMITTED,
     DATA_OFFSET,
+    SlotSet,
     iter_slots,
     new_job_token,
     open_slot,
@@ -580,15 +582,18 @@ def test_gc_removes_the_segments_of_a_killed_job_and_the_restart_reads_disk(
     assert os.listdir(shm_dir) == []
 
 
-@pytest.mark.parametrize("discard", [False, True])
+@pytest.mark.parametrize("case", ["plain", "discard", "damaged"])
 def test_gc_writes_a_killed_jobs_newest_memory_step_to_its_directory_before_removing_it(
-    shm_dir: str, tmp_path: Any, capsys: Any, discard: bool
+    shm_dir: str, tmp_path: Any, capsys: Any, case: str
 ) -> None:
     """The job that wrote to ROOT (its default job token) was killed with its keeper after
     step 25 (the disk's newest: 20): ``pitstop gc ROOT`` writes the newest memory step to
     ROOT (sealing it if the keeper died first), then removes the segments, and the restart
     resumes from it, bit-exact. Before, gc removed the only copy of steps 21-25.
-    ``--discard-memory`` (to start over) removes them without writing."""
+    ``--discard-memory`` (to start over) removes them without writing. ``damaged``: the
+    newest snapshot has a flipped byte: gc passes it over and writes the one before (before:
+    it wrote nothing and removed that one too)."""
+    discard = case == "discard"
     root = os.path.join(str(tmp_path), "ck")
     job = job_token(os.path.abspath(root))
     try:
@@ -597,6 +602,15 @@ def test_gc_writes_a_killed_jobs_newest_memory_step_to_its_directory_before_remo
         )
         assert code == -signal.SIGKILL, err
         w.wait_gone(w.first(lines, "keeper"))
+        newest = None
+        if case == "damaged":  # sealed first (the dead keeper's work), then a byte flipped
+            slots = SlotSet.attach(job, directory=shm_dir)
+            assert slots is not None
+            newest = slots.newest()
+            assert newest is not None
+            flip_byte(newest[0].path, DATA_OFFSET + 100)
+            newest = newest[1].step
+            slots.close(unlink=False)
         capsys.readouterr()
         assert main(["gc", root, "--shm-dir", shm_dir, "--dry-run"]) == 0
         assert f"would write job {job}'s newest memory step (2" in capsys.readouterr().out
@@ -610,8 +624,10 @@ def test_gc_writes_a_killed_jobs_newest_memory_step_to_its_directory_before_remo
             return
         assert main(["gc", root, "--shm-dir", shm_dir]) == 0
         said = capsys.readouterr().out
-        written = re.search(f"wrote job {job}'s newest memory step \\((2[45])\\) to ", said)
+        written = re.search(f"wrote job {job}'s memory step (2[2-5]) to ", said)
         assert written, said
+        if newest is not None:  # the damaged one was passed over, said
+            assert int(written.group(1)) < newest and f"step {newest}" in said, said
         assert os.listdir(shm_dir) == []
         out = os.path.join(str(tmp_path), "final.pt")
         code, lines, err = w.run(root, shm_dir, job, STEPS, "--final", out)

@@ -618,3 +618,41 @@ def test_every_rank_killed_the_last_keeper_writes_the_newest_whole_step_to_disk(
         if launcher is not None and launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_the_join_passes_a_step_with_a_damaged_part_over_for_the_one_before(
+    where: tuple[str, str, str],
+) -> None:
+    """Rank 1's part of the newest step (7) has a flipped byte when the job's newest whole
+    step is written (the keepers died too; the join runs here): step 7 is passed over, said,
+    and step 6, which both ranks hold intact, is written; the restart resumes from it
+    bit-exact once memory is gone. Before, the join wrote nothing and the intact step 6 went
+    with the segments."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pitstop.levels.keeper_join import persist_joined, remove_dead_parts
+    from pitstop.levels.shm import remove_job
+    from pitstop.options import IOOptions
+    from pitstop.storage.local import LocalStorage
+
+    base, shm, job = where
+    _crash(base, shm, job, keepers_die=True)
+    flip_byte(_slot_of(shm, job, 1, STEPS), DATA_OFFSET + 100)
+    node = os.path.join(base, "local", socket.gethostname())
+    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(2) as hashers:
+        step, what = persist_joined(shm, job, 2, LocalStorage(node, IOOptions()), pool=pool,
+                                    hashers=hashers)  # fmt: skip
+    assert (step, what.split(" (")[0]) == (STEPS - 1, "written"), what
+    assert f"step {STEPS}" in what and "damaged" in what, what
+    # rank 0's keeper at its end removes another rank's dead segments only if the disk
+    # holds its newest snapshot: not while rank 1 holds step 7, then once that is gone
+    storage = LocalStorage(node, IOOptions())
+    assert remove_dead_parts(shm, job, 2, storage) == []
+    os.unlink(_slot_of(shm, job, 1, STEPS))
+    removed = remove_dead_parts(shm, job, 2, storage)
+    assert removed and all("-r00001" in n for n in removed), removed
+    assert not list(iter_slots(shm, job, 1)) and list(iter_slots(shm, job, 0))
+    remove_job(shm, job)
+    out = _resume(base, shm, job)
+    for r, o in enumerate(out):
+        assert (o["start"], o["level"], o["restored_ok"]) == (STEPS - 1, "local", True), (r, o)

@@ -407,6 +407,7 @@ def _save_dead_jobs(args: argparse.Namespace, shm: str, newest: dict[str, int]) 
     be written are returned: their segments stay."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from pitstop.levels.keeper import newest_step
     from pitstop.levels.keeper_join import persist_newest
     from pitstop.levels.shm_header import job_token
     from pitstop.options import IOOptions
@@ -423,23 +424,24 @@ def _save_dead_jobs(args: argparse.Namespace, shm: str, newest: dict[str, int]) 
                   "unless it holds it")  # fmt: skip
             del newest[job]
             continue
+        storage = LocalStorage(d, IOOptions.from_env())
         with ThreadPoolExecutor(4) as pool, ThreadPoolExecutor(2) as hashers:
-            try:
-                step, what = persist_newest(shm, job, LocalStorage(d, IOOptions.from_env()),
-                                            pool=pool, hashers=hashers)  # fmt: skip
+            try:  # (a damaged step is passed over for the next older one)
+                step, what = persist_newest(shm, job, storage, pool=pool, hashers=hashers)
             except OSError as e:  # (CheckpointIOError too) the disk: keep them
                 print(f"job {job}: its newest memory step could not be written to {d} ({e}); "
                       f"its shared memory is kept (run gc again)", file=sys.stderr)  # fmt: skip
                 kept.add(job)
                 continue
-            except CorruptCheckpointError as e:  # a damaged snapshot: nothing to keep it for
-                print(f"job {job}: its newest memory step is not a checkpoint ({e}); not written")
-                continue
         if step is not None:
-            verb = "wrote" if what == "written" else "did not write"
-            print(f"{verb} job {job}'s newest memory step ({step}) to {d}"
-                  f"{'' if what == 'written' else f': {what}'}")  # fmt: skip
-            del newest[job]
+            done = what.startswith("written")
+            print(f"{'wrote' if done else 'did not write'} job {job}'s memory step {step} to "
+                  f"{d}: {what}")  # fmt: skip
+        elif "damaged" in what:
+            print(f"job {job}: no memory step written to {d}: {what}")
+        held = newest_step(storage)
+        if held is not None and held >= newest[job]:
+            del newest[job]  # nothing newer than DIR goes with the segments
     return kept
 
 

@@ -107,11 +107,17 @@ def try_lock(path: str, *, exclusive: bool) -> DirLock | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host exists (one of another user counts: it exists)."""
+    """Whether process ``pid`` of this host runs (one of another user counts); a zombie (dead,
+    its parent not having waited for it yet) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read(4096).rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (or it just went): the kill said it exists
+    return state not in (b"Z", b"X")

@@ -403,6 +403,11 @@ class Keeper:
             with contextlib.suppress(OSError):  # a log with nothing in it goes too
                 if os.path.getsize(keeper_log(self.job, self.rank)) == 0:
                     os.unlink(keeper_log(self.job, self.rank))
+            if self.world > 1 and self.rank == 0 and self._joined and self.storage is not None:
+                from pitstop.levels.keeper_join import remove_dead_parts
+
+                with contextlib.suppress(OSError):  # the others' keepers may have gone first
+                    remove_dead_parts(self.shm, self.job, self.world, self.storage)
             for job, rank in [(self.job, self.rank), *((j, r) for j, r, _ in self.also)]:
                 for path in iter_slots(self.shm, job, rank):
                     with contextlib.suppress(FileNotFoundError):

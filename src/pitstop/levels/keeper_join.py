@@ -25,9 +25,10 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor
 
-from pitstop.errors import CheckpointError, CheckpointExistsError
+from pitstop.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from pitstop.faults import killpoint
 from pitstop.format.manifest import Manifest, join_parts
 from pitstop.format.names import step_dir_name
@@ -44,9 +45,13 @@ from pitstop.levels.shm import (
     read_meta,
     seal,
 )
+from pitstop.levels.shm_clean import job_slots, remove_rank_if_dead
 from pitstop.storage.base import Storage
 
-__all__ = ["owner_pid", "persist_joined", "persist_newest", "slot_world", "trainers_dead"]
+__all__ = [
+    "owner_pid", "persist_joined", "persist_newest", "remove_dead_parts", "slot_world",
+    "trainers_dead",
+]  # fmt: skip
 
 
 def owner_pid(directory: str, job: str, rank: int) -> int | None:
@@ -100,14 +105,17 @@ def persist_joined(
             if not mapped:
                 return None, f"rank {rank}'s memory snapshots are not on this node"
             _seal_newest(mapped, hashers, seal_wait_secs)
-        found = _newest_whole(ranks)
-        if found is None:
-            return None, "no step every rank holds"
-        step, manifest, chosen = found
         held = newest_step(storage)
-        if held is not None and held >= step:
-            return step, f"the next level holds step {held}"
-        return _write(step, manifest, chosen, storage, pool)
+        damaged: list[str] = []
+        for step, manifest, chosen in _whole_steps(ranks):  # newest first
+            if held is not None and held >= step:
+                return step, f"the next level holds step {held}" + _said(damaged)
+            try:
+                wrote, what = _write(step, manifest, chosen, storage, pool)
+                return wrote, what + _said(damaged)
+            except CorruptCheckpointError as e:  # a damaged part: the next older step
+                damaged.append(f"step {step}: {e}")
+        return None, "no step every rank holds" + _said(damaged)
     finally:
         for mapped in ranks:
             for slot, _ in mapped:
@@ -137,18 +145,42 @@ def persist_newest(
             return persist_joined(directory, job, world, storage, pool=pool, hashers=hashers,
                                   seal_wait_secs=seal_wait_secs)  # fmt: skip
         _seal_newest(mapped, hashers, seal_wait_secs)
-        committed = [(h.gen, i) for i, (_, h) in enumerate(mapped) if h.state == COMMITTED]
-        if not committed:
-            return None, "no committed memory snapshot"
-        slot, head = mapped[max(committed)[1]]
-        held = newest_step(storage)
-        if head.step is None or (held is not None and held >= head.step):
-            return head.step, f"the next level holds step {held}"
-        done = persist_slot(slot, storage, pool=pool)
-        return (head.step, "written") if done is not None else (head.step, "in use")
+        held, damaged = newest_step(storage), list[str]()
+        for _, i in sorted(((h.gen, i) for i, (_, h) in enumerate(mapped)
+                            if h.state == COMMITTED and h.step is not None), reverse=True):  # fmt: skip
+            slot, head = mapped[i]
+            assert head.step is not None
+            if held is not None and held >= head.step:
+                return head.step, f"the next level holds step {held}" + _said(damaged)
+            try:
+                done = persist_slot(slot, storage, pool=pool)
+            except CorruptCheckpointError as e:  # damaged: the next older snapshot
+                damaged.append(f"step {head.step}: {e}")
+                continue
+            return head.step, ("written" if done is not None else "in use") + _said(damaged)
+        return None, "no committed memory snapshot" + _said(damaged)
     finally:
         for slot, _ in mapped:
             slot.close()
+
+
+def remove_dead_parts(directory: str, job: str, world: int, storage: Storage) -> list[str]:
+    """Rank 0's keeper at its end: the segments of the job's other ranks whose processes are
+    all gone (their keepers left them: the newest step was not on the next level yet when
+    they were told to go) and whose newest snapshot the next level now holds; the names
+    removed."""
+    held = newest_step(storage)
+    if held is None:
+        return []
+    newest: dict[int, int] = {}
+    for h in job_slots(directory, job):
+        if h.rank and h.step is not None and h.state in (STAGED, COMMITTED):
+            newest[h.rank] = max(newest.get(h.rank, -1), h.step)
+    out = []
+    for rank in range(1, world):
+        if rank in newest and newest[rank] <= held:
+            out += remove_rank_if_dead(directory, job, rank)
+    return out
 
 
 def _mapped(directory: str, job: str, rank: int) -> list[tuple[Slot, SlotHeader]]:
@@ -188,11 +220,15 @@ def _seal_newest(mapped: list[tuple[Slot, SlotHeader]], hashers: Executor, wait:
         mapped[i] = (slot, head)
 
 
-def _newest_whole(
+def _said(damaged: list[str]) -> str:
+    return f" (passed over, damaged: {'; '.join(damaged)})" if damaged else ""
+
+
+def _whole_steps(
     ranks: list[list[tuple[Slot, SlotHeader]]],
-) -> tuple[int, Manifest, list[tuple[Slot, SlotHeader, bytes]]] | None:
-    """The newest step whose committed parts every rank holds and that join: (step, the
-    joined manifest, each rank's slot, header and objects)."""
+) -> Iterator[tuple[int, Manifest, list[tuple[Slot, SlotHeader, bytes]]]]:
+    """The steps whose committed parts every rank holds and that join, newest first: (step,
+    the joined manifest, each rank's slot, header and objects)."""
     parts: list[dict[int, tuple[Slot, SlotHeader, bytes, bytes]]] = []
     for mapped in ranks:
         mine: dict[int, tuple[Slot, SlotHeader, bytes, bytes]] = {}
@@ -210,8 +246,7 @@ def _newest_whole(
             manifest = join_parts([p[step][3] for p in parts], path=f"memory step {step}")
         except CheckpointError:
             continue  # parts of different timelines or plans: not one step
-        return step, manifest, [p[step][:3] for p in parts]
-    return None
+        yield step, manifest, [p[step][:3] for p in parts]
 
 
 def _write(

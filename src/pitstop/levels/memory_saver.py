@@ -66,6 +66,8 @@ __all__ = ["MemorySaver", "NoFreeSlotError"]
 _log = get_logger("pitstop.levels")
 _KEEPER_STALL_SECS = 10.0  # a keeper that answers no command this long (and 5x its slowest
 # answer) is taken for hung and killed: this process seals and writes from then on
+_SLOW_HASH_BPS = 250e6  # and 1 s more per 250 MB of a slot (a seal of a large state on a
+# loaded host: hashing at 1-2 GB/s is usual, 250 MB/s is far below it)
 _DURABLE_WAIT_SECS = 120.0  # a durable save waits this long for a slot the keeper frees
 _SNAPSHOT_WAIT_SECS = 1.0  # a memory snapshot this long (then it is skipped): the loop waits
 # for a keeper that falls behind rather than lose more than the step under way in a crash
@@ -443,7 +445,7 @@ class MemorySaver(Saver):
                 self._event(e)
             if self._stopping and not self._writing:
                 return
-            waited = keeper.stalled(_KEEPER_STALL_SECS)
+            waited = keeper.stalled(_KEEPER_STALL_SECS + self._slot_bytes() / _SLOW_HASH_BPS)
             if waited is not None:  # stopped or hung: it would hold its slots for ever
                 _log.warning(
                     "the memory level's keeper (pid %d) has not answered for %.0f s: it is "
@@ -452,6 +454,11 @@ class MemorySaver(Saver):
                 keeper.proc.kill()  # its flocks go with it; the EOF follows
         if not self._stopping:
             self._keeper_died()
+
+    def _slot_bytes(self) -> int:
+        """The largest slot's data bytes (0: none yet)."""
+        slots = self.memory.slots
+        return max((s.nbytes for s in slots.slots), default=0) if slots is not None else 0
 
     def _event(self, e: dict[str, Any]) -> None:
         kind, index, step = e.get("event"), e.get("slot"), e.get("step")

@@ -30,7 +30,7 @@ from pitstop.levels.shm_header import (
     segment_names,
 )
 
-__all__ = ["iter_slots", "job_slots", "remove_job", "remove_stale"]
+__all__ = ["iter_slots", "job_slots", "remove_job", "remove_rank_if_dead", "remove_stale"]
 
 
 def _jobs(directory: str) -> dict[tuple[str, int], list[str]]:
@@ -109,6 +109,17 @@ def remove_stale(
             remove(not dry_run)
             removed += sorted(names)
     return removed
+
+
+def remove_rank_if_dead(directory: str, job: str, rank: int) -> list[str]:
+    """Remove the segments of (``job``, ``rank``) if no process of it lives (as
+    :func:`remove_stale` judges); the names removed."""
+    names = _jobs(directory).get((job, rank), [])
+    remove = _stale(directory, job, rank, names) if names else None
+    if remove is None:
+        return []
+    remove(True)
+    return sorted(names)
 
 
 def job_slots(directory: str, job: str) -> list[SlotHeader]:
