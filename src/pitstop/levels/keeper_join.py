@@ -49,8 +49,8 @@ from pitstop.levels.shm_clean import job_slots, remove_rank_if_dead
 from pitstop.storage.base import Storage
 
 __all__ = [
-    "owner_pid", "persist_joined", "persist_newest", "remove_dead_parts", "slot_world",
-    "trainers_dead",
+    "owner_pid", "persist_joined", "persist_newest", "remove_dead_parts", "seal_newest_staged",
+    "slot_world", "trainers_dead",
 ]  # fmt: skip
 
 
@@ -104,7 +104,7 @@ def persist_joined(
             ranks.append(mapped)
             if not mapped:
                 return None, f"rank {rank}'s memory snapshots are not on this node"
-            _seal_newest(mapped, hashers, seal_wait_secs)
+            seal_newest_staged(mapped, hashers, seal_wait_secs)
         held = newest_step(storage)
         damaged: list[str] = []
         for step, manifest, chosen in _whole_steps(ranks):  # newest first
@@ -144,7 +144,7 @@ def persist_newest(
         if world > 1:
             return persist_joined(directory, job, world, storage, pool=pool, hashers=hashers,
                                   seal_wait_secs=seal_wait_secs)  # fmt: skip
-        _seal_newest(mapped, hashers, seal_wait_secs)
+        seal_newest_staged(mapped, hashers, seal_wait_secs)
         held, damaged = newest_step(storage), list[str]()
         for _, i in sorted(((h.gen, i) for i, (_, h) in enumerate(mapped)
                             if h.state == COMMITTED and h.step is not None), reverse=True):  # fmt: skip
@@ -198,7 +198,9 @@ def _mapped(directory: str, job: str, rank: int) -> list[tuple[Slot, SlotHeader]
     return out
 
 
-def _seal_newest(mapped: list[tuple[Slot, SlotHeader]], hashers: Executor, wait: float) -> None:
+def seal_newest_staged(
+    mapped: list[tuple[Slot, SlotHeader]], hashers: Executor, wait: float
+) -> None:
     """Seal the rank's newest staged snapshot if it is newer than its committed ones (the
     trainer died before its keeper sealed it); one that another process holds (that rank's
     keeper, sealing it) is waited for, up to ``wait`` seconds."""

@@ -43,8 +43,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pitstop.io.locks import pid_alive
-from pitstop.levels.keeper import newest_step, persist_slot
-from pitstop.levels.keeper_join import owner_pid, persist_joined, slot_world, trainers_dead
+from pitstop.levels.keeper_join import (
+    owner_pid,
+    persist_newest,
+    seal_newest_staged,
+    slot_world,
+    trainers_dead,
+)
 from pitstop.levels.shm import (
     COMMITTED,
     PREFIX,
@@ -55,7 +60,6 @@ from pitstop.levels.shm import (
     lock_name,
     open_slot,
     read_header,
-    seal,
     segment_names,
 )
 from pitstop.levels.shm_header import parse_segment_name
@@ -131,61 +135,35 @@ class _Watch:
         return out
 
     def seal_staged(self, rank: int) -> None:
-        found = self.mapped(rank)
-        top = max((h.gen for _, h in found if h.state == COMMITTED), default=-1)
-        staged = sorted((h.gen, s) for s, h in found if h.state == STAGED and h.gen > top)
-        if staged:  # the newest only: an older staged one is superseded by it
-            with contextlib.suppress(Exception):
-                seal(staged[-1][1], pool=self.hashers)
+        """The rank's newest staged snapshot, if newer than its committed ones, sealed."""
+        seal_newest_staged(self.mapped(rank), self.hashers, 0.0)
 
-    def persist_newest(self, rank: int) -> None:
-        """A dead one-process trainer's newest snapshot, to the next level unless it holds
-        that step or a newer one."""
-        if self.storage is None:
-            return
-        self.seal_staged(rank)
-        found = [(h, s) for s, h in self.mapped(rank) if h.state == COMMITTED]
-        if not found:
-            return
-        head, slot = max(found, key=lambda hs: hs[0].gen)
-        if head.step is None or slot_world(slot, head) != 1:
-            return  # a part of several ranks' step: only their commit round writes it
-        held = newest_step(self.storage)
-        if held is not None and held >= head.step:
-            return
-        try:
-            done = persist_slot(slot, self.storage, pool=self.pool)
-        except Exception as e:
-            _log.warning("keeper: step %s not written to %s: %r", head.step, self.storage.url, e)
-            return
-        if done is not None:
-            _log.info("keeper: the newest memory snapshot (step %s) written to %s", done.step,
-                      self.storage.url)  # fmt: skip
-
-    def persist_job(self, ranks: list[int]) -> None:
-        """A job of several ranks, every one on this node and every trainer dead: its
-        newest whole step to the next level (:mod:`pitstop.levels.keeper_join`), once per
-        set of dead trainers."""
+    def persist_dead_job(self, ranks: list[int]) -> None:
+        """Every trainer of the job dead, every rank on this node: the job's newest step (one
+        process: its newest snapshot; several ranks: their parts joined) to the next level
+        unless it holds it (:func:`pitstop.levels.keeper_join.persist_newest`), once per set
+        of dead trainers."""
         world = self.world(ranks[0]) if ranks else 0
-        if self.storage is None or world < 2 or ranks != list(range(world)):
+        if self.storage is None or world < 1 or ranks != list(range(world)):
             return
         pids = frozenset(owner_pid(self.directory, self.job, r) or 0 for r in ranks)
         if pids in self.joined or not trainers_dead(self.directory, self.job, world):
             return
         self.joined.add(pids)
         try:
-            step, what = persist_joined(self.directory, self.job, world, self.storage,
-                                        pool=self.pool, hashers=self.hashers)  # fmt: skip
+            step, what = persist_newest(self.directory, self.job, self.storage, pool=self.pool,
+                                        hashers=self.hashers)  # fmt: skip
         except Exception as e:
             _log.warning("keeper: the newest memory step of job %s not written to %s: %r",
                          self.job, self.storage.url, e)  # fmt: skip
             return
-        _log.info("keeper: job %s (%d ranks), newest whole memory step %s: %s", self.job,
-                  world, step, what)  # fmt: skip
+        _log.info("keeper: job %s (%d rank(s)), newest memory step %s: %s", self.job, world,
+                  step, what)  # fmt: skip
 
     def world(self, rank: int) -> int:
-        """The world size the rank's newest snapshot was staged by (0: unknown)."""
-        found = self.mapped(rank)
+        """The world size the rank's newest snapshot was staged by (0: unknown; a slot being
+        staged into has no record yet)."""
+        found = [(s, h) for s, h in self.mapped(rank) if h.state in (STAGED, COMMITTED)]
         if not found:
             return 0
         slot, head = max(found, key=lambda sh: sh[1].gen)
@@ -214,10 +192,9 @@ class _Watch:
             if alive:
                 self.dead.pop(rank, None)
                 continue
-            if rank not in self.dead:  # it just died: its newest snapshot to the disk
-                self.dead[rank] = (pid or 0, now)
-                self.persist_newest(rank)
-                self.persist_job(ranks)
+            if rank not in self.dead:  # it just died: the job's newest step to the disk
+                self.dead[rank] = (pid or 0, now)  # (once every trainer of it is dead)
+                self.persist_dead_job(ranks)
             elif now - self.dead[rank][1] > self.linger:
                 _log.info("keeper: rank %d of job %s was not restarted within %.0f s: its "
                           "memory snapshots are removed", rank, self.job, self.linger)  # fmt: skip
@@ -266,11 +243,8 @@ def run_watch(
             if not watch.tick(now) or (max_secs is not None and now - start > max_secs):
                 break
             time.sleep(poll_secs)
-        for rank in watch.ranks() if watch.stop else []:  # stopped: dead trainers' newest
-            pid = owner_pid(shm_dir, job, rank)
-            if pid is None or not pid_alive(pid):
-                watch.persist_newest(rank)
-        watch.persist_job(watch.ranks() if watch.stop else [])
+        if watch.stop:  # stopped: a dead job's newest step first
+            watch.persist_dead_job(watch.ranks())
     finally:
         watch.close()
         for s, h in old.items():
